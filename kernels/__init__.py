@@ -1,0 +1,1 @@
+"""Triton kernels of minirt (imported as ``minirt.kernels``)."""

@@ -1,0 +1,1 @@
+"""minirt: inference micro-runtime for DeepSeek-V3.2 MLA layers."""

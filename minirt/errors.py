@@ -1,0 +1,21 @@
+"""One small exception hierarchy: the CLI turns any MinirtError into one line on stderr, exit 2."""
+
+
+class MinirtError(Exception):
+    """Base class of every error minirt raises on bad input."""
+
+
+class ConfigError(MinirtError):
+    """config.json is missing a key, names an unknown model type, or has inconsistent dims."""
+
+
+class CheckpointError(MinirtError):
+    """A safetensors file, the shard index or a tensor in it is unusable (names file/tensor)."""
+
+
+class InputError(MinirtError, ValueError):
+    """Bad arguments to a public function: token ids, prompt lengths, kernel tensors."""
+
+
+class DeviceError(MinirtError):
+    """The requested device is not available."""
