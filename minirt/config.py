@@ -1,0 +1,234 @@
+"""Model configuration parsed from a Hugging Face DeepSeek-V3 / V3.2 ``config.json``.
+
+Both rope spellings are accepted: the legacy ``rope_scaling`` (with ``type`` or ``rope_type``) plus a
+top-level ``rope_theta``, and transformers v5's ``rope_parameters`` (which carries ``rope_theta``).
+A config is V3.2 ("DSA", with the lightning indexer) when it has ``index_topk``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class Fp8Quantization:
+    weight_block_size: tuple[int, int]
+    scale_fmt: str | None = None  # "ue8m0" in V3.2: scales are powers of two
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    first_k_dense_replace: int
+    rope_scaling: YarnScaling | None = None
+    quantization: Fp8Quantization | None = None
+    # V3.2 lightning indexer; None for V3.
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def is_v32(self) -> bool:
+        return self.index_topk is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """(nope + rope)^-0.5, times mscale² under YaRN (mscale = 0.1·mscale_all_dim·ln(factor) + 1)."""
+        scale = self.qk_head_dim**-0.5
+        y = self.rope_scaling
+        if y is not None and y.mscale_all_dim and y.factor > 1:
+            mscale = 0.1 * y.mscale_all_dim * math.log(y.factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Leading layers with a dense SwiGLU MLP (the rest are MoE, which minirt does not run)."""
+        return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        return _parse(raw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config.json not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        try:
+            return _parse(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json a checkpoint writer stores (legacy rope spelling, read by every version)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("rope_scaling", "quantization") and v is not None}
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = {"type": "yarn", **asdict(self.rope_scaling)}
+        if self.quantization is not None:
+            q = self.quantization
+            d["quantization_config"] = {
+                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(q.weight_block_size),
+                **({"scale_fmt": q.scale_fmt} if q.scale_fmt else {}),
+            }
+        return d
+
+
+def _get(raw: dict, key: str, kind: type, default: Any = ...) -> Any:
+    if key not in raw or raw[key] is None:
+        if default is ...:
+            raise ConfigError(f"missing required key '{key}'")
+        return default
+    value = raw[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"key '{key}' must be {kind.__name__}, got {value!r}")
+    if kind is int and value <= 0 and key not in ("first_k_dense_replace", "bos_token_id", "eos_token_id"):
+        raise ConfigError(f"key '{key}' must be positive, got {value}")
+    return value
+
+
+def _parse_rope(raw: dict) -> tuple[float, YarnScaling | None]:
+    params = raw.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = raw.get("rope_scaling"), "rope_scaling"
+    theta_src = params if isinstance(params, dict) and "rope_theta" in params else raw
+    theta = _get(theta_src, "rope_theta", float, 10000.0)
+    if params is None:
+        return theta, None
+    if not isinstance(params, dict):
+        raise ConfigError(f"key '{key}' must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ConfigError(f"key '{key}.rope_type': unsupported rope type {rope_type!r} (expected 'yarn' or 'default')")
+    try:
+        yarn = YarnScaling(
+            factor=_get(params, "factor", float),
+            original_max_position_embeddings=_get(params, "original_max_position_embeddings", int),
+            beta_fast=_get(params, "beta_fast", float, 32.0),
+            beta_slow=_get(params, "beta_slow", float, 1.0),
+            mscale=_get(params, "mscale", float, 1.0),
+            mscale_all_dim=_get(params, "mscale_all_dim", float, 0.0),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    return theta, yarn
+
+
+def _parse_quantization(raw: dict) -> Fp8Quantization | None:
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError("key 'quantization_config' must be an object")
+    if q.get("quant_method") != "fp8":
+        raise ConfigError(f"key 'quantization_config.quant_method': only 'fp8' is supported, got {q.get('quant_method')!r}")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"key 'quantization_config.fmt': only 'e4m3' is supported, got {q.get('fmt')!r}")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"key 'quantization_config.weight_block_size' must be two positive ints, got {block!r}")
+    return Fp8Quantization(weight_block_size=(block[0], block[1]), scale_fmt=q.get("scale_fmt"))
+
+
+def _parse(raw: dict[str, Any]) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ConfigError("missing required key 'model_type'")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"key 'model_type': unknown model type {model_type!r} (expected one of {', '.join(MODEL_TYPES)})")
+    theta, yarn = _parse_rope(raw)
+    has_indexer = raw.get("index_topk") is not None
+    cfg = ModelConfig(
+        model_type=model_type,
+        vocab_size=_get(raw, "vocab_size", int),
+        hidden_size=_get(raw, "hidden_size", int),
+        intermediate_size=_get(raw, "intermediate_size", int),
+        num_hidden_layers=_get(raw, "num_hidden_layers", int),
+        num_attention_heads=_get(raw, "num_attention_heads", int),
+        q_lora_rank=_get(raw, "q_lora_rank", int),
+        kv_lora_rank=_get(raw, "kv_lora_rank", int),
+        qk_nope_head_dim=_get(raw, "qk_nope_head_dim", int),
+        qk_rope_head_dim=_get(raw, "qk_rope_head_dim", int),
+        v_head_dim=_get(raw, "v_head_dim", int),
+        rms_norm_eps=_get(raw, "rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=_get(raw, "max_position_embeddings", int, 4096),
+        first_k_dense_replace=_get(raw, "first_k_dense_replace", int, 0),
+        rope_scaling=yarn,
+        quantization=_parse_quantization(raw),
+        index_n_heads=_get(raw, "index_n_heads", int) if has_indexer else None,
+        index_head_dim=_get(raw, "index_head_dim", int) if has_indexer else None,
+        index_topk=_get(raw, "index_topk", int) if has_indexer else None,
+        bos_token_id=_get(raw, "bos_token_id", int, None),
+        eos_token_id=_get(raw, "eos_token_id", int, None),
+    )
+    _check_consistency(cfg)
+    return cfg
+
+
+def _check_consistency(cfg: ModelConfig) -> None:
+    if cfg.model_type == "deepseek_v32" and not cfg.is_v32:
+        raise ConfigError("key 'index_topk': model_type 'deepseek_v32' needs the indexer keys (index_topk, index_n_heads, index_head_dim)")
+    if cfg.qk_rope_head_dim % 2:
+        raise ConfigError(f"key 'qk_rope_head_dim' must be even, got {cfg.qk_rope_head_dim}")
+    if cfg.is_v32 and cfg.index_head_dim < cfg.qk_rope_head_dim:
+        raise ConfigError(
+            f"key 'index_head_dim' ({cfg.index_head_dim}) must be at least qk_rope_head_dim ({cfg.qk_rope_head_dim}): "
+            "the indexer ropes its first qk_rope_head_dim dims"
+        )
+    if cfg.first_k_dense_replace < 0:
+        raise ConfigError(f"key 'first_k_dense_replace' must be >= 0, got {cfg.first_k_dense_replace}")
+    for key in ("bos_token_id", "eos_token_id"):
+        tok = getattr(cfg, key)
+        if tok is not None and not 0 <= tok < cfg.vocab_size:
+            raise ConfigError(f"key '{key}' ({tok}) must be in [0, vocab_size={cfg.vocab_size})")
