@@ -1,0 +1,319 @@
+"""Eager reference model (the oracle) for DeepSeek-V3 / V3.2 dense layers, in plain torch.
+
+One sequence, one dtype throughout (fp32 by default, fp64 for tight comparisons), dense ``[T, T]``
+attention with explicit boolean masks. Read next to DeepSeek's published math:
+
+    h   = x + o_proj(MLA(rmsnorm(x)))            per decoder layer
+    out = h + down(silu(gate(h')) · up(h')),     h' = rmsnorm(h)
+    logits = lm_head(rmsnorm(out of the last layer))
+
+MLA (:func:`mla_projections`, :func:`mla_attention`): per head ``q = [q_nope | q_rope]``, a shared
+latent ``c`` (the KV cache) and a shared ``k_rope``; ``k_nope, v = kv_b_proj(c)``;
+``score = softmax_scale · (q_nope·k_nope + q_rope·k_rope)``, masked causal AND (V3.2) to the lightning
+indexer's top-k keys (:func:`lightning_indexer`, :func:`select_topk`).
+
+Exact math: the indexer's Hadamard rotation (a no-op on dot products) and the fp8 rounding of the
+official kernels are not applied. Weights use Hugging Face names; the functions take a layer's
+weights by their names relative to ``model.layers.{i}.``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import ModelConfig
+from .errors import CheckpointError, InputError
+from .rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
+
+# The official indexer builds its k LayerNorm with the default eps, not the config's rms_norm_eps.
+INDEXER_LAYERNORM_EPS = 1e-6
+
+
+def weight_shapes(cfg: ModelConfig, num_layers: int) -> dict[str, tuple[int, ...]]:
+    """HF tensor name → shape of every weight the reference reads for the first ``num_layers`` layers."""
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (cfg.vocab_size, hidden),
+    }
+    for i in range(num_layers):
+        layer = {
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_a_proj.weight": (cfg.q_lora_rank, hidden),
+            "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+            "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden),
+            "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+            "self_attn.kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            "self_attn.o_proj.weight": (hidden, heads * cfg.v_head_dim),
+            "mlp.gate_proj.weight": (cfg.intermediate_size, hidden),
+            "mlp.up_proj.weight": (cfg.intermediate_size, hidden),
+            "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
+        }
+        if cfg.is_v32:
+            layer |= {
+                "self_attn.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+                "self_attn.indexer.wk.weight": (cfg.index_head_dim, hidden),
+                "self_attn.indexer.k_norm.weight": (cfg.index_head_dim,),
+                "self_attn.indexer.k_norm.bias": (cfg.index_head_dim,),
+                "self_attn.indexer.weights_proj.weight": (cfg.index_n_heads, hidden),
+            }
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``weight · x / sqrt(mean(x²) + eps)`` over the last dim; x ``[..., d]``, weight ``[d]``."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def mlp(x: Tensor, w: Mapping[str, Tensor]) -> Tensor:
+    """Dense SwiGLU MLP ``down_proj(silu(gate_proj(x)) · up_proj(x))``; x ``[T, hidden]`` → ``[T, hidden]``."""
+    gate = F.silu(F.linear(x, w["mlp.gate_proj.weight"]))
+    return F.linear(gate * F.linear(x, w["mlp.up_proj.weight"]), w["mlp.down_proj.weight"])
+
+
+@dataclass
+class MlaProjections:
+    """What MLA attention consumes, for one sequence of T tokens and H heads.
+
+    q_nope ``[T, H, qk_nope]``; q_rope ``[T, H, qk_rope]`` (roped, interleaved); q_latent
+    ``[T, q_lora_rank]`` (the normalised q latent, also the indexer's input); kv_latent
+    ``[T, kv_lora_rank]`` (normalised; the latent KV cache); k_rope ``[T, qk_rope]`` (roped, interleaved,
+    shared by all heads).
+    """
+
+    q_nope: Tensor
+    q_rope: Tensor
+    q_latent: Tensor
+    kv_latent: Tensor
+    k_rope: Tensor
+
+
+def mla_projections(x: Tensor, w: Mapping[str, Tensor], cfg: ModelConfig, cos: Tensor, sin: Tensor) -> MlaProjections:
+    """MLA's low-rank projections of x ``[T, hidden]`` (already input-normalised); cos/sin ``[T, qk_rope/2]``.
+
+    ``q = q_b_proj(rmsnorm(q_a_proj(x)))`` split per head into ``[nope | rope]`` (rope LAST);
+    ``kv_a_proj_with_mqa(x) = [latent | k_rope]``; the latent is RMS-normalised, the rope parts roped
+    with the interleaved pairing.
+    """
+    T = x.shape[0]
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_latent = rmsnorm(F.linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q = F.linear(q_latent, w["self_attn.q_b_proj.weight"]).view(T, cfg.num_attention_heads, nope + rope)
+    kv_latent, k_rope = F.linear(x, w["self_attn.kv_a_proj_with_mqa.weight"]).split([cfg.kv_lora_rank, rope], dim=-1)
+    return MlaProjections(
+        q_nope=q[..., :nope],
+        q_rope=apply_rope_interleaved(q[..., nope:], cos, sin),
+        q_latent=q_latent,
+        kv_latent=rmsnorm(kv_latent, w["self_attn.kv_a_layernorm.weight"], cfg.rms_norm_eps),
+        k_rope=apply_rope_interleaved(k_rope, cos, sin),
+    )
+
+
+def causal_mask(T: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[T, T]`` bool, True where key s may be seen by query t (s ≤ t)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def lightning_indexer(
+    x: Tensor, q_latent: Tensor, w: Mapping[str, Tensor], cfg: ModelConfig, cos: Tensor, sin: Tensor
+) -> Tensor:
+    """V3.2 lightning indexer scores ``[T, T]`` (query t, key s), −inf where s > t.
+
+    x ``[T, hidden]`` (input-normalised), q_latent ``[T, q_lora_rank]`` (:class:`MlaProjections`),
+    cos/sin ``[T, qk_rope/2]``. ``q = wq_b(q_latent)`` → ``[T, n_heads, head_dim]``;
+    ``k = LayerNorm(wk(x))`` (weight and bias) → ``[T, head_dim]``; both roped with the HALF pairing on
+    their FIRST ``qk_rope_head_dim`` dims; ``w = weights_proj(x) · n_heads^-0.5 · head_dim^-0.5``;
+    ``score[t, s] = Σ_h relu(q[t, h] · k[s]) · w[t, h]``.
+    """
+    T = x.shape[0]
+    n_heads, head_dim, rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    q = F.linear(q_latent, w["self_attn.indexer.wq_b.weight"]).view(T, n_heads, head_dim)
+    k = F.layer_norm(
+        F.linear(x, w["self_attn.indexer.wk.weight"]), (head_dim,),
+        w["self_attn.indexer.k_norm.weight"], w["self_attn.indexer.k_norm.bias"], INDEXER_LAYERNORM_EPS,
+    )
+    q = torch.cat((apply_rope_half(q[..., :rope], cos, sin), q[..., rope:]), dim=-1)
+    k = torch.cat((apply_rope_half(k[..., :rope], cos, sin), k[..., rope:]), dim=-1)
+    head_weights = F.linear(x, w["self_attn.indexer.weights_proj.weight"]) * (n_heads**-0.5 * head_dim**-0.5)
+    # One head at a time keeps memory at [T, T] instead of [T, n_heads, T].
+    scores = torch.zeros(T, T, dtype=x.dtype, device=x.device)
+    for h in range(n_heads):
+        scores += (q[:, h] @ k.T).relu() * head_weights[:, h, None]
+    return scores.masked_fill(~causal_mask(T, x.device), float("-inf"))
+
+
+def select_topk(index_scores: Tensor, topk: int) -> Tensor:
+    """Per query row, the keys of the ``min(topk, t + 1)`` highest causal scores, best first.
+
+    index_scores ``[T, T]`` with −inf for s > t (:func:`lightning_indexer`). Returns int64
+    ``[T, topk]``, padded with −1. Ties among equal scores are broken arbitrarily (torch.topk).
+    """
+    T = index_scores.shape[0]
+    k = min(topk, T)
+    selected = index_scores.topk(k, dim=-1).indices
+    # Row t has only t + 1 causal keys: the columns after them picked masked (−inf) keys.
+    count = torch.arange(T, device=selected.device)[:, None] + 1
+    selected = selected.masked_fill(torch.arange(k, device=selected.device) >= count, -1)
+    return F.pad(selected, (0, topk - k), value=-1)
+
+
+def attention_mask(topk_indices: Tensor | None, T: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[T, T]`` bool: causal, AND (when given) restricted to ``topk_indices [T, k]``.
+
+    Negative indices are padding; indices ≥ T raise :class:`InputError`.
+    """
+    causal = causal_mask(T, device)
+    if topk_indices is None:
+        return causal
+    if topk_indices.ndim != 2 or topk_indices.shape[0] != T or topk_indices.dtype.is_floating_point:
+        raise InputError(f"top-k indices must be an integer [T={T}, k] tensor, got {topk_indices.dtype} {tuple(topk_indices.shape)}")
+    if topk_indices.numel() and int(topk_indices.max()) >= T:
+        raise InputError(f"top-k index {int(topk_indices.max())} is out of range for {T} tokens")
+    topk_indices = topk_indices.to(device=device, dtype=torch.long)
+    valid = topk_indices >= 0
+    selected = torch.zeros(T, T + 1, dtype=torch.bool, device=device)
+    # Padding scatters into the spare last column, dropped below.
+    selected.scatter_(1, torch.where(valid, topk_indices, T), True)
+    return causal & selected[:, :T]
+
+
+def mla_attention(
+    p: MlaProjections, kv_b_weight: Tensor, cfg: ModelConfig, mask: Tensor, absorbed: bool = False
+) -> Tensor:
+    """Masked MLA attention: ``[T, H, v_head]`` (per-head outputs, before ``o_proj``).
+
+    kv_b_weight ``[H · (qk_nope + v_head), kv_lora_rank]``; mask ``[T, T]`` bool (query, key).
+    ``absorbed=False``: expand the latent into per-head ``k_nope, v = kv_b_proj(kv_latent)``.
+    ``absorbed=True`` (MQA form of decode kernels): fold ``W_k = W[:, :nope]`` into the query
+    (``q_lat = q_nope · W_k``, ``[T, H, kv_lora_rank]``), attend over ``[kv_latent | k_rope]``, then
+    apply ``W_v = W[:, nope:]`` to the attended latent. Same scale in both: ``cfg.softmax_scale``.
+    A query with no allowed key gets a zero output (as the sparse kernels do).
+    """
+    T, H = p.q_nope.shape[:2]
+    nope = cfg.qk_nope_head_dim
+    w_kv = kv_b_weight.view(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
+    w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]
+    rope_scores = torch.einsum("thr,sr->hts", p.q_rope, p.k_rope)
+    if absorbed:
+        q_lat = torch.einsum("thn,hnc->thc", p.q_nope, w_k)
+        scores = torch.einsum("thc,sc->hts", q_lat, p.kv_latent) + rope_scores
+    else:
+        k_nope = torch.einsum("sc,hnc->shn", p.kv_latent, w_k)
+        scores = torch.einsum("thn,shn->hts", p.q_nope, k_nope) + rope_scores
+    scores = (scores * cfg.softmax_scale).masked_fill(~mask, float("-inf"))
+    probs = torch.where(mask.any(-1, keepdim=True), scores.softmax(-1), 0.0)
+    if absorbed:
+        o_lat = torch.einsum("hts,sc->thc", probs, p.kv_latent)
+        return torch.einsum("thc,hvc->thv", o_lat, w_v)
+    v = torch.einsum("sc,hvc->shv", p.kv_latent, w_v)
+    return torch.einsum("hts,shv->thv", probs, v)
+
+
+@dataclass
+class ReferenceOutput:
+    """Everything :meth:`ReferenceModel.forward` computes, for a sequence of T tokens (model dtype).
+
+    logits ``[T, vocab]``; hidden_states: per layer the residual stream after it ``[T, hidden]``;
+    topk_indices: per layer the sparse selection used ``[T, k]`` int64 (−1 padded; k = index_topk
+    unless overridden), None for dense-attention (V3) layers; attn_outputs: per layer the ``o_proj``
+    output ``[T, hidden]``; index_scores: per layer the indexer scores ``[T, T]`` (−inf for s > t),
+    None for V3.
+    """
+
+    logits: Tensor
+    hidden_states: list[Tensor]
+    topk_indices: list[Tensor | None]
+    attn_outputs: list[Tensor]
+    index_scores: list[Tensor | None]
+
+
+class ReferenceModel:
+    """The first ``num_layers`` dense decoder layers of a DeepSeek-V3/V3.2 model, then the final norm
+    and lm_head, in plain torch.
+
+    weights: HF name → tensor (dequantised; any float dtype), at least those of :func:`weight_shapes`;
+    they are copied to ``dtype`` on ``device``. ``num_layers`` defaults to every dense layer
+    (``cfg.num_dense_layers``); MoE layers are not supported.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Mapping[str, Tensor],
+        num_layers: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if num_layers is None:
+            num_layers = cfg.num_dense_layers
+        if not 0 <= num_layers <= cfg.num_dense_layers:
+            raise InputError(
+                f"num_layers={num_layers}: the reference runs only the {cfg.num_dense_layers} dense layers "
+                f"(first_k_dense_replace={cfg.first_k_dense_replace}, num_hidden_layers={cfg.num_hidden_layers})"
+            )
+        if not dtype.is_floating_point:
+            raise InputError(f"dtype must be a floating-point dtype, got {dtype}")
+        self.cfg, self.num_layers, self.dtype, self.device = cfg, num_layers, dtype, torch.device(device)
+        self.weights: dict[str, Tensor] = {}
+        for name, shape in weight_shapes(cfg, num_layers).items():
+            if name not in weights:
+                raise CheckpointError(f"tensor '{name}' is missing")
+            tensor = weights[name]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {shape}")
+            self.weights[name] = tensor.to(device=self.device, dtype=dtype)
+
+    def layer_weights(self, i: int) -> dict[str, Tensor]:
+        """Layer i's weights by their names relative to ``model.layers.{i}.``."""
+        prefix = f"model.layers.{i}."
+        return {name[len(prefix):]: t for name, t in self.weights.items() if name.startswith(prefix)}
+
+    def forward(
+        self, tokens: Tensor, *, absorbed: bool = False, topk_override: Sequence[Tensor | None] | None = None
+    ) -> ReferenceOutput:
+        """Run tokens ``[T]`` (int, positions 0..T-1) through the model.
+
+        absorbed: use the MQA (absorbed) form of MLA attention. topk_override: per layer None (use the
+        indexer's selection; dense causal for V3) or integer ``[T, k]`` key indices (−1 = padding) that
+        replace the selection; the causal mask still applies. The indexer scores are still reported.
+        """
+        cfg = self.cfg
+        if tokens.ndim != 1 or tokens.numel() == 0 or tokens.dtype.is_floating_point:
+            raise InputError(f"tokens must be a non-empty 1-D integer tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
+            raise InputError(f"token ids must lie in [0, {cfg.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
+        if topk_override is not None and len(topk_override) != self.num_layers:
+            raise InputError(f"topk_override has {len(topk_override)} entries, the model runs {self.num_layers} layers")
+        tokens = tokens.to(self.device)
+        T = tokens.shape[0]
+        cos, sin = rope_cos_sin(cfg, torch.arange(T, device=self.device), cfg.qk_rope_head_dim, dtype=self.dtype)
+        hidden_states, topk_indices, attn_outputs, index_scores = [], [], [], []
+
+        h = self.weights["model.embed_tokens.weight"][tokens]
+        for i in range(self.num_layers):
+            w = self.layer_weights(i)
+            x = rmsnorm(h, w["input_layernorm.weight"], cfg.rms_norm_eps)
+            p = mla_projections(x, w, cfg, cos, sin)
+            scores = lightning_indexer(x, p.q_latent, w, cfg, cos, sin) if cfg.is_v32 else None
+            topk = topk_override[i] if topk_override is not None else None
+            if topk is None and scores is not None:
+                topk = select_topk(scores, cfg.index_topk)
+            o = mla_attention(p, w["self_attn.kv_b_proj.weight"], cfg, attention_mask(topk, T, self.device), absorbed)
+            attn = F.linear(o.flatten(1), w["self_attn.o_proj.weight"])
+            h = h + attn
+            h = h + mlp(rmsnorm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps), w)
+            hidden_states.append(h)
+            topk_indices.append(None if topk is None else topk.to(self.device, torch.long))
+            attn_outputs.append(attn)
+            index_scores.append(scores)
+
+        logits = F.linear(rmsnorm(h, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.weights["lm_head.weight"])
+        return ReferenceOutput(logits, hidden_states, topk_indices, attn_outputs, index_scores)
