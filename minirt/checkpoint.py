@@ -1,0 +1,372 @@
+"""Read the leading dense layers of a Hugging Face DeepSeek-V3 / V3.2 checkpoint.
+
+Layout (see ``tensor_specs``): ``config.json`` plus either ``model.safetensors.index.json``
+(``{"metadata": {...}, "weight_map": {tensor: shard}}``) with its shards, or one ``model.safetensors``.
+Quantised checkpoints store each linear weight as float8_e4m3fn with a float32 ``<name>_scale_inv``
+partner (see ``minirt.blockfp8``). minirt runs dense layers only: layers >= ``first_k_dense_replace`` are
+MoE and are refused, layers >= ``num_hidden_layers`` (the MTP module) are never read.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from .blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
+from .config import ModelConfig
+from .errors import CheckpointError, DeviceError, InputError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"
+
+# safetensors header dtype strings → torch dtypes (the ones a DeepSeek checkpoint can hold).
+SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+}
+UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Expected shape of one checkpoint weight, and whether it is stored as block fp8.
+
+    A quantised weight ``name`` is stored float8_e4m3fn with a float32 partner ``name + "_scale_inv"``
+    of shape ``block_scale_shape(shape, cfg.quantization.weight_block_size)``.
+    """
+
+    shape: tuple[int, ...]
+    quantized: bool
+
+
+def _check_num_layers(cfg: ModelConfig, num_layers: int) -> None:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise InputError(f"num_layers must be a positive int, got {num_layers!r}")
+    dense = cfg.num_dense_layers
+    if num_layers > dense:
+        moe = cfg.num_hidden_layers - dense
+        raise CheckpointError(
+            f"asked for {num_layers} layers, but only the first {dense} layer(s) of this checkpoint are dense "
+            f"(first_k_dense_replace={cfg.first_k_dense_replace}, num_hidden_layers={cfg.num_hidden_layers}"
+            + (f"; the other {moe} are MoE, which minirt does not run" if moe > 0 else "")
+            + f"): load at most {dense} layer(s)"
+        )
+
+
+def tensor_specs(cfg: ModelConfig, num_layers: int) -> dict[str, TensorSpec]:
+    """The checkpoint layout: HF weight name → TensorSpec, for dense layers 0..num_layers-1 and the
+    top-level tensors (``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``).
+
+    Shapes are (out, in) for linear weights. Quantised (when ``cfg.quantization`` is set): every linear
+    projection except embeddings, lm_head, norms, ``indexer.weights_proj`` and ``indexer.k_norm``.
+    ``_scale_inv`` partners are not listed. Raises InputError for num_layers < 1 and CheckpointError when
+    num_layers exceeds ``cfg.num_dense_layers`` (MoE layers).
+    """
+    _check_num_layers(cfg, num_layers)
+    fp8 = cfg.quantization is not None
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    linear = lambda out, inp: TensorSpec((out, inp), fp8)  # noqa: E731
+    plain = lambda *shape: TensorSpec(tuple(shape), False)  # noqa: E731
+
+    specs: dict[str, TensorSpec] = {"model.embed_tokens.weight": plain(cfg.vocab_size, hidden)}
+    for i in range(num_layers):
+        layer = {
+            "input_layernorm.weight": plain(hidden),
+            "post_attention_layernorm.weight": plain(hidden),
+            "self_attn.q_a_proj.weight": linear(cfg.q_lora_rank, hidden),
+            "self_attn.q_a_layernorm.weight": plain(cfg.q_lora_rank),
+            "self_attn.q_b_proj.weight": linear(heads * cfg.qk_head_dim, cfg.q_lora_rank),
+            "self_attn.kv_a_proj_with_mqa.weight": linear(cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden),
+            "self_attn.kv_a_layernorm.weight": plain(cfg.kv_lora_rank),
+            "self_attn.kv_b_proj.weight": linear(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            "self_attn.o_proj.weight": linear(hidden, heads * cfg.v_head_dim),
+            "mlp.gate_proj.weight": linear(cfg.intermediate_size, hidden),
+            "mlp.up_proj.weight": linear(cfg.intermediate_size, hidden),
+            "mlp.down_proj.weight": linear(hidden, cfg.intermediate_size),
+        }
+        if cfg.is_v32:
+            layer |= {
+                "self_attn.indexer.wq_b.weight": linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+                "self_attn.indexer.wk.weight": linear(cfg.index_head_dim, hidden),
+                "self_attn.indexer.k_norm.weight": plain(cfg.index_head_dim),
+                "self_attn.indexer.k_norm.bias": plain(cfg.index_head_dim),
+                # bf16 in the real checkpoint: the indexer weights run in fp32.
+                "self_attn.indexer.weights_proj.weight": plain(cfg.index_n_heads, hidden),
+            }
+        specs |= {f"model.layers.{i}.{name}": spec for name, spec in layer.items()}
+    specs["model.norm.weight"] = plain(hidden)
+    specs["lm_head.weight"] = plain(cfg.vocab_size, hidden)
+    return specs
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a safetensors header describes it."""
+
+    shard: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """Parse and validate a safetensors file's header without reading tensor data.
+
+    Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing or
+    truncated file, a header length beyond the file, a header that is not JSON, an unsupported dtype,
+    a byte range that disagrees with dtype × shape, or tensor data past the end of the file.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise CheckpointError(
+                    f"{path}: truncated or corrupt safetensors file: header length {header_len} exceeds the "
+                    f"{size - 8} bytes after the length field"
+                )
+            raw = f.read(header_len)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_size = size - 8 - header_len
+    tensors: dict[str, StoredTensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_str, shape, (begin, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}: {entry!r}") from None
+        dtype = SAFETENSORS_DTYPES.get(dtype_str)
+        if dtype is None:
+            raise CheckpointError(
+                f"{path}: tensor {name} has dtype {dtype_str}, not one of {', '.join(SAFETENSORS_DTYPES)}"
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end) or end - begin != nbytes:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor {name} byte range {[begin, end]} does not hold "
+                f"{dtype_str} {shape} ({nbytes} bytes)"
+            )
+        if end > data_size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {name} ends at data byte {end}, "
+                f"but the file holds only {data_size} data bytes"
+            )
+        tensors[name] = StoredTensor(path, dtype, tuple(shape), nbytes)
+    return tensors
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``load_checkpoint`` will read, worked out from config.json, the index and shard headers.
+
+    ``specs``: weight name → TensorSpec (the layout); ``stored``: every tensor to read (weights and
+    ``_scale_inv`` partners) → StoredTensor; ``shard_files``: only the shards holding them, sorted;
+    ``num_parameters``: elements of the weights (scales not counted); ``num_bytes``: bytes to read.
+    """
+
+    path: Path
+    config: ModelConfig
+    num_layers: int
+    specs: dict[str, TensorSpec]
+    stored: dict[str, StoredTensor]
+    shard_files: tuple[Path, ...]
+    num_parameters: int
+    num_bytes: int
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """Names of the stored tensors to read, weights and scales."""
+        return tuple(self.stored)
+
+
+def _weight_map(path: Path) -> tuple[str, dict[str, str]]:
+    """(file the map comes from, tensor name → shard file name): the index, else the single file's header."""
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{index_path}: cannot parse ({e})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' of tensor name → shard file")
+        return INDEX_FILE, weight_map
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return SINGLE_FILE, {name: SINGLE_FILE for name in read_safetensors_header(single)}
+    raise CheckpointError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE} found")
+
+
+def _check_stored(name: str, stored: StoredTensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
+    if stored.dtype not in dtypes:
+        raise CheckpointError(
+            f"tensor {name} in {stored.shard.name}: dtype {stored.dtype} is wrong, expected "
+            + " or ".join(str(d) for d in dtypes)
+        )
+    if stored.shape != shape:
+        raise CheckpointError(
+            f"tensor {name} in {stored.shard.name}: shape {list(stored.shape)} is wrong, expected {list(shape)}"
+        )
+
+
+def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
+    """Plan loading the first ``num_layers`` dense layers (None: all dense layers) of the checkpoint
+    directory ``path``, reading only config.json, the index and the headers of the shards needed.
+
+    Checks that every needed tensor is mapped to an existing shard and present in its header with the
+    expected dtype and shape (fp8 weights float8_e4m3fn with a float32 ``_scale_inv`` of the block grid
+    shape; others bf16/fp16/fp32). Raises ConfigError for a bad config.json, CheckpointError (naming the
+    tensor and shard or file) for everything else, including MoE layers asked for.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    cfg = ModelConfig.from_file(path / "config.json")
+    if num_layers is None:
+        num_layers = cfg.num_dense_layers
+        if num_layers == 0:
+            raise CheckpointError(f"{path}: the checkpoint has no dense layers (first_k_dense_replace=0)")
+    specs = tensor_specs(cfg, num_layers)
+    block = cfg.quantization.weight_block_size if cfg.quantization else None
+
+    expected: dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
+    for name, spec in specs.items():
+        if spec.quantized:
+            expected[name] = ((FP8_DTYPE,), spec.shape)
+            expected[name + SCALE_SUFFIX] = ((torch.float32,), block_scale_shape(spec.shape, block))
+        else:
+            expected[name] = (UNQUANTIZED_DTYPES, spec.shape)
+
+    map_file, weight_map = _weight_map(path)
+    shard_of: dict[str, Path] = {}
+    for name in expected:
+        if name not in weight_map:
+            raise CheckpointError(f"{path}: tensor {name} is missing (not in {map_file})")
+        shard = path / weight_map[name]
+        if not shard.is_file():
+            raise CheckpointError(f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
+        shard_of[name] = shard
+
+    shard_files = tuple(sorted(set(shard_of.values())))
+    headers = {shard: read_safetensors_header(shard) for shard in shard_files}
+    stored: dict[str, StoredTensor] = {}
+    for name, (dtypes, shape) in expected.items():
+        shard = shard_of[name]
+        if name not in headers[shard]:
+            raise CheckpointError(f"tensor {name} is missing from shard {shard.name} (the index maps it there)")
+        stored[name] = headers[shard][name]
+        _check_stored(name, stored[name], dtypes, shape)
+
+    return LoadPlan(
+        path=path,
+        config=cfg,
+        num_layers=num_layers,
+        specs=specs,
+        stored=stored,
+        shard_files=shard_files,
+        num_parameters=sum(math.prod(spec.shape) for spec in specs.values()),
+        num_bytes=sum(t.nbytes for t in stored.values()),
+    )
+
+
+def _first_nonfinite(t: torch.Tensor) -> int | None:
+    """Flat index of the first NaN or ±Inf in t, or None. float8_e4m3fn has NaN (0x7F / 0xFF) but no Inf."""
+    bad = (t.view(torch.uint8) & 0x7F) == 0x7F if t.dtype == FP8_DTYPE else ~torch.isfinite(t)
+    hits = bad.flatten().nonzero()
+    return int(hits[0, 0]) if hits.numel() else None
+
+
+def _check_finite(t: torch.Tensor, name: str, shard: Path, what: str = "value") -> None:
+    index = _first_nonfinite(t)
+    if index is not None:
+        value = t.flatten()[index].float().item()
+        raise CheckpointError(f"tensor {name} in {shard.name}: non-finite {what} {value} at flat index {index}")
+
+
+def _read_tensor(handle, stored: StoredTensor, name: str) -> torch.Tensor:
+    """One tensor from an open safe_open handle, checked finite (on the CPU copy, before any cast)."""
+    try:
+        t = handle.get_tensor(name)
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"{stored.shard}: cannot read tensor {name} ({e})") from None
+    _check_finite(t, name, stored.shard)
+    return t
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """torch.device(device), or InputError if unparsable, DeviceError if it is CUDA and none is available."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"not a torch device: {device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {device} requested but CUDA is not available")
+    return device
+
+
+def load_checkpoint(
+    path: str | Path,
+    num_layers: int | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load the first ``num_layers`` dense layers (None: all dense layers) plus embeddings, final norm
+    and lm_head from the HF checkpoint directory ``path``.
+
+    Opens only the shards holding those tensors (see ``plan_load`` for the layout checks). Every stored
+    tensor, ``_scale_inv`` included, must be finite (NaN or ±Inf → CheckpointError naming the tensor,
+    shard and first bad flat index); fp8 weights are dequantised (``blockfp8.dequantize_block_fp8``) and
+    must stay finite in ``dtype``. Returns (config, {HF weight name: tensor}) with tensors of the
+    TensorSpec shapes in ``dtype`` on ``device``; no ``_scale_inv`` entries. ``progress(done, total,
+    name)``, if given, is called after each weight with bytes read so far and in total.
+    """
+    if dtype not in UNQUANTIZED_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
+    device = resolve_device(device)
+    plan = plan_load(path, num_layers)
+    block = plan.config.quantization.weight_block_size if plan.config.quantization else None
+
+    weights: dict[str, torch.Tensor] = {}
+    done = 0
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for shard in plan.shard_files:
+            try:
+                handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt", device="cpu"))
+            except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+                raise CheckpointError(f"{shard}: cannot open safetensors file ({e})") from None
+        for name, spec in plan.specs.items():
+            names = (name, name + SCALE_SUFFIX) if spec.quantized else (name,)
+            raw = [_read_tensor(handles[plan.stored[n].shard], plan.stored[n], n).to(device) for n in names]
+            w = dequantize_block_fp8(raw[0], raw[1], block, dtype) if spec.quantized else raw[0].to(dtype)
+            _check_finite(w, name, plan.stored[name].shard, f"value after conversion to {dtype}")
+            weights[name] = w
+            done += sum(plan.stored[n].nbytes for n in names)
+            if progress is not None:
+                progress(done, plan.num_bytes, name)
+    return plan.config, weights
