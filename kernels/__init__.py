@@ -1,1 +1,25 @@
-"""Triton kernels of minirt (imported as ``minirt.kernels``)."""
+"""Triton kernels of minirt, imported as ``minirt.kernels``.
+
+- ``sparse_mla_prefill``: NaN-safe sparse MLA prefill, FlashMLA ``flash_mla_sparse_fwd`` semantics.
+- ``quantize_kv_fp8`` / ``dequantize_kv_fp8`` / ``write_kv_fp8`` / ``new_kv_cache``: the fp8 paged
+  latent cache in FlashMLA's 656-byte V32 layout.
+- ``sparse_mla_decode_fp8`` and its wrapper ``mla_decode_fp8``: absorbed-MQA sparse decode over that
+  cache, dequantising in registers.
+
+Without a GPU the kernels run under the Triton interpreter; it must be chosen before any kernel is
+defined, hence the variable is set here, first.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, quantize_kv_fp8, write_kv_fp8  # noqa: E402
+from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
+
+try:
+    from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
+except ImportError:  # TEMP until the decode kernel lands
+    pass

@@ -1,1 +1,70 @@
-"""minirt: inference micro-runtime for DeepSeek-V3.2 MLA layers."""
+"""minirt: inference micro-runtime for DeepSeek-V3.2 (DSA) MLA layers.
+
+    import minirt
+    engine = minirt.load()                       # tiny synthetic checkpoint under weights/, cpu or cuda
+    logits = engine.prefill([[1, 2, 3], [4, 5]])  # [2, vocab]: next-token logits of each prompt
+    logits = engine.decode(logits.argmax(-1))     # one step on the fp8 paged cache
+
+Kernels: ``minirt.kernels``. Layers for other projects: ``minirt.layers``. Oracle: ``minirt.reference``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError, DeviceError, InputError, MinirtError
+
+__all__ = ["load", "default_weights_dir", "ModelConfig", "MinirtError", "ConfigError", "CheckpointError",
+           "InputError", "DeviceError"]
+
+
+def default_weights_dir() -> Path:
+    """Where the embedded default checkpoint lives: $MINIRT_WEIGHTS, else the checkout's ``weights/``
+    (an editable install), else ``~/.cache/minirt``."""
+    if "MINIRT_WEIGHTS" in os.environ:
+        return Path(os.environ["MINIRT_WEIGHTS"])
+    repo_weights = Path(__file__).resolve().parent.parent / "weights"
+    return repo_weights if repo_weights.is_dir() else Path.home() / ".cache" / "minirt"
+
+
+def default_checkpoint(progress=None) -> Path:
+    """The tiny synthetic checkpoint, written on first use."""
+    from .synthetic import write_synthetic_checkpoint
+
+    path = default_weights_dir() / "tiny"
+    if not (path / "config.json").is_file():
+        write_synthetic_checkpoint(path, preset="tiny", seed=0, progress=progress)
+    return path
+
+
+def load(path: str | Path | None = None, layers: int | None = None, device: str | None = None,
+         backend: str = "triton", dtype: torch.dtype | None = None, indexer_precision: str = "exact",
+         progress=None):
+    """Load the first ``layers`` dense layers of a checkpoint (None: all dense layers) for inference.
+
+    path: HF checkpoint directory; None uses the tiny synthetic default (created once).
+    device: "cuda" or "cpu"; None picks cuda when available. On the CPU the Triton kernels run under
+    the interpreter (TRITON_INTERPRET=1, set automatically when torch sees no GPU).
+    backend: "triton" (kernels, fp8 paged cache) or "reference" (the eager fp32 oracle).
+    dtype: weights/activations of the triton backend; default bf16 on cuda, fp32 on cpu.
+    indexer_precision: "exact" (fp32 scores, default: what the reference computes, so verify can
+    compare top-k sets) or "fp8" (the official Hadamard + fp8 path; near-ties may flip).
+    Returns an object with ``prefill(prompts)`` and ``decode(tokens)`` (see ``minirt.engine.Engine``).
+    """
+    from .checkpoint import load_checkpoint, resolve_device
+    from .engine import ReferenceEngine, build_engine
+    from .reference import ReferenceModel
+
+    if backend not in ("triton", "reference"):
+        raise InputError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = Path(path) if path is not None else default_checkpoint(progress)
+    if backend == "reference":
+        cfg, weights = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
+        return ReferenceEngine(ReferenceModel(cfg, weights, layers, torch.float32, dev))
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    cfg, weights = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress)
+    return build_engine(cfg, weights, layers or cfg.num_dense_layers, dev, dtype, indexer_precision)

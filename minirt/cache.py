@@ -1,0 +1,60 @@
+"""Paged caches for decode: the fp8 latent KV cache (FlashMLA's 656-byte V32 layout) and the indexer
+keys, both addressed by slot = block · block_size + offset through one block table per sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .errors import InputError
+from .kernels import new_kv_cache
+
+
+@dataclass
+class LayerCache:
+    """One layer's cache. kv: [num_blocks, block_size, 1, 656] uint8 (fp8 latent + scales + bf16 rope);
+    index_keys: [num_blocks · block_size, index_head_dim] fp32 (None for V3 layers)."""
+
+    kv: torch.Tensor
+    index_keys: torch.Tensor | None
+
+
+class PagedCache:
+    """Caches of ``num_layers`` layers for up to ``max_batch`` sequences of ``max_seq_len`` tokens.
+
+    Blocks are handed out at construction: sequence b owns blocks
+    ``block_table[b] = [b · blocks_per_seq, ...)``; the kernels only ever see the table, so any other
+    allocation policy would work unchanged. ``seq_lens[b]`` counts the tokens written for sequence b.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_seq_len: int,
+                 block_size: int = 64, device: torch.device | str = "cpu"):
+        if max_batch < 1 or max_seq_len < 1:
+            raise InputError(f"cache needs max_batch >= 1 and max_seq_len >= 1, got {max_batch}, {max_seq_len}")
+        self.block_size, self.max_batch, self.max_seq_len = block_size, max_batch, max_seq_len
+        blocks_per_seq = -(-max_seq_len // block_size)
+        num_blocks = max_batch * blocks_per_seq
+        self.block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).view(max_batch, blocks_per_seq)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.layers = [
+            LayerCache(
+                kv=new_kv_cache(num_blocks, block_size, device=device),
+                index_keys=torch.zeros(num_blocks * block_size, cfg.index_head_dim, device=device) if cfg.is_v32 else None,
+            )
+            for _ in range(num_layers)
+        ]
+
+    def slots(self, batch_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slot ids [N] int64 of tokens at ``positions`` [N] of sequences ``batch_index`` [N]."""
+        block = self.block_table[batch_index, positions // self.block_size].long()
+        return block * self.block_size + positions % self.block_size
+
+    def check_room(self, lengths: list[int]) -> None:
+        if len(lengths) > self.max_batch:
+            raise InputError(f"batch of {len(lengths)} sequences exceeds the cache's max_batch {self.max_batch}")
+        if max(lengths) > self.max_seq_len:
+            raise InputError(
+                f"a sequence needs {max(lengths)} cached tokens, the cache holds {self.max_seq_len} per sequence "
+                "(raise max_seq_len, or shorten the prompt / max_new_tokens)"
+            )

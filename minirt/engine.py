@@ -1,0 +1,183 @@
+"""The runtime: the first N dense layers of a DeepSeek-V3.2 checkpoint, an fp8 paged cache, prefill and
+decode through the Triton kernels. ``minirt.load`` builds one; ``backend="reference"`` gives the eager
+oracle behind the same ``prefill`` / ``decode`` calls."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .cache import PagedCache
+from .config import ModelConfig
+from .errors import InputError
+from .layers import DecoderLayer, RMSNorm
+from .reference import ReferenceModel
+from .rope import rope_cos_sin
+
+
+class Transformer(nn.Module):
+    """Embedding → decoder layers → norm → lm_head; parameter names are the checkpoint's names."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact"):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, indexer_precision) for _ in range(num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+@dataclass
+class PrefillTrace:
+    """Per-layer intermediates of one prefill, for ``verify``: residual stream after each layer
+    [N, hidden] and the top-k positions each layer attended [N, k]."""
+
+    hidden_states: list[torch.Tensor] = field(default_factory=list)
+    topk: list[torch.Tensor] = field(default_factory=list)
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    if len(prompts) == 0:
+        raise InputError("no prompts given")
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise InputError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise InputError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        out.append(p)
+    return out
+
+
+class Engine:
+    """Kernel runtime. ``prefill`` starts a batch of prompts (different lengths allowed), ``decode``
+    appends one token to every sequence; both return next-token logits [b, vocab] fp32."""
+
+    backend = "triton"
+
+    def __init__(self, cfg: ModelConfig, model: Transformer, device: torch.device, dtype: torch.dtype):
+        self.cfg, self.model, self.device, self.dtype = cfg, model, device, dtype
+        self.num_layers = len(model.model.layers)
+        self.cache: PagedCache | None = None
+
+    def setup_cache(self, max_batch: int, max_seq_len: int, block_size: int = 64) -> None:
+        """Allocate the fp8 latent cache and indexer key cache (capacity per sequence: max_seq_len)."""
+        self.cache = PagedCache(self.cfg, self.num_layers, max_batch, max_seq_len, block_size, self.device)
+
+    def _rope(self, positions: torch.Tensor):
+        return rope_cos_sin(self.cfg, positions, self.cfg.qk_rope_head_dim, dtype=torch.float32)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(h)).float()
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
+                trace: PrefillTrace | None = None) -> torch.Tensor:
+        """Run prompts (lists of token ids) through the model, filling the cache from position 0.
+
+        Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
+        packed prompt after prompt [sum(len), vocab]. Allocates a cache that fits the prompts when
+        none was set up.
+        """
+        prompts = check_prompts(prompts, self.cfg.vocab_size)
+        lens = [len(p) for p in prompts]
+        if self.cache is None:
+            self.setup_cache(len(prompts), max(lens))
+        self.cache.check_room(lens)
+        dev = self.device
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
+        batch_index = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        slots = self.cache.slots(batch_index, positions)
+        cos, sin = self._rope(positions)
+        h = self.model.model.embed_tokens(tokens)
+        for layer, layer_cache in zip(self.model.model.layers, self.cache.layers):
+            attn, topk = layer.self_attn.prefill(layer.input_layernorm(h), cos, sin, lens, layer_cache, slots)
+            h = h + attn
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if trace is not None:
+                trace.hidden_states.append(h.float())
+                trace.topk.append(topk)
+        self.cache.seq_lens.zero_()
+        self.cache.seq_lens[: len(lens)] = torch.tensor(lens, device=dev)
+        self.batch = len(lens)
+        if not all_logits:
+            h = h[torch.tensor(lens, device=dev).cumsum(0) - 1]
+        return self._logits(h)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab]."""
+        tokens = torch.as_tensor(tokens, device=self.device).view(-1)
+        if self.cache is None or tokens.numel() != self.batch:
+            raise InputError(f"decode needs one token per prefilled sequence ({getattr(self, 'batch', 0)}), got {tokens.numel()}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
+            raise InputError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
+        positions = self.cache.seq_lens[: self.batch].clone()
+        self.cache.check_room([int(positions.max()) + 1])
+        batch_index = torch.arange(self.batch, device=self.device)
+        slots = self.cache.slots(batch_index, positions)
+        block_table = self.cache.block_table[: self.batch]
+        cos, sin = self._rope(positions)
+        h = self.model.model.embed_tokens(tokens)
+        for layer, layer_cache in zip(self.model.model.layers, self.cache.layers):
+            h = h + layer.self_attn.decode(layer.input_layernorm(h), cos, sin, positions, layer_cache, block_table,
+                                           slots, self.cache.block_size)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self.cache.seq_lens[: self.batch] += 1
+        return self._logits(h)
+
+    @torch.inference_mode()
+    def attention_with_topk(self, layer_index: int, layer_input: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """One layer's attention output [T, hidden] for one sequence's residual input [T, hidden],
+        attending exactly the given top-k positions [T, k] (for comparisons with identical top-k)."""
+        layer = self.model.model.layers[layer_index]
+        x = layer.input_layernorm(layer_input.to(self.device, self.dtype))
+        cos, sin = self._rope(torch.arange(x.shape[0], device=self.device))
+        out, _ = layer.self_attn.prefill(x, cos, sin, [x.shape[0]], topk_override=topk.to(self.device))
+        return out.float()
+
+
+class ReferenceEngine:
+    """The eager oracle behind the Engine's calls: every step recomputes whole sequences densely."""
+
+    backend = "reference"
+
+    def __init__(self, reference: ReferenceModel):
+        self.reference, self.cfg = reference, reference.cfg
+        self.sequences: list[list[int]] = []
+
+    def setup_cache(self, max_batch: int, max_seq_len: int, block_size: int = 64) -> None:
+        """No cache: kept so callers can treat both backends alike."""
+
+    def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False, trace=None) -> torch.Tensor:
+        self.sequences = check_prompts(prompts, self.cfg.vocab_size)
+        outs = [self.reference.forward(torch.tensor(p)).logits.float() for p in self.sequences]
+        return torch.cat(outs) if all_logits else torch.stack([o[-1] for o in outs])
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens).view(-1).tolist()
+        if len(tokens) != len(self.sequences):
+            raise InputError(f"decode needs one token per prefilled sequence ({len(self.sequences)}), got {len(tokens)}")
+        for seq, t in zip(self.sequences, tokens):
+            seq.append(t)
+        check_prompts(self.sequences, self.cfg.vocab_size)
+        return torch.stack([self.reference.forward(torch.tensor(s)).logits[-1].float() for s in self.sequences])
+
+
+def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
+                 dtype: torch.dtype, indexer_precision: str = "exact") -> Engine:
+    """An Engine from a config and HF-named weights (dequantised) already on ``device``."""
+    with torch.device("meta"):
+        model = Transformer(cfg, num_layers, indexer_precision)
+    wanted = model.state_dict().keys()
+    missing = [k for k in wanted if k not in weights]
+    if missing:
+        raise InputError(f"weights lack {len(missing)} tensors, e.g. '{missing[0]}'")
+    model.load_state_dict({k: weights[k].to(device, dtype) for k in wanted}, assign=True)
+    return Engine(cfg, model.eval(), device, dtype)
+
