@@ -1,0 +1,283 @@
+"""NaN-safe sparse MLA prefill attention in Triton: a drop-in for FlashMLA's ``flash_mla_sparse_fwd``."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minirt.errors import InputError
+
+from ._common import INTERPRET
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the kernel: heads per program, keys per loop step, warps and pipeline depth."""
+
+    block_h: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+# Sizes are only compared, never used in addresses: specialising on them would only multiply compiles.
+@triton.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks"])
+def _sparse_mla_prefill_kernel(
+    q_ptr, kv_ptr, indices_ptr, topk_length_ptr, attn_sink_ptr,
+    out_ptr, max_logits_ptr, lse_ptr,
+    s_kv, h_q, topk, n_head_blocks, scale_log2,
+    stride_q_s, stride_q_h, stride_q_d,
+    stride_kv_s, stride_kv_d,
+    stride_idx_s, stride_idx_k,
+    stride_tl_s, stride_sink_h,
+    stride_o_s, stride_o_h, stride_o_d,
+    stride_ml_s, stride_ml_h,
+    stride_lse_s, stride_lse_h,
+    D_V: tl.constexpr, D_QK: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TOPK_LENGTH: tl.constexpr, HAS_ATTN_SINK: tl.constexpr,
+    UPCAST: tl.constexpr, INTERPRETED_TOPK: tl.constexpr,
+):
+    # One program: one query token x BLOCK_H heads; the heads of one token are adjacent programs so
+    # their identical K gathers hit L2.
+    pid = tl.program_id(0)
+    token = (pid // n_head_blocks).to(tl.int64)
+    offs_h = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < h_q
+
+    # The first D_V columns are both the "latent" part of Q.K and V; the tail (rope) only enters Q.K.
+    offs_v = tl.arange(0, BLOCK_V)
+    v_mask = offs_v < D_V
+    q_rows = q_ptr + token * stride_q_s + offs_h[:, None] * stride_q_h
+    q_lat = tl.load(q_rows + offs_v[None, :] * stride_q_d, mask=h_mask[:, None] & v_mask[None, :], other=0.0)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+    if BLOCK_TAIL > 0:
+        offs_t = D_V + tl.arange(0, BLOCK_TAIL)
+        t_mask = offs_t < D_QK
+        q_tail = tl.load(q_rows + offs_t[None, :] * stride_q_d, mask=h_mask[:, None] & t_mask[None, :], other=0.0)
+        if UPCAST:
+            q_tail = q_tail.to(tl.float32)
+
+    n_keys = topk
+    if HAS_TOPK_LENGTH:
+        n_keys = tl.minimum(tl.maximum(tl.load(topk_length_ptr + token * stride_tl_s), 0), topk)
+
+    # Online softmax in base 2. m_i starts at -inf but is never subtracted from itself: m_ref replaces
+    # a -inf running max by 0, so fully-masked chunks give alpha = exp2(-inf) = 0 and p = 0, never NaN.
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    idx_row = indices_ptr + token * stride_idx_s
+    # The Triton 3.6 interpreter cannot use a runtime scalar as a loop bound with numpy >= 2.4
+    # (int() of a 1-element array; it also turns every assigned name into such a tensor), so
+    # interpreted runs loop to the constexpr topk instead: the extra chunks lie beyond n_keys and are
+    # fully masked, exactly as on the GPU.
+    for start in range(0, INTERPRETED_TOPK if UPCAST else n_keys, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_row + offs_n * stride_idx_k, mask=offs_n < n_keys, other=-1)
+        valid = (idx >= 0) & (idx < s_kv)
+        # Invalid rows are never read; their tile rows are exact zeros, so no 0 * NaN reaches the dots.
+        kv_rows = kv_ptr + idx.to(tl.int64) * stride_kv_s
+        k_lat = tl.load(kv_rows[:, None] + offs_v[None, :] * stride_kv_d,
+                        mask=valid[:, None] & v_mask[None, :], other=0.0)
+        if UPCAST:
+            k_lat = k_lat.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(k_lat))
+        if BLOCK_TAIL > 0:
+            k_tail = tl.load(kv_rows[:, None] + offs_t[None, :] * stride_kv_d,
+                             mask=valid[:, None] & t_mask[None, :], other=0.0)
+            if UPCAST:
+                k_tail = k_tail.to(tl.float32)
+            s = tl.dot(q_tail, tl.trans(k_tail), acc=s)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    # A row with a valid key has l_i >= 1 (its max term is exp2(0)); l_i == 0 means no valid key.
+    # Empty rows divide by (and take the log of) 1 instead of 0, then get their fixed results.
+    has_keys = l_i > 0.0
+    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = tl.where(has_keys, l_i, 1.0)
+    if HAS_ATTN_SINK:
+        # exp(lse) / (exp(lse) + exp(sink)) folded into the normaliser: sum_j 2^(s_j - m) + 2^(sink2 - m).
+        sink = tl.load(attn_sink_ptr + offs_h * stride_sink_h, mask=h_mask, other=0.0)
+        denom += tl.math.exp2(sink * 1.4426950408889634 - m_ref)
+    inv_denom = tl.where(has_keys, 1.0 / denom, 0.0)
+    out = acc * inv_denom[:, None]
+
+    out_rows = out_ptr + token * stride_o_s + offs_h[:, None] * stride_o_h
+    tl.store(out_rows + offs_v[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+             mask=h_mask[:, None] & v_mask[None, :])
+    ln2 = 0.6931471805599453
+    lse = tl.where(has_keys, (m_ref + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * ln2, float("inf"))
+    tl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, m_i * ln2, mask=h_mask)
+    tl.store(lse_ptr + token * stride_lse_s + offs_h * stride_lse_h, lse, mask=h_mask)
+
+
+def _padded(n: int) -> int:
+    """Block width covering n columns: a power of two, at least 16 (the smallest tl.dot dimension)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def default_config(h_q: int) -> PrefillConfig:
+    """The launch shape used by sparse_mla_prefill: 64 heads per program, fewer for small h_q."""
+    if h_q >= 64:
+        return PrefillConfig()
+    return PrefillConfig(block_h=_padded(h_q), num_warps=4)
+
+
+def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:
+    for name, t in (("q", q), ("kv", kv), ("indices", indices)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise InputError(f"{name} must have 3 dims, got shape {tuple(t.shape)}")
+    s_q, h_q, d_qk = q.shape
+    s_kv, h_kv, d_qk_kv = kv.shape
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise InputError(f"q must be bfloat16 or float16, got {q.dtype}")
+    if kv.dtype != q.dtype:
+        raise InputError(f"kv dtype {kv.dtype} differs from q dtype {q.dtype}")
+    if h_kv != 1:
+        raise InputError(f"kv must have exactly one head (h_kv = 1, MQA), got kv shape {tuple(kv.shape)}")
+    if d_qk_kv != d_qk:
+        raise InputError(f"q head dim {d_qk} differs from kv head dim {d_qk_kv}")
+    if indices.dtype != torch.int32:
+        raise InputError(f"indices must be int32, got {indices.dtype}")
+    if indices.shape[0] != s_q or indices.shape[1] != 1:
+        raise InputError(f"indices must have shape [s_q={s_q}, h_kv=1, topk], got {tuple(indices.shape)}")
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= d_qk:
+        raise InputError(f"d_v must be an int in [1, d_qk={d_qk}], got {d_v!r}")
+    if d_qk > 1024:
+        raise InputError(f"d_qk = {d_qk} exceeds the supported maximum 1024")
+    tensors = {"q": q, "kv": kv, "indices": indices}
+    if attn_sink is not None:
+        if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32 \
+                or tuple(attn_sink.shape) != (h_q,):
+            raise InputError(f"attn_sink must be a float32 tensor of shape [h_q={h_q}]")
+        tensors["attn_sink"] = attn_sink
+    if topk_length is not None:
+        if not isinstance(topk_length, torch.Tensor) or topk_length.dtype != torch.int32 \
+                or tuple(topk_length.shape) != (s_q,):
+            raise InputError(f"topk_length must be an int32 tensor of shape [s_q={s_q}]")
+        tensors["topk_length"] = topk_length
+    if out is not None:
+        expected = (((s_q, h_q, d_v), q.dtype), ((s_q, h_q), torch.float32), ((s_q, h_q), torch.float32))
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise InputError("out must be a tuple (out, max_logits, lse) of preallocated tensors")
+        for name, t, (shape, dtype) in zip(("out", "max_logits", "lse"), out, expected):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                raise InputError(f"preallocated {name} must be a {dtype} tensor of shape {list(shape)}")
+            tensors[name] = t
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise InputError("all tensors must be on one device, got "
+                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
+    if not INTERPRET and q.device.type != "cuda":
+        raise InputError(f"tensors are on {q.device}; the compiled kernel needs CUDA tensors "
+                         "(set TRITON_INTERPRET=1 before importing minirt.kernels to run on CPU)")
+
+
+def _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, config: PrefillConfig):
+    s_q, h_q, d_qk = q.shape
+    if out is None:
+        out = (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
+               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device),
+               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device))
+    o, max_logits, lse = out
+    if s_q == 0 or h_q == 0:
+        return o, max_logits, lse
+    n_head_blocks = triton.cdiv(h_q, config.block_h)
+    # Unused optional pointers still need a tensor argument; the constexpr flags keep them unread.
+    sink = attn_sink if attn_sink is not None else lse
+    lengths = topk_length if topk_length is not None else indices
+    _sparse_mla_prefill_kernel[(s_q * n_head_blocks,)](
+        q, kv, indices, lengths, sink,
+        o, max_logits, lse,
+        kv.shape[0], h_q, indices.shape[2], n_head_blocks, float(sm_scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(2),
+        indices.stride(0), indices.stride(2),
+        lengths.stride(0), sink.stride(0),
+        o.stride(0), o.stride(1), o.stride(2),
+        max_logits.stride(0), max_logits.stride(1),
+        lse.stride(0), lse.stride(1),
+        D_V=d_v, D_QK=d_qk,
+        BLOCK_V=_padded(d_v), BLOCK_TAIL=_padded(d_qk - d_v) if d_qk > d_v else 0,
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, UPCAST=INTERPRET,
+        INTERPRETED_TOPK=indices.shape[2] if INTERPRET else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return o, max_logits, lse
+
+
+def sparse_mla_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """
+    Sparse attention prefill (DeepSeek-V3.2 DSA, absorbed MLA / MQA form); same arguments and results
+    as FlashMLA's flash_mla_sparse_fwd, so either can replace the other.
+
+    Each query token i attends, in every head, to the kv rows listed in indices[i, 0, :]:
+        P[i, h, j]      = sm_scale * q[i, h, :] . kv[indices[i, 0, j], 0, :]      (valid j only)
+        max_logits[i,h] = max_j P[i, h, j]
+        lse[i, h]       = log(sum_j exp(P[i, h, j]))                             (natural log)
+        out[i, h, :]    = sum_j exp(P[i, h, j] - lse[i, h]) * kv[indices[i, 0, j], 0, :d_v]
+
+    Args:
+        q: [s_q, h_q, d_qk], bfloat16 or float16. Any h_q (not only 64/128) and any s_q
+            (beyond 65535 too). d_qk is 576 for V3.2 (512 latent + 64 rope) or 512 (V4-style, no
+            separate rope part); any d_qk <= 1024 works.
+        kv: [s_kv, h_kv, d_qk], same dtype as q; h_kv must be 1. V is kv[..., :d_v]. s_kv may exceed
+            2^31 / d_qk rows (offsets are 64-bit).
+        indices: [s_q, h_kv, topk], int32. Index j of row i is valid iff 0 <= indices[i, 0, j] < s_kv;
+            any other value (-1, -2^31, s_kv, 2^31 - 1, ...) is skipped and its kv row never read.
+            Any topk (not only multiples of the tile; topk > s_kv allowed); duplicates count twice.
+        sm_scale: float, scale applied to q.k before the softmax.
+        d_v: int in [1, d_qk], width of the value vectors (512 for DeepSeek).
+        attn_sink: optional, [h_q], float32. out[i, h] is multiplied by
+            exp(lse) / (exp(lse) + exp(attn_sink[h])); -inf has no effect, +inf zeroes the row.
+            lse and max_logits are unchanged.
+        topk_length: optional, [s_q], int32. Row i uses only indices[i, 0, :topk_length[i]]
+            (values are clamped to [0, topk]); later entries are never read.
+        out: keyword-only, optional tuple (out, max_logits, lse) of preallocated tensors with the
+            shapes and dtypes below (any strides); every element is overwritten.
+
+    All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
+    are honoured, nothing is copied.
+
+    Returns:
+        out: [s_q, h_q, d_v], q.dtype.
+        max_logits: [s_q, h_q], float32, max over valid j of P (natural units, i.e. scaled logits).
+        lse: [s_q, h_q], float32, natural-log log-sum-exp of P over valid j (without the sink).
+        A row with no valid index gets out exactly 0, lse = +inf and max_logits = -inf. NaN or Inf
+        in kv rows that no valid index points to never affects any result.
+
+    Raises:
+        minirt.errors.InputError: wrong type, dtype, shape or device, h_kv != 1, d_v not in [1, d_qk].
+    """
+    _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out)
+    return _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, default_config(q.shape[1]))
