@@ -173,7 +173,7 @@ def attention_mask(topk_indices: Tensor | None, T: int, device: torch.device | s
     causal = causal_mask(T, device)
     if topk_indices is None:
         return causal
-    if topk_indices.ndim != 2 or topk_indices.shape[0] != T or topk_indices.dtype.is_floating_point:
+    if topk_indices.ndim != 2 or topk_indices.shape[0] != T or topk_indices.dtype.is_floating_point or topk_indices.dtype == torch.bool:
         raise InputError(f"top-k indices must be an integer [T={T}, k] tensor, got {topk_indices.dtype} {tuple(topk_indices.shape)}")
     if topk_indices.numel() and int(topk_indices.max()) >= T:
         raise InputError(f"top-k index {int(topk_indices.max())} is out of range for {T} tokens")
@@ -199,7 +199,7 @@ def mla_attention(
     """
     T, H = p.q_nope.shape[:2]
     nope = cfg.qk_nope_head_dim
-    w_kv = kv_b_weight.view(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
+    w_kv = kv_b_weight.reshape(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
     w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]
     rope_scores = torch.einsum("thr,sr->hts", p.q_rope, p.k_rope)
     if absorbed:

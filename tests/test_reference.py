@@ -413,3 +413,18 @@ def test_bad_inputs_raise():
     reshaped = dict(w, **{"model.layers.0.self_attn.kv_b_proj.weight": torch.randn(3, 3)})
     with pytest.raises(CheckpointError, match="kv_b_proj"):
         ReferenceModel(cfg, reshaped)
+
+
+def test_reference_runs_on_synthetic_tiny_checkpoint(tmp_path):
+    from minirt.checkpoint import load_checkpoint
+    from minirt.synthetic import write_synthetic_checkpoint
+
+    cfg, weights = load_checkpoint(write_synthetic_checkpoint(tmp_path / "tiny", preset="tiny", seed=0))
+    T = cfg.index_topk + 8  # longer than top-k: the sparse selection drops keys
+    tokens = random_tokens(cfg, T, seed=13)
+    model = ReferenceModel(cfg, weights)
+    out = model.forward(tokens)
+    assert out.logits.shape == (T, cfg.vocab_size) and torch.isfinite(out.logits).all()
+    assert out.logits.std(dim=-1).min() > 0 and rel_err(out.logits[1:], out.logits[:-1]) > 1e-2
+    assert all((indices[-1] >= 0).all() for indices in out.topk_indices)
+    assert rel_err(model.forward(tokens, absorbed=True).logits, out.logits) < 1e-5
