@@ -1,0 +1,354 @@
+"""fp8 paged latent KV cache in FlashMLA's V32 layout ("FP8 with scale"): 656 bytes per token.
+
+Byte layout of one token (little-endian, as FlashMLA and vLLM store DeepSeek-V3.2's MLA cache):
+
+    [0, 512)    512 float8_e4m3fn   latent / SCALE, four tiles of 128 values
+    [512, 528)    4 float32         SCALE of each tile, a power of two
+    [528, 656)   64 bfloat16        k_rope, copied bit-exactly (not quantised)
+
+SCALE = 2^ceil(log2(max(amax / 448, 1e-4))), amax = max |latent| over the tile, evaluated exactly
+(no rounding of the log2), so amax <= 448 * SCALE and the smallest scale is 2^-13. The stored value
+is clamp(latent / SCALE, -448, 448) rounded to nearest-even e4m3; dequantisation is fp8 * SCALE,
+which is exact in bfloat16 and float32.
+
+The cache is paged: ``[num_blocks, block_size, 1, 656]`` uint8; the slot of the token at offset o
+of block n is ``n * block_size + o``. A block table ``[batch, max_blocks_per_seq]`` int32 maps a
+sequence's logical position p to block ``table[b, p // block_size]``, offset ``p % block_size``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minirt.errors import InputError
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+TILE_SIZE = 128
+NUM_TILES = LATENT_DIM // TILE_SIZE
+SCALE_OFFSET = LATENT_DIM                          # byte offset of the 4 float32 scales
+ROPE_OFFSET = SCALE_OFFSET + 4 * NUM_TILES         # byte offset of the 64 bfloat16 rope values
+BYTES_PER_TOKEN = ROPE_OFFSET + 2 * ROPE_DIM       # 656
+FP8_MAX = 448.0
+MIN_SCALE_EXPONENT = -13                           # ceil(log2(1e-4))
+DEFAULT_BLOCK_SIZE = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(x)) of positive float32 values (torch.log2 can round 2^k * (1 + 2^-23) to k)."""
+    mantissa, exponent = torch.frexp(x)            # x = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return exponent - (mantissa == 0.5).to(exponent.dtype)
+
+
+def _tile_scale_exponents(latent: torch.Tensor) -> torch.Tensor:
+    """int32 exponent e of each tile's scale 2^e; latent [..., 512] -> [..., 4]."""
+    amax = latent.float().abs().unflatten(-1, (NUM_TILES, TILE_SIZE)).amax(dim=-1)
+    return _ceil_log2(torch.clamp_min(amax / FP8_MAX, 1e-4)).to(torch.int32)
+
+
+def quantize_kv_fp8(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """
+    Pack tokens into the 656-byte V32 cache format (torch reference of write_kv_fp8).
+
+    Args:
+        latent: [..., 512], bfloat16, float16 or float32, finite. The normalised MLA latent.
+        k_rope: [..., 64], bfloat16, same leading shape. The roped key part, stored bit-exactly.
+
+    Returns:
+        [..., 656] uint8, laid out as described in this module's docstring.
+
+    Raises:
+        minirt.errors.InputError: wrong dtype, last dim or mismatched leading shape/device.
+    """
+    _check_token_inputs(latent, k_rope)
+    exponents = _tile_scale_exponents(latent)
+    scales = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+    tiles = latent.float().unflatten(-1, (NUM_TILES, TILE_SIZE)) / scales.unsqueeze(-1)
+    # torch's cast does not saturate (|x| >= 480 would become NaN), hence the clamp.
+    values = tiles.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
+    return torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8),
+                      k_rope.contiguous().view(torch.uint8)], dim=-1)
+
+
+def dequantize_kv_fp8(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """
+    Unpack V32 cache bytes into [latent | k_rope] rows (torch reference of the decode kernel's loads).
+
+    Args:
+        packed: [..., 656] uint8 (any leading shape, e.g. a whole paged cache
+            [num_blocks, block_size, 1, 656]).
+        dtype: result dtype, bfloat16 or float32. Both are exact: fp8 * 2^e and the rope values are
+            representable in either.
+
+    Returns:
+        [..., 576] of ``dtype``: [..., :512] = fp8 * scale of its tile, [..., 512:] = k_rope.
+
+    Raises:
+        minirt.errors.InputError: packed is not uint8 with last dim 656, or dtype unsupported.
+    """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() < 1 \
+            or packed.shape[-1] != BYTES_PER_TOKEN:
+        raise InputError(f"packed must be a uint8 tensor [..., {BYTES_PER_TOKEN}], got "
+                         f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise InputError(f"dtype must be bfloat16 or float32, got {dtype}")
+    packed = packed.contiguous()
+    values = packed[..., :LATENT_DIM].view(torch.float8_e4m3fn).float()
+    scales = packed[..., SCALE_OFFSET:ROPE_OFFSET].view(torch.float32)
+    latent = (values.unflatten(-1, (NUM_TILES, TILE_SIZE)) * scales.unsqueeze(-1)).flatten(-2)
+    k_rope = packed[..., ROPE_OFFSET:].view(torch.bfloat16)
+    return torch.cat([latent.to(dtype), k_rope.to(dtype)], dim=-1)
+
+
+def _check_token_inputs(latent, k_rope) -> None:
+    for name, t, dim in (("latent", latent, LATENT_DIM), ("k_rope", k_rope, ROPE_DIM)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 1 or t.shape[-1] != dim:
+            raise InputError(f"{name} must have last dim {dim}, got shape {tuple(t.shape)}")
+    if latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"latent must be bfloat16, float16 or float32, got {latent.dtype}")
+    if k_rope.dtype != torch.bfloat16:
+        raise InputError(f"k_rope must be bfloat16 (it is stored bit-exactly), got {k_rope.dtype}")
+    if latent.shape[:-1] != k_rope.shape[:-1]:
+        raise InputError(f"latent {tuple(latent.shape)} and k_rope {tuple(k_rope.shape)} "
+                         "differ in their leading dims")
+    if latent.device != k_rope.device:
+        raise InputError(f"latent is on {latent.device} but k_rope on {k_rope.device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# paged cache geometry
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Shape facts of a paged cache that the kernels need; block_stride is in bytes."""
+
+    num_blocks: int
+    block_size: int
+    block_stride: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def cache_geometry(kv_cache: torch.Tensor) -> CacheGeometry:
+    """Validate a paged V32 cache ``[num_blocks, block_size, 1, 656]`` uint8 and describe it.
+
+    The tokens of a block must be packed (token stride 656 bytes, byte stride 1); the block stride
+    may be larger (a view of a bigger cache), but must be a multiple of 16 bytes, and the data
+    pointer 16-byte aligned, so that the kernels' vector loads of the float32 scales and the
+    bfloat16 rope values stay aligned. Raises minirt.errors.InputError otherwise.
+    """
+    if not isinstance(kv_cache, torch.Tensor):
+        raise InputError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dtype != torch.uint8:
+        raise InputError(f"kv_cache must be uint8 (656-byte V32 tokens), got {kv_cache.dtype}")
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != BYTES_PER_TOKEN:
+        raise InputError(f"kv_cache must have shape [num_blocks, block_size, 1, {BYTES_PER_TOKEN}], "
+                         f"got {tuple(kv_cache.shape)}")
+    num_blocks, block_size = kv_cache.shape[:2]
+    if block_size < 1:
+        raise InputError("kv_cache block_size must be >= 1")
+    if kv_cache.stride(3) != 1 or (block_size > 1 and kv_cache.stride(1) != BYTES_PER_TOKEN):
+        raise InputError(f"the tokens of a kv_cache block must be packed (strides [*, "
+                         f"{BYTES_PER_TOKEN}, *, 1]), got strides {kv_cache.stride()}")
+    block_stride = kv_cache.stride(0) if num_blocks > 1 else block_size * BYTES_PER_TOKEN
+    if block_stride % 16 != 0 or kv_cache.data_ptr() % 16 != 0:
+        raise InputError(f"kv_cache block stride ({block_stride} bytes) and data pointer must be "
+                         "multiples of 16 bytes")
+    if num_blocks * block_size >= 2 ** 31:
+        raise InputError(f"kv_cache has {num_blocks * block_size} slots; slot ids are int32")
+    return CacheGeometry(num_blocks, block_size, block_stride)
+
+
+def new_kv_cache(num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """
+    Allocate a zeroed paged fp8 latent cache for one layer.
+
+    Args:
+        num_blocks: number of pages (>= 1).
+        block_size: tokens per page (>= 1); FlashMLA uses 64.
+        device: where to allocate.
+
+    Returns:
+        [num_blocks, block_size, 1, 656] uint8, all bytes 0 (dequantises to zeros).
+    """
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive int, got {value!r}")
+    return torch.zeros((num_blocks, block_size, 1, BYTES_PER_TOKEN), dtype=torch.uint8, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# positions -> slots
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["n_per_row", "max_blocks", "block_size", "num_blocks", "stride_table_b"])
+def _positions_to_slots_kernel(pos_ptr, table_ptr, slot_ptr, n_per_row, max_blocks, block_size,
+                               num_blocks, stride_table_b, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < n_per_row
+    pos = tl.load(pos_ptr + row * n_per_row + cols, mask=in_row, other=-1).to(tl.int64)
+    # 64-bit arithmetic: garbage positions or table entries must not wrap into a valid slot.
+    in_table = (pos >= 0) & (pos < max_blocks.to(tl.int64) * block_size)
+    pos = tl.where(in_table, pos, 0)
+    block = tl.load(table_ptr + row * stride_table_b + pos // block_size, mask=in_row & in_table,
+                    other=-1).to(tl.int64)
+    valid = in_table & (block >= 0) & (block < num_blocks)
+    slot = tl.where(valid, block * block_size + pos % block_size, -1)
+    tl.store(slot_ptr + row * n_per_row + cols, slot.to(tl.int32), mask=in_row)
+
+
+def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
+    """
+    Map sequences' logical token positions to cache slot ids (one Triton launch).
+
+    slot = block_table[b, p // block_size] * block_size + p % block_size for position p of
+    sequence b. The result is -1 where p < 0, p >= max_blocks_per_seq * block_size (outside the
+    table), or the table entry is outside [0, num_blocks) (e.g. -1 for an unallocated page).
+
+    Args:
+        positions: [b, ...] int32 or int64, logical positions (any trailing shape, e.g. the
+            indexer's top-k [b, s_q, topk] or new tokens' [b, s_q]).
+        block_table: [b, max_blocks_per_seq] int32, page ids of each sequence.
+        kv_cache: the paged cache the slots address (gives block_size and num_blocks).
+
+    Returns:
+        int32 tensor shaped like positions, contiguous.
+
+    Raises:
+        minirt.errors.InputError: wrong dtypes/shapes, mismatched batch or devices.
+    """
+    geometry = cache_geometry(kv_cache)
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) \
+            or positions.dim() < 1:
+        raise InputError("positions must be an int32 or int64 tensor [b, ...]")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+            or block_table.dim() != 2:
+        raise InputError("block_table must be an int32 tensor [b, max_blocks_per_seq]")
+    if block_table.shape[0] != positions.shape[0]:
+        raise InputError(f"block_table has {block_table.shape[0]} rows but positions has batch "
+                         f"{positions.shape[0]}")
+    if not positions.device == block_table.device == kv_cache.device:
+        raise InputError(f"positions ({positions.device}), block_table ({block_table.device}) and "
+                         f"kv_cache ({kv_cache.device}) must be on one device")
+    batch = positions.shape[0]
+    flat = positions.reshape(batch, -1).contiguous()
+    slots = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
+    n_per_row = flat.shape[1]
+    if flat.numel() > 0:
+        table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+        block = 256
+        _positions_to_slots_kernel[(batch, triton.cdiv(n_per_row, block))](
+            flat, table, slots, n_per_row, table.shape[1], geometry.block_size, geometry.num_blocks,
+            table.stride(0), BLOCK=block)
+    return slots.view(positions.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# writer
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _e4m3_bits(x):
+    """Round-to-nearest-even float8_e4m3fn encoding of float32 x, |x| <= 448 (as int32 0..255).
+
+    Done with integer arithmetic because the Triton 3.6 interpreter's float8 cast is wrong
+    (it truncates and mis-handles mantissa carries); on the GPU this matches cvt.rn.satfinite.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    # Normal e4m3 (|x| >= 2^-6): round the 23-bit mantissa to 3 bits (ties to even, carries into
+    # the exponent), then rebias the exponent from 127 to 7.
+    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    # Subnormal e4m3 (|x| < 2^-6, steps of 2^-9): float32 addition of 2^14 (ulp 2^-9) rounds to
+    # nearest-even; the bit distance from 2^14 is the count of 2^-9 steps (8 = smallest normal).
+    subnormal = ((magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
+                 - 0x46800000)
+    return tl.where(magnitude < 0x3C800000, subnormal, normal) | sign   # 0x3C800000 = 2^-6
+
+
+@triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride", "stride_latent", "stride_rope"])
+def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, block_size, num_slots,
+                         block_stride, stride_latent, stride_rope,
+                         NUM_TILES_: tl.constexpr, TILE: tl.constexpr, ROPE: tl.constexpr,
+                         BYTES: tl.constexpr, SCALES_AT: tl.constexpr, ROPE_AT: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    row = cache_ptr + (slot // block_size) * block_stride + (slot % block_size) * BYTES
+
+    tiles = tl.arange(0, NUM_TILES_)
+    cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    latent = tl.load(latent_ptr + token * stride_latent + cols).to(tl.float32)
+    # Exact 2^ceil(log2(max(amax / 448, 1e-4))) from the bits of amax = 1.m * 2^(E - 127):
+    # amax / 448 = (1.m / 1.75) * 2^(E - 135) and 1.m / 1.75 lies in (0.5, 1] iff m <= 0.75.
+    amax_bits = tl.max(tl.abs(latent), 1).to(tl.int32, bitcast=True)
+    exponent = (amax_bits >> 23) - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    exponent = tl.maximum(exponent, -13)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    values = tl.minimum(tl.maximum(latent * inv_scale[:, None], -448.0), 448.0)
+    tl.store(row + cols, _e4m3_bits(values).to(tl.uint8), mask=valid)
+    tl.store((row + SCALES_AT).to(tl.pointer_type(tl.float32)) + tiles, scale, mask=valid)
+    rope_cols = tl.arange(0, ROPE)
+    rope = tl.load(rope_ptr + token * stride_rope + rope_cols)
+    tl.store((row + ROPE_AT).to(tl.pointer_type(tl.int16)) + rope_cols, rope, mask=valid)
+
+
+def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """
+    Quantise new tokens and scatter them into their cache slots, in place, in one launch.
+
+    Byte-identical to quantize_kv_fp8(latent, k_rope) written at kv_cache.view(-1, 656)[slots].
+
+    Args:
+        kv_cache: [num_blocks, block_size, 1, 656] uint8 paged cache (see cache_geometry).
+        latent: [..., 512], bfloat16, float16 or float32, finite; last dim contiguous.
+        k_rope: [..., 64], bfloat16, same leading shape; last dim contiguous.
+        slots: [...] int32 or int64, same leading shape: slot id of each token. Slots outside
+            [0, num_blocks * block_size) (e.g. -1 for padding tokens) are skipped. Two tokens
+            with the same slot leave one of them, unspecified which.
+
+    Raises:
+        minirt.errors.InputError: wrong dtype/shape/device.
+    """
+    geometry = cache_geometry(kv_cache)
+    _check_token_inputs(latent, k_rope)
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
+            or slots.shape != latent.shape[:-1]:
+        raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(latent.shape[:-1])}")
+    if not latent.device == slots.device == kv_cache.device:
+        raise InputError(f"latent ({latent.device}), slots ({slots.device}) and kv_cache "
+                         f"({kv_cache.device}) must be on one device")
+    latent = latent.reshape(-1, LATENT_DIM)
+    rope = k_rope.reshape(-1, ROPE_DIM).view(torch.int16)
+    slots = slots.reshape(-1).contiguous()
+    if latent.stride(1) != 1:
+        latent = latent.contiguous()
+    if rope.stride(1) != 1:
+        rope = rope.contiguous()
+    if slots.numel() == 0:
+        return
+    _write_kv_fp8_kernel[(slots.numel(),)](
+        kv_cache, latent, rope, slots, geometry.block_size, geometry.num_slots,
+        geometry.block_stride, latent.stride(0), rope.stride(0),
+        NUM_TILES_=NUM_TILES, TILE=TILE_SIZE, ROPE=ROPE_DIM, BYTES=BYTES_PER_TOKEN,
+        SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET)

@@ -1,0 +1,416 @@
+"""Sparse MLA decode on the fp8 paged latent cache (FlashMLA ``flash_mla_with_kvcache``, sparse fp8 mode).
+
+The kernel gathers each query row's top-k cache slots straight from the 656-byte V32 tokens (see
+kv_cache_fp8), dequantises fp8 * scale in registers (exact in bf16), and runs a base-2 online
+softmax over chunks of BLOCK_N slots; there is no bf16 copy of the cache. When the batch is too
+small to fill the GPU, each row's top-k is split across programs and the partial (out, lse) are
+merged by lse in a second kernel.
+
+Public entry points: ``mla_decode_fp8`` (what the runtime calls per layer and step: block table +
+the indexer's top-k positions) and ``sparse_mla_decode_fp8`` (slot ids, FlashMLA's interface).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minirt.errors import InputError
+
+from ._common import INTERPRET
+from .kv_cache_fp8 import (BYTES_PER_TOKEN, LATENT_DIM, NUM_TILES, ROPE_DIM, ROPE_OFFSET,
+                           SCALE_OFFSET, TILE_SIZE, cache_geometry, positions_to_slots)
+
+D_QK = LATENT_DIM + ROPE_DIM
+D_V = LATENT_DIM
+_LOG2E = math.log2(math.e)
+# Smallest float32: the running max starts finite so that exp2(m_old - m_new) is never
+# exp2(-inf - -inf) = NaN, whatever chunks are fully masked.
+_FP32_LOWEST = -3.4028234663852886e38
+_MERGE_BLOCK_H = 16
+# Target number of programs per SM when choosing splits: several resident programs per SM hide
+# the gather latency of the memory-bound small-h_q case.
+_PROGRAMS_PER_SM = 4
+# Fewest top-k entries a split gets: below this its partial output (h_q * 2 KiB) costs more traffic
+# than the cache rows it reads.
+_MIN_SPLIT_LEN = 256
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape: heads per program, cache slots per loop step, warps, software-pipeline depth."""
+
+    block_h: int
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_config(h_q: int) -> DecodeConfig:
+    """The launch shape sparse_mla_decode_fp8 uses: 64 heads per program, h_q rounded up to a
+    power of two >= 16 (the smallest tl.dot width) when fewer."""
+    block_h = min(64, max(16, triton.next_power_of_2(h_q)))
+    return DecodeConfig(block_h=block_h, num_warps=8 if block_h == 64 else 4)
+
+
+@triton.jit
+def _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs,
+                 D: tl.constexpr):
+    """Write final out (bf16) and natural-log lse of a block of heads; lse2 is base 2, -inf if empty."""
+    empty = lse2 == float("-inf")
+    lse = lse2 * 0.6931471805599453
+    if has_sink:
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
+        # exp(lse) / (exp(lse) + exp(sink)); empty rows keep factor 1 (their out is 0 anyway) so a
+        # -inf sink never meets a -inf lse.
+        factor = tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - lse)))
+        o = o * factor[:, None]
+    offs_d = tl.arange(0, D)
+    tl.store(out_rows[:, None] + offs_d[None, :], o.to(out_rows.dtype.element_ty),
+             mask=h_mask[:, None])
+    tl.store(lse_ptrs, tl.where(empty, float("inf"), lse), mask=h_mask)
+
+
+@triton.jit(do_not_specialize=[
+    "s_q", "h_q", "n_head_blocks", "topk", "split_len", "block_size", "num_slots", "block_stride_16",
+    "has_topk_length", "has_sink", "stride_q_b", "stride_q_s", "stride_i_b", "stride_i_s",
+    "stride_o_split", "stride_o_b", "stride_o_s", "stride_l_split", "stride_l_b", "stride_l_s",
+    "stride_l_h"])
+def _sparse_decode_kernel(
+    q_ptr, cache_ptr, indices_ptr, topk_length_ptr, sink_ptr, out_ptr, lse_ptr,
+    s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, qk_scale_log2,
+    has_topk_length, has_sink,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_i_b, stride_i_s,
+    stride_o_split, stride_o_b, stride_o_s, stride_o_h,
+    stride_l_split, stride_l_b, stride_l_s, stride_l_h,
+    D_LAT: tl.constexpr, D_ROPE: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
+    BYTES: tl.constexpr, SCALES_AT: tl.constexpr, ROPE_AT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr,
+):
+    # Program = (query row, block of heads) on axis 0, heads of one row adjacent so their identical
+    # gathers hit L2; the top-k split on axis 1.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pid // n_head_blocks
+    b = (row // s_q).to(tl.int64)
+    s = (row % s_q).to(tl.int64)
+    offs_h = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < h_q
+    dot_dtype = tl.float32 if UPCAST else tl.bfloat16
+
+    offs_lat = tl.arange(0, D_LAT)
+    offs_rope = tl.arange(0, D_ROPE)
+    q_rows = q_ptr + b * stride_q_b + s * stride_q_s + offs_h[:, None] * stride_q_h
+    q_lat = tl.load(q_rows + offs_lat[None, :], mask=h_mask[:, None], other=0.0).to(dot_dtype)
+    q_rope = tl.load(q_rows + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0).to(dot_dtype)
+
+    n_used = topk
+    if has_topk_length:
+        n_used = tl.minimum(tl.maximum(tl.load(topk_length_ptr + b), 0), topk)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, n_used)
+
+    m_i = tl.full([BLOCK_H], _FP32_LOWEST, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
+    offs_tile = tl.arange(0, TILES)
+    offs_in_tile = tl.arange(0, TILE)
+    # The Triton 3.6 interpreter cannot loop to a runtime bound (numpy >= 2.4 refuses int() of its
+    # 1-element scalars), so it runs the split's full constexpr length; chunks past hi are masked.
+    for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(hi - lo, BLOCK_N)):
+        offs_n = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
+        valid = (slot >= 0) & (slot < num_slots)
+        # Invalid slots are never dereferenced: their tile rows are exact zeros (masked loads), so
+        # NaN bytes anywhere outside the attended slots cannot reach the dots.
+        slot = tl.where(valid, slot, 0)
+        block = slot // block_size
+        row_bytes = block.to(tl.int64) * block_stride_16 * 16 + (slot - block * block_size).to(tl.int64) * BYTES
+        token = cache_ptr + row_bytes
+        fp8 = tl.load(token.to(tl.pointer_type(tl.float8e4nv))[:, None, None]
+                      + offs_tile[None, :, None] * TILE + offs_in_tile[None, None, :],
+                      mask=valid[:, None, None], other=0.0)
+        scale = tl.load((token + SCALES_AT).to(tl.pointer_type(tl.float32))[:, None] + offs_tile[None, :],
+                        mask=valid[:, None], other=0.0)
+        # fp8 * 2^e is exact in bf16, so the bf16 tile equals the dequantised cache.
+        kv = tl.reshape(fp8.to(tl.float32) * scale[:, :, None], (BLOCK_N, D_LAT)).to(dot_dtype)
+        k_rope = tl.load((token + ROPE_AT).to(tl.pointer_type(tl.bfloat16))[:, None] + offs_rope[None, :],
+                         mask=valid[:, None], other=0.0).to(dot_dtype)
+
+        scores = tl.dot(q_lat, tl.trans(kv))
+        scores = tl.dot(q_rope, tl.trans(k_rope), acc=scores)
+        scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    # l_i >= 1 iff a valid slot was seen (its max term is exp2(0)).
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
+    out_rows = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s + offs_h * stride_o_h
+    lse_ptrs = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h
+    if SPLIT:
+        # Partial result: normalised fp32 out and base-2 lse (-inf: nothing in this split).
+        tl.store(out_rows[:, None] + offs_lat[None, :], o, mask=h_mask[:, None])
+        tl.store(lse_ptrs, lse2, mask=h_mask)
+    else:
+        _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs, D_LAT)
+
+
+@triton.jit(do_not_specialize=[
+    "num_splits", "s_q", "h_q", "n_head_blocks", "has_sink", "stride_po_split", "stride_po_row",
+    "stride_pl_split", "stride_pl_row", "stride_o_b", "stride_o_s", "stride_l_b", "stride_l_s",
+    "stride_l_h"])
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_splits, s_q, h_q, n_head_blocks, has_sink,
+    stride_po_split, stride_po_row, stride_po_h, stride_pl_split, stride_pl_row,
+    stride_o_b, stride_o_s, stride_o_h, stride_l_b, stride_l_s, stride_l_h,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, INTERPRETED_SPLITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = (pid // n_head_blocks).to(tl.int64)
+    b = row // s_q
+    s = row % s_q
+    offs_h = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < h_q
+    offs_d = tl.arange(0, D)
+    lse_rows = part_lse_ptr + row * stride_pl_row + offs_h
+
+    lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for split in range(0, INTERPRETED_SPLITS if UPCAST else num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_rows + split * stride_pl_split, mask=h_mask,
+                                              other=float("-inf")))
+    # Empty splits have lse -inf: weight exp2(-inf - ref) = 0 with a finite ref, never NaN.
+    ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    out_rows = part_out_ptr + row * stride_po_row + offs_h[:, None] * stride_po_h + offs_d[None, :]
+    for split in range(0, INTERPRETED_SPLITS if UPCAST else num_splits):
+        weight = tl.math.exp2(tl.load(lse_rows + split * stride_pl_split, mask=h_mask,
+                                      other=float("-inf")) - ref)
+        part = tl.load(out_rows + split * stride_po_split, mask=h_mask[:, None], other=0.0)
+        acc += weight[:, None] * part
+        weight_sum += weight
+    has_keys = weight_sum > 0.0
+    total = tl.where(has_keys, weight_sum, 1.0)
+    lse2 = tl.where(has_keys, ref + tl.math.log2(total), float("-inf"))
+    _store_final(acc / total[:, None], lse2, offs_h, h_mask, sink_ptr, has_sink,
+                 out_ptr + b * stride_o_b + s * stride_o_s + offs_h * stride_o_h,
+                 lse_ptr + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h, D)
+
+
+def _default_num_splits(n_programs: int, topk: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(n_programs, 1))
+    return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
+
+
+def _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse) -> None:
+    for name, t in (("q", q), ("indices", indices)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or q.shape[3] != D_QK or q.dtype != torch.bfloat16:
+        raise InputError(f"q must be a bfloat16 tensor [b, s_q, h_q, {D_QK}], got {q.dtype} {tuple(q.shape)}")
+    b, s_q, h_q, _ = q.shape
+    if indices.dim() != 3 or indices.dtype != torch.int32 or tuple(indices.shape[:2]) != (b, s_q):
+        raise InputError(f"indices must be an int32 tensor [b={b}, s_q={s_q}, topk], got "
+                         f"{indices.dtype} {tuple(indices.shape)}")
+    if isinstance(d_v, bool) or d_v != D_V:
+        raise InputError(f"d_v must be {D_V} (the latent width), got {d_v!r}")
+    tensors = {"q": q, "kv_cache": kv_cache, "indices": indices}
+    optional = (("attn_sink", attn_sink, torch.float32, (h_q,)),
+                ("topk_length", topk_length, torch.int32, (b,)),
+                ("out", out, torch.bfloat16, (b, s_q, h_q, D_V)),
+                ("lse", lse, torch.float32, (b, h_q, s_q)))
+    for name, t, dtype, shape in optional:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+            raise InputError(f"{name} must be a {dtype} tensor of shape {list(shape)}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        tensors[name] = t
+    if out is not None and out.stride(3) != 1:
+        raise InputError("out must have a contiguous last dim")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise InputError("all tensors must be on one device, got "
+                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
+    if not INTERPRET and q.device.type != "cuda":
+        raise InputError(f"tensors are on {q.device}; the compiled kernel needs CUDA tensors "
+                         "(set TRITON_INTERPRET=1 before importing minirt.kernels to run on the CPU)")
+
+
+def sparse_mla_decode_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    *,
+    num_splits: Optional[int] = None,
+    config: Optional[DecodeConfig] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    Sparse MLA decode attention over the fp8 paged latent cache; the semantics of FlashMLA's
+    flash_mla_with_kvcache in sparse fp8 mode (is_fp8_kvcache=True, indices given).
+
+    Query token (b, i) attends, in every head h, to the cache slots indices[b, i, :]:
+        K_j = V_j ⊕ rope_j = dequantize(kv_cache.view(-1, 656)[indices[b, i, j]])   (576 values)
+        P[b, i, h, j]  = sm_scale * q[b, i, h, :] . K_j                   (valid j only)
+        lse[b, h, i]   = log(sum_j exp(P[b, i, h, j]))                    (natural log)
+        out[b, i, h]   = sum_j exp(P[b, i, h, j] - lse[b, h, i]) * V_j    (V_j: the 512 latent values)
+
+    Args:
+        q: [b, s_q, h_q, 576], bfloat16: the absorbed query (latent 512 | rope 64). s_q > 1 for
+            speculative steps (each query token has its own indices); any h_q.
+        kv_cache: [num_blocks, block_size, 1, 656] uint8, V32 fp8 layout (kv_cache_fp8); the block
+            stride may be larger than block_size * 656 (multiple of 16 bytes).
+        indices: [b, s_q, topk], int32 slot ids (block * block_size + offset). A slot is valid iff
+            0 <= slot < num_blocks * block_size; anything else (-1, ±2^31, ...) is skipped and never
+            dereferenced. Duplicates count twice.
+        sm_scale: float, the softmax scale applied to q.k.
+        d_v: must be 512.
+        attn_sink: optional [h_q] float32. out[b, i, h] is multiplied by
+            exp(lse) / (exp(lse) + exp(attn_sink[h])); lse is unchanged. -inf: no effect.
+        topk_length: optional [b] int32. Batch b uses only indices[b, :, :topk_length[b]]
+            (clamped to [0, topk]); later entries are never read.
+        num_splits: keyword-only, optional: split each row's top-k over this many programs (merged
+            by lse). Default: enough programs to fill the GPU (1 on the CPU).
+        config: keyword-only, optional DecodeConfig (launch shape); default default_config(h_q).
+        out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
+
+    Returns:
+        out: [b, s_q, h_q, 512] bfloat16.
+        lse: [b, h_q, s_q] float32, natural log, without the sink.
+        A row with no valid index gets out = 0 and lse = +inf. Bytes of slots that no valid index
+        points to (NaN, 0xFF, anything) never affect a result.
+
+    Raises:
+        minirt.errors.InputError: wrong type, dtype, shape (last dims 576 / 656), d_v != 512,
+            mismatched devices, or CPU tensors without TRITON_INTERPRET=1.
+    """
+    geometry = cache_geometry(kv_cache)
+    _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse)
+    b, s_q, h_q, _ = q.shape
+    topk = indices.shape[2]
+    device = q.device
+    if out is None:
+        out = torch.empty((b, s_q, h_q, D_V), dtype=torch.bfloat16, device=device)
+    if lse is None:
+        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=device)
+    if b * s_q * h_q == 0:
+        return out, lse
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    if indices.stride(2) != 1:
+        indices = indices.contiguous()
+    cfg = config or default_config(h_q)
+    n_head_blocks = triton.cdiv(h_q, cfg.block_h)
+    n_rows = b * s_q
+    if num_splits is None:
+        num_splits = _default_num_splits(n_rows * n_head_blocks, topk, device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise InputError(f"num_splits must be a positive int, got {num_splits!r}")
+    # Splits cover whole BLOCK_N chunks; drop splits that would start past topk.
+    split_len = max(cfg.block_n, triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n)
+    num_splits = max(1, triton.cdiv(topk, split_len))
+
+    if num_splits == 1:
+        dst_out, dst_lse = out, lse
+        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+        l_strides = (0, lse.stride(0), lse.stride(2), lse.stride(1))
+    else:
+        dst_out = torch.empty((num_splits, b, s_q, h_q, D_V), dtype=torch.float32, device=device)
+        dst_lse = torch.empty((num_splits, b, s_q, h_q), dtype=torch.float32, device=device)
+        o_strides = dst_out.stride()[:4]
+        l_strides = dst_lse.stride()
+    # Unused optional pointers still need a tensor argument; the runtime flags keep them unread.
+    sink = attn_sink if attn_sink is not None else lse
+    lengths = topk_length if topk_length is not None else indices
+    _sparse_decode_kernel[(n_rows * n_head_blocks, num_splits)](
+        q, kv_cache, indices, lengths, sink, dst_out, dst_lse,
+        s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
+        geometry.block_stride // 16, float(sm_scale) * _LOG2E,
+        int(topk_length is not None), int(attn_sink is not None),
+        q.stride(0), q.stride(1), q.stride(2),
+        indices.stride(0), indices.stride(1),
+        *o_strides, *l_strides,
+        D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, TILES=NUM_TILES, TILE=TILE_SIZE, BYTES=BYTES_PER_TOKEN,
+        SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
+        UPCAST=INTERPRET, INTERPRETED_ITERS=triton.cdiv(split_len, cfg.block_n) if INTERPRET else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        n_merge_blocks = triton.cdiv(h_q, _MERGE_BLOCK_H)
+        _merge_splits_kernel[(n_rows * n_merge_blocks,)](
+            dst_out, dst_lse, sink, out, lse,
+            num_splits, s_q, h_q, n_merge_blocks, int(attn_sink is not None),
+            dst_out.stride(0), dst_out.stride(2), dst_out.stride(3), dst_lse.stride(0), dst_lse.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(2), lse.stride(1),
+            D=D_V, BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET,
+            INTERPRETED_SPLITS=num_splits if INTERPRET else 0, num_warps=4,
+        )
+    return out, lse
+
+
+def mla_decode_fp8(
+    q_absorbed: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    topk_positions: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    DSA decode attention of one MLA layer on its fp8 paged cache: the runtime's per-layer, per-step
+    decode entry point.
+
+    Maps the indexer's top-k logical positions to cache slots through the block table
+    (positions_to_slots: one launch) and runs sparse_mla_decode_fp8 on them.
+
+    Args:
+        q_absorbed: [b, s_q, h_q, 576] bfloat16: per head, q_nope absorbed through kv_b_proj
+            (512) followed by the roped q_pe (64).
+        kv_cache: [num_blocks, block_size, 1, 656] uint8, this layer's V32 fp8 cache.
+        block_table: [b, max_blocks_per_seq] int32, page ids of each sequence (-1 = unallocated).
+        topk_positions: [b, s_q, topk] int32, logical token positions chosen by the indexer for
+            each query token. -1 (or any position outside the table, or on an unallocated page)
+            means none; such entries are skipped.
+        sm_scale: float softmax scale ((qk_nope + qk_rope)^-0.5 * mscale^2 for V3.2).
+        d_v, attn_sink, topk_length: as in sparse_mla_decode_fp8 (topk_length [b] limits the used
+            entries of topk_positions).
+
+    Returns:
+        (out [b, s_q, h_q, 512] bfloat16, lse [b, h_q, s_q] float32 natural log); rows with no
+        valid position get out = 0, lse = +inf.
+
+    Raises:
+        minirt.errors.InputError: wrong dtypes/shapes/devices (see both callees).
+    """
+    if not isinstance(topk_positions, torch.Tensor) or topk_positions.dtype != torch.int32 \
+            or topk_positions.dim() != 3:
+        raise InputError("topk_positions must be an int32 tensor [b, s_q, topk]")
+    slots = positions_to_slots(topk_positions, block_table, kv_cache)
+    return sparse_mla_decode_fp8(q_absorbed, kv_cache, slots, sm_scale, d_v, attn_sink, topk_length)
