@@ -304,7 +304,7 @@ def _check_finite(t: torch.Tensor, name: str, shard: Path, what: str = "value") 
     index = _first_nonfinite(t)
     if index is not None:
         value = t.flatten()[index].float().item()
-        raise CheckpointError(f"tensor {name} in {shard.name}: non-finite {what} {value} at flat index {index}")
+        raise CheckpointError(f"tensor {name} in {shard.name}: non-finite {what} ({value}) at flat index {index}")
 
 
 def _read_tensor(handle, stored: StoredTensor, name: str) -> torch.Tensor:
