@@ -161,8 +161,9 @@ def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelC
 
 
 def tensor_seed(seed: int, name: str) -> int:
-    """Seed of tensor ``name``'s generator: stable across runs and Python versions (CRC32, not hash())."""
-    return (seed * 2**32 + zlib.crc32(name.encode())) % 2**63
+    """Seed of tensor ``name``'s generator: a CRC32 of seed and name, stable across runs and Python
+    versions (unlike hash()). 32 bits because the CPU generator (mt19937) ignores higher seed bits."""
+    return zlib.crc32(f"{seed}/{name}".encode())
 
 
 def _init_mean_std(name: str, spec: TensorSpec) -> tuple[float, float]:
@@ -214,7 +215,8 @@ class _SafetensorsWriter:
     """A safetensors file whose tensor list is fixed up front; data is written row range by row range.
 
     Tensors are ordered by descending item size, then name (as the safetensors library does, so each
-    tensor starts aligned to its item size); ``close`` checks every byte of every tensor was written.
+    tensor starts aligned to its item size). A context manager: leaving the block without an error
+    checks that every byte of every tensor was written.
     """
 
     def __init__(self, path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
@@ -236,18 +238,23 @@ class _SafetensorsWriter:
         self._file = path.open("wb")
         self._file.write(struct.pack("<Q", len(raw)) + raw)
 
-    def write_rows(self, name: str, first_row: int, rows: torch.Tensor) -> None:
-        """Write ``rows`` (contiguous leading-dim slice of tensor ``name``, in its stored dtype) at first_row."""
+    def write_rows(self, name: str, first_row: int, rows: torch.Tensor) -> int:
+        """Write ``rows`` (a leading-dim slice of tensor ``name``, in its stored dtype) from row first_row
+        on; returns the number of bytes written."""
         offset, row_bytes = self._entries[name]
         data = rows.detach().contiguous().cpu().view(torch.uint8).numpy()
         self._file.seek(self._data_start + offset + first_row * row_bytes)
-        self._file.write(data.tobytes())
+        self._file.write(data)
         self._missing[name] -= data.nbytes
+        return data.nbytes
 
-    def close(self) -> None:
+    def __enter__(self) -> "_SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
         self._file.close()
         unwritten = [name for name, left in self._missing.items() if left != 0]
-        if unwritten:
+        if exc_type is None and unwritten:
             raise RuntimeError(f"{self.path}: tensors not fully written: {unwritten}")
 
 
@@ -314,22 +321,18 @@ def _write_files(tmp: Path, preset: Preset, cfg: ModelConfig, seed: int, device:
     for k, names in enumerate(groups, start=1):
         shard_name = f"model-{k:05d}-of-{len(groups):06d}.safetensors"  # the real checkpoint's spelling
         shard_layout = {n: v for n, v in layout.items() if n.removesuffix(SCALE_SUFFIX) in names}
-        writer = _SafetensorsWriter(tmp / shard_name, shard_layout)
-        try:
+        with _SafetensorsWriter(tmp / shard_name, shard_layout) as writer:
             for name in names:
                 spec = specs[name]
                 for first_row, rows in _row_chunks(name, spec, seed, device, block[0] if block else 1):
                     if spec.quantized:
                         w_fp8, scale_inv = quantize_block_fp8(rows, block)
-                        writer.write_rows(name, first_row, w_fp8)
-                        writer.write_rows(name + SCALE_SUFFIX, first_row // block[0], scale_inv)
+                        done += writer.write_rows(name, first_row, w_fp8)
+                        done += writer.write_rows(name + SCALE_SUFFIX, first_row // block[0], scale_inv)
                     else:
-                        writer.write_rows(name, first_row, rows.to(layout[name][0]))
-                done += sum(_nbytes(*v) for n, v in shard_layout.items() if n.removesuffix(SCALE_SUFFIX) == name)
-                if progress is not None:
-                    progress(done, total, name)
-        finally:
-            writer.close()
+                        done += writer.write_rows(name, first_row, rows.to(layout[name][0]))
+                    if progress is not None:
+                        progress(done, total, name)
         weight_map |= {n: shard_name for n in shard_layout}
 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -355,7 +358,7 @@ def write_synthetic_checkpoint(
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
     removed on any failure. Raises InputError for an unknown preset, a bad num_layers, or an out_dir that
     is a file or a non-empty directory (unless force=True, which replaces it). ``progress(done, total,
-    name)``, if given, is called after each weight with bytes written so far and in total.
+    name)``, if given, is called after each chunk written with bytes written so far and in total.
     """
     cfg = preset_config(preset, num_layers)
     if isinstance(seed, bool) or not isinstance(seed, int):
