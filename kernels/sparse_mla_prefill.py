@@ -187,9 +187,9 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:
     if len(devices) != 1:
         raise InputError("all tensors must be on one device, got "
                          + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
-    if not INTERPRET and q.device.type != "cuda":
-        raise InputError(f"tensors are on {q.device}; the compiled kernel needs CUDA tensors "
-                         "(set TRITON_INTERPRET=1 before importing minirt.kernels to run on CPU)")
+    if q.device.type != "cuda" and not (INTERPRET and q.device.type == "cpu"):
+        raise InputError(f"tensors are on {q.device}; the kernel needs CUDA tensors (or CPU tensors with "
+                         "TRITON_INTERPRET=1 set before minirt.kernels is imported)")
 
 
 def _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, config: PrefillConfig):
