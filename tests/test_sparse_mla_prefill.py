@@ -163,7 +163,7 @@ def row_validity(kind, topk, gen):
     return (pos // period) % 2 == 1
 
 
-@settings(max_examples=60 if not ON_GPU else 80, deadline=None,
+@settings(max_examples=60 if not ON_GPU else 50, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_matches_reference(c):

@@ -1,0 +1,114 @@
+"""Benchmark minirt.kernels.sparse_mla_prefill on the GPU against the hardware ceilings and eager torch.
+
+    python3 scripts/bench_prefill.py [--out results.md] [--variants 64,8,2 32,8,3 ...]
+
+TFLOP/s counts 2 * sum(valid topk) * h_q * (d_qk + d_v). The ceilings (bf16 8192^3 matmul, device
+copy) are measured in the same run; times are triton.testing.do_bench medians. Indices are uniform
+random rows of kv, all valid, unsorted. Every kernel variant is first checked against the eager
+baseline on 64 query rows.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from minirt.kernels.sparse_mla_prefill import PrefillConfig, _launch, default_config
+
+S_Q, TOPK, D_V = 4096, 2048, 512
+# The issue's target shape first, so a run cut short still reports it.
+SHAPES = [(s_kv, h_q, d_qk) for d_qk in (576, 512) for s_kv in (32768, 8192) for h_q in (128, 64)]
+
+
+def eager_prefill(q, kv, indices, sm_scale, d_v, chunk=256):
+    """Gather + bf16 matmuls + fp32 softmax, chunked over s_q to bound the gathered copy."""
+    out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
+    for start in range(0, q.shape[0], chunk):
+        k = kv[:, 0][indices[start:start + chunk, 0].long()]                 # [c, topk, d_qk]
+        logits = torch.matmul(q[start:start + chunk], k.transpose(1, 2)).float() * sm_scale
+        p = torch.softmax(logits, -1).to(q.dtype)
+        out[start:start + chunk] = torch.matmul(p, k[..., :d_v])
+    return out
+
+
+def ceilings():
+    a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    b = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    mm_ms = do_bench(lambda: a @ b, return_mode="median")
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * 8192**3 / mm_ms / 1e9, 2 * src.numel() / copy_ms / 1e6
+
+
+def parse_variant(text: str) -> PrefillConfig:
+    block_n, num_warps, num_stages = (int(x) for x in text.split(","))
+    return PrefillConfig(block_h=64, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="-", help="markdown table destination (default stdout)")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="extra kernel configs block_n,num_warps,num_stages (block_h 64) besides the default")
+    args = parser.parse_args()
+    variants = [("default", None)] + [(v, parse_variant(v)) for v in args.variants]
+
+    mm_tflops, copy_gbs = ceilings()
+    lines = [
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",
+        f"- ceilings: bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s, device copy {copy_gbs:.0f} GB/s (read + write)",
+        f"- s_q {S_Q}, topk {TOPK} (all valid, uniform random, unsorted), d_v {D_V}; TFLOP/s (ms)",
+        f"- default config: {default_config(128)}",
+        "",
+        "| s_kv | h_q | d_qk | eager torch | " + " | ".join(name for name, _ in variants) + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(variants),
+    ]
+    print("\n".join(lines), flush=True)
+
+    for s_kv, h_q, d_qk in SHAPES:
+        gen = torch.Generator("cuda").manual_seed(0)
+        q = torch.randn((S_Q, h_q, d_qk), generator=gen, device="cuda").bfloat16()
+        kv = torch.randn((s_kv, 1, d_qk), generator=gen, device="cuda").bfloat16()
+        indices = torch.randint(0, s_kv, (S_Q, 1, TOPK), generator=gen, device="cuda", dtype=torch.int32)
+        sm_scale = d_qk**-0.5
+        flops = 2 * S_Q * TOPK * h_q * (d_qk + D_V)
+        expected = eager_prefill(q[:64], kv, indices[:64], sm_scale, D_V).float()
+
+        def fmt(ms):
+            return f"{flops / ms / 1e9:.0f} ({ms:.2f})"
+
+        cells = [fmt(do_bench(lambda: eager_prefill(q, kv, indices, sm_scale, D_V), return_mode="median"))]
+        for name, config in variants:
+            config = config or default_config(h_q)
+            try:
+                got = _launch(q[:64], kv, indices[:64], sm_scale, D_V, None, None, None, config)[0].float()
+                rel = ((got - expected).norm() / expected.norm()).item()
+                if not rel < 1e-2:
+                    cells.append(f"WRONG (rel err {rel:.2g})")
+                    continue
+                cells.append(fmt(do_bench(
+                    lambda: _launch(q, kv, indices, sm_scale, D_V, None, None, None, config), return_mode="median")))
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
+                cells.append(f"failed: {type(e).__name__}")
+        row = f"| {s_kv} | {h_q} | {d_qk} | " + " | ".join(cells) + " |"
+        lines.append(row)
+        print(row, flush=True)
+        del q, kv, indices
+        torch.cuda.empty_cache()
+
+    text = "\n".join(lines) + "\n"
+    if args.out == "-":
+        sys.stdout.write("\n" + text)
+    else:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
