@@ -77,8 +77,12 @@ def tensor_specs(cfg: ModelConfig, num_layers: int) -> dict[str, TensorSpec]:
     _check_num_layers(cfg, num_layers)
     fp8 = cfg.quantization is not None
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
-    linear = lambda out, inp: TensorSpec((out, inp), fp8)  # noqa: E731
-    plain = lambda *shape: TensorSpec(tuple(shape), False)  # noqa: E731
+
+    def linear(out: int, inp: int) -> TensorSpec:
+        return TensorSpec((out, inp), fp8)
+
+    def plain(*shape: int) -> TensorSpec:
+        return TensorSpec(shape, False)
 
     specs: dict[str, TensorSpec] = {"model.embed_tokens.weight": plain(cfg.vocab_size, hidden)}
     for i in range(num_layers):
@@ -296,8 +300,9 @@ def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
 def _first_nonfinite(t: torch.Tensor) -> int | None:
     """Flat index of the first NaN or ±Inf in t, or None. float8_e4m3fn has NaN (0x7F / 0xFF) but no Inf."""
     bad = (t.view(torch.uint8) & 0x7F) == 0x7F if t.dtype == FP8_DTYPE else ~torch.isfinite(t)
-    hits = bad.flatten().nonzero()
-    return int(hits[0, 0]) if hits.numel() else None
+    if not bad.any():
+        return None
+    return int(bad.flatten().to(torch.uint8).argmax())  # argmax returns the first of equal maxima
 
 
 def _check_finite(t: torch.Tensor, name: str, shard: Path, what: str = "value") -> None:

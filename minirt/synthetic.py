@@ -8,8 +8,9 @@ The files mirror the published DeepSeek-V3.2 checkpoint: ``config.json``, sharde
 
 Values are random but deterministic: each tensor is drawn from its own generator, seeded from the
 global seed and a CRC32 of the tensor name, in fixed-size row chunks (a given seed, preset and device
-type always give the same bytes; CPU and CUDA generators differ). Tensors are streamed to disk chunk by
-chunk, so the v32 preset (several GB) never holds more than one chunk and one shard's scales in memory.
+type always give the same bytes; CPU and CUDA generators differ). Tensors are generated, quantised and
+written chunk by chunk (about 64 MiB of float32 each), so the v32 preset (4.3 GB for one layer) peaks at
+a few hundred MB of memory.
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelC
 # Values
 
 
-def tensor_seed(seed: int, name: str) -> int:
+def _tensor_seed(seed: int, name: str) -> int:
     """Seed of tensor ``name``'s generator: a CRC32 of seed and name, stable across runs and Python
     versions (unlike hash()). 32 bits because the CPU generator (mt19937) ignores higher seed bits."""
     return zlib.crc32(f"{seed}/{name}".encode())
@@ -180,7 +181,7 @@ def _init_mean_std(name: str, spec: TensorSpec) -> tuple[float, float]:
 def _row_chunks(name: str, spec: TensorSpec, seed: int, device: torch.device, row_align: int) -> Iterator[tuple[int, torch.Tensor]]:
     """(first row, float32 rows) chunks of tensor ``name``'s values, each a multiple of row_align rows
     (the fp8 block height) except the last; one chunk for a 1-D tensor."""
-    generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+    generator = torch.Generator(device=device).manual_seed(_tensor_seed(seed, name))
     mean, std = _init_mean_std(name, spec)
     rows = spec.shape[0]
     cols = spec.shape[1] if len(spec.shape) == 2 else None
@@ -350,7 +351,7 @@ def write_synthetic_checkpoint(
     device: str | torch.device = "cpu",
     progress: Progress | None = None,
 ) -> Path:
-    """Write a synthetic checkpoint of ``preset`` (see PRESETS) into ``out_dir``; returns out_dir.
+    """Write a synthetic checkpoint of ``preset`` (see PRESETS) into ``out_dir``; returns its absolute path.
 
     num_layers: number of (dense) layers, default the preset's (tiny 2, v32 3); the config's
     num_hidden_layers and first_k_dense_replace are both set to it. device: where values are generated
@@ -364,7 +365,7 @@ def write_synthetic_checkpoint(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InputError(f"seed must be an int, got {seed!r}")
     device = resolve_device(device)
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # "." must name a directory with a parent to hold the temporary
     _check_out_dir(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))

@@ -92,14 +92,12 @@ def test_same_seed_same_bytes_other_seed_other_values(tiny, tmp_path):
 def test_chunked_generation_gives_a_valid_checkpoint(tmp_path, monkeypatch):
     # v32 generates big tensors in row chunks; force chunks of 128 rows here (576-row kv_a: 4 + a partial).
     monkeypatch.setattr(synthetic, "CHUNK_ELEMENTS", 128 * 256)
-    ckpt = write_synthetic_checkpoint(tmp_path / "chunked", preset="tiny", seed=42)
-    _, w = load_checkpoint(ckpt)
+    ckpt = write_synthetic_checkpoint(tmp_path / "chunked", preset="tiny", seed=42, num_layers=1)
+    _, w = load_checkpoint(ckpt)  # validates every header, dtype, shape and value
     for name, t in w.items():
         if name.endswith("_proj.weight") and ".indexer." not in name:
             fan_in = t.shape[1]
             assert t.std().item() == pytest.approx(fan_in**-0.5, rel=0.1), name
-    again = write_synthetic_checkpoint(tmp_path / "chunked2", preset="tiny", seed=42)
-    assert all_bytes(again) == all_bytes(ckpt)
 
 
 def test_num_layers_override_and_progress(tmp_path):
@@ -125,14 +123,14 @@ def test_refuses_non_empty_dir_without_force(tmp_path):
         write_synthetic_checkpoint(out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
-    write_synthetic_checkpoint(out, force=True)
+    write_synthetic_checkpoint(out, force=True, num_layers=1)
     assert not (out / "keep.txt").exists() and (out / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_empty_dir_is_fine_and_a_file_is_not(tmp_path):
     (tmp_path / "empty").mkdir()
-    write_synthetic_checkpoint(tmp_path / "empty")
+    write_synthetic_checkpoint(tmp_path / "empty", num_layers=1)
     (tmp_path / "file").write_text("x")
     with pytest.raises(InputError, match="not a directory"):
         write_synthetic_checkpoint(tmp_path / "file", force=True)
