@@ -62,13 +62,12 @@ def _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs
                  D: tl.constexpr):
     """Write final out (bf16) and natural-log lse of a block of heads; lse2 is base 2, -inf if empty."""
     empty = lse2 == float("-inf")
-    lse = lse2 * 0.6931471805599453
+    # Empty rows compute with lse 0 (their out is 0 anyway) so that a -inf sink never meets a -inf lse.
+    lse = tl.where(empty, 0.0, lse2 * 0.6931471805599453)
     if has_sink:
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
-        # exp(lse) / (exp(lse) + exp(sink)); empty rows keep factor 1 (their out is 0 anyway) so a
-        # -inf sink never meets a -inf lse.
-        factor = tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - lse)))
-        o = o * factor[:, None]
+        # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse))
+        o = o * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
     offs_d = tl.arange(0, D)
     tl.store(out_rows[:, None] + offs_d[None, :], o.to(out_rows.dtype.element_ty),
              mask=h_mask[:, None])
