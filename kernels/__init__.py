@@ -18,8 +18,4 @@ if not torch.cuda.is_available():
 
 from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, quantize_kv_fp8, write_kv_fp8  # noqa: E402
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
-
-try:
-    from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
-except ImportError:  # TEMP until the decode kernel lands
-    pass
+from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, DeviceError, InputError, MinirtError
 
-__all__ = ["load", "default_weights_dir", "ModelConfig", "MinirtError", "ConfigError", "CheckpointError",
+__all__ = ["load", "default_checkpoint", "default_weights_dir", "ModelConfig", "MinirtError", "ConfigError", "CheckpointError",
            "InputError", "DeviceError"]
 
 
@@ -36,7 +36,11 @@ def default_checkpoint(progress=None) -> Path:
 
     path = default_weights_dir() / "tiny"
     if not (path / "config.json").is_file():
-        write_synthetic_checkpoint(path, preset="tiny", seed=0, progress=progress)
+        try:
+            write_synthetic_checkpoint(path, preset="tiny", seed=0, progress=progress)
+        except InputError:  # another process wrote it first (the write is an atomic rename)
+            if not (path / "config.json").is_file():
+                raise
     return path
 
 

@@ -114,7 +114,7 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
         ("softmax scale", f"{cfg.softmax_scale:.6f}"),
         ("quantization", f"fp8 e4m3, blocks {cfg.quantization.weight_block_size}" if cfg.quantization else "none"),
         ("layers to load", str(plan.num_layers)),
-        ("shards to open", ", ".join(plan.shards)),
+        ("shards to open", ", ".join(f.name for f in plan.shard_files)),
         ("tensors / parameters", f"{len(plan.tensor_names)} / {plan.num_parameters:,}"),
         ("bytes to read", f"{plan.num_bytes:,}"),
     ]:
@@ -166,6 +166,8 @@ def generate(
     else:
         if tokenizer is None:
             raise InputError(f"{path} has no tokenizer.json: pass the prompt as --tokens 1,2,3")
+        if prompt == "":
+            raise InputError("the prompt is empty")
         ids = tokenizer.encode(prompt if prompt is not None else "The quick brown fox")
     if batch < 1:
         raise InputError(f"--batch must be >= 1, got {batch}")
@@ -174,11 +176,13 @@ def generate(
     eos = engine.cfg.eos_token_id
     out = Console(highlight=False)
 
+    as_text = tokenizer is not None and tokens is None  # token ids in, token ids out
+
     def stream(seq: int, token: int) -> None:
         if seq == 0:
-            out.print(tokenizer.decode([token]) if tokenizer else f"{token} ", end="")
+            out.print(tokenizer.decode([token]) if as_text else f"{token} ", end="")
 
-    if tokenizer is not None:
+    if as_text:
         out.print(tokenizer.decode(ids), end="", style="dim")
     result = run_generate(engine, [ids] * batch, max_new_tokens, sampling, eos, stream)
     out.print()

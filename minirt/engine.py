@@ -76,12 +76,13 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
-                trace: PrefillTrace | None = None) -> torch.Tensor:
+                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Run prompts (lists of token ids) through the model, filling the cache from position 0.
 
         Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
         packed prompt after prompt [sum(len), vocab]. Allocates a cache that fits the prompts when
-        none was set up.
+        none was set up. ``topk_override``: per layer [sum(len), k] positions that replace the
+        indexer's choice (to compare numerics with identical top-k).
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
@@ -95,8 +96,9 @@ class Engine:
         slots = self.cache.slots(batch_index, positions)
         cos, sin = self._rope(positions)
         h = self.model.model.embed_tokens(tokens)
-        for layer, layer_cache in zip(self.model.model.layers, self.cache.layers):
-            attn, topk = layer.self_attn.prefill(layer.input_layernorm(h), cos, sin, lens, layer_cache, slots)
+        for i, (layer, layer_cache) in enumerate(zip(self.model.model.layers, self.cache.layers)):
+            attn, topk = layer.self_attn.prefill(layer.input_layernorm(h), cos, sin, lens, layer_cache, slots,
+                                                 None if topk_override is None else topk_override[i])
             h = h + attn
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if trace is not None:
@@ -110,8 +112,9 @@ class Engine:
         return self._logits(h)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab]."""
+    def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab].
+        ``topk_override``: per layer [b, k] positions that replace the indexer's choice."""
         tokens = torch.as_tensor(tokens, device=self.device).view(-1)
         if self.cache is None or tokens.numel() != self.batch:
             raise InputError(f"decode needs one token per prefilled sequence ({getattr(self, 'batch', 0)}), got {tokens.numel()}")
@@ -124,9 +127,10 @@ class Engine:
         block_table = self.cache.block_table[: self.batch]
         cos, sin = self._rope(positions)
         h = self.model.model.embed_tokens(tokens)
-        for layer, layer_cache in zip(self.model.model.layers, self.cache.layers):
+        for i, (layer, layer_cache) in enumerate(zip(self.model.model.layers, self.cache.layers)):
             h = h + layer.self_attn.decode(layer.input_layernorm(h), cos, sin, positions, layer_cache, block_table,
-                                           slots, self.cache.block_size)
+                                           slots, self.cache.block_size,
+                                           None if topk_override is None else topk_override[i])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         self.cache.seq_lens[: self.batch] += 1
         return self._logits(h)

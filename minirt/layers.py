@@ -92,12 +92,13 @@ class LightningIndexer(nn.Module):
     def select(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """scores [..., T, S], valid [..., T, S] bool -> top-k key positions [..., T, index_topk] int32.
 
-        Row t keeps min(index_topk, #valid) keys; the rest of the row is −1.
+        Row t keeps min(index_topk, #valid) keys; the rest of the row is −1. Ties go to the earlier
+        position, as in the reference (several keys can score exactly 0 when every head's relu clips).
         """
         scores = scores.masked_fill(~valid, float("-inf"))
         k = min(self.topk, scores.shape[-1])
-        top = torch.topk(scores, k, dim=-1)
-        idx = torch.where(torch.isneginf(top.values), -1, top.indices).to(torch.int32)
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        idx = torch.where(torch.isneginf(values[..., :k]), -1, order[..., :k]).to(torch.int32)
         if k < self.topk:
             idx = F.pad(idx, (0, self.topk - k), value=-1)
         return idx
@@ -212,12 +213,13 @@ class MLAAttention(nn.Module):
         return self.output(o_latent), topk
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-               cache: LayerCache, block_table: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+               cache: LayerCache, block_table: torch.Tensor, slots: torch.Tensor, block_size: int,
+               topk_override: torch.Tensor | None = None) -> torch.Tensor:
         """One new token per sequence over the fp8 paged cache.
 
         x [b, hidden] (normed), cos/sin [b, rope/2] at ``positions`` [b]; the new tokens are written
         to ``slots`` [b] first, so each attends to itself. block_table [b, max_blocks] int32.
-        Returns out [b, hidden].
+        topk_override [b, k] (positions, −1 = none) replaces the indexer's choice. Returns out [b, hidden].
         """
         q_abs, latent, k_rope, qr = self.project(x, cos, sin)
         write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), slots)
@@ -226,6 +228,9 @@ class MLAAttention(nn.Module):
         pos = torch.arange(span, device=x.device)
         if self.indexer is not None:
             cache.index_keys[slots] = self.indexer.keys(x, cos, sin)
+        if topk_override is not None:
+            topk = topk_override.to(torch.int32)[:, None]
+        elif self.indexer is not None:
             index_q, index_w = self.indexer.queries(x, qr, cos, sin)
             key_slots = block_table[:, pos // block_size].long() * block_size + pos % block_size
             scores = self.indexer.scores(index_q[:, None], index_w[:, None], cache.index_keys[key_slots])

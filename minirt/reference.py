@@ -154,11 +154,12 @@ def select_topk(index_scores: Tensor, topk: int) -> Tensor:
     """Per query row, the keys of the ``min(topk, t + 1)`` highest causal scores, best first.
 
     index_scores ``[T, T]`` with −inf for s > t (:func:`lightning_indexer`). Returns int64
-    ``[T, topk]``, padded with −1. Ties among equal scores are broken arbitrarily (torch.topk).
+    ``[T, topk]``, padded with −1. Ties go to the earlier position (a stable sort), so that runtimes
+    agree on rows where several keys score exactly 0 (every head's relu clipped).
     """
     T = index_scores.shape[0]
     k = min(topk, T)
-    selected = index_scores.topk(k, dim=-1).indices
+    selected = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     # Row t has only t + 1 causal keys: the columns after them picked masked (−inf) keys.
     count = torch.arange(T, device=selected.device)[:, None] + 1
     selected = selected.masked_fill(torch.arange(k, device=selected.device) >= count, -1)

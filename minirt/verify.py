@@ -22,7 +22,7 @@ TOLERANCES = {
     "topk_overlap": (0.9, "min"),
     "attention_same_topk": (2e-2, "max"),
     "prefill_logits": (3e-2, "max"),
-    "decode_logits": (6e-2, "max"),
+    "decode_logits": (1e-1, "max"),
     "top1_agreement": (0.9, "min"),
 }
 
@@ -78,38 +78,48 @@ def _check(name: str, value: float) -> Check:
 
 def run_verify(engine: Engine, reference: ReferenceModel, prompt_len: int, decode_steps: int, seed: int = 0) -> VerifyReport:
     """Random tokens (seeded): prefill ``prompt_len`` of them, then decode ``decode_steps`` more one by
-    one, on both backends. Rows: per layer the hidden-state error, the indexer top-k overlap and the
-    attention error given the reference's own top-k (isolates the kernels from near-tie flips), then
-    prefill and decode logits errors and top-1 agreement over all positions."""
+    one, on both backends.
+
+    The runtime runs twice. Once attending exactly the reference's top-k in every layer (prefill and
+    decode): the error rows (hidden states, logits) then measure numerics, not the near-tie flips a
+    top-k choice amplifies. Once free, with its own indexer: top-k overlap and top-1 agreement. Per
+    layer, ``attention_same_topk`` runs one attention on the reference's own input (the kernels alone).
+    """
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need prompt_len >= 1 and decode_steps >= 0, got {prompt_len}, {decode_steps}")
     cfg = engine.cfg
     total = prompt_len + decode_steps
     tokens = torch.randint(0, cfg.vocab_size, (total,), generator=torch.Generator().manual_seed(seed))
     ref = reference.forward(tokens)
-    P = prompt_len
+    P, layers = prompt_len, range(engine.num_layers)
+    ref_topk = ref.topk_indices
 
-    trace = PrefillTrace()
-    engine.setup_cache(1, total)
-    prefill_logits = engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace)
-    decode_logits = [engine.decode(tokens[P + k : P + k + 1]) for k in range(decode_steps)]
+    def run(forced: bool, trace: PrefillTrace | None = None) -> torch.Tensor:
+        engine.setup_cache(1, total)
+        logits = [engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace,
+                                 topk_override=[ref_topk[i][:P] for i in layers] if forced else None)]
+        for t in range(P, total):
+            override = [ref_topk[i][t : t + 1] for i in layers] if forced else None
+            logits.append(engine.decode(tokens[t : t + 1], topk_override=override))
+        return torch.cat(logits)
+
+    dense = ref_topk[0] is None
+    forced_trace, free_trace = PrefillTrace(), PrefillTrace()
+    forced_logits = run(forced=not dense, trace=forced_trace)
+    free_logits = run(forced=False, trace=free_trace) if not dense else forced_logits
 
     checks = []
     layer_input = reference.weights["model.embed_tokens.weight"][tokens.to(reference.device)]
-    for i in range(engine.num_layers):
-        checks.append(_check(f"hidden[{i}]", rel_err(trace.hidden_states[i], ref.hidden_states[i][:P])))
-        ref_topk = ref.topk_indices[i]
-        if ref_topk is not None:
-            checks.append(_check(f"topk_overlap[{i}]", topk_overlap(trace.topk[i], ref_topk[:P])))
-            attn = engine.attention_with_topk(i, layer_input[:P], ref_topk[:P])
+    for i in layers:
+        checks.append(_check(f"hidden[{i}]", rel_err(forced_trace.hidden_states[i], ref.hidden_states[i][:P])))
+        if not dense:
+            checks.append(_check(f"topk_overlap[{i}]", topk_overlap(free_trace.topk[i], ref_topk[i][:P])))
+            attn = engine.attention_with_topk(i, layer_input[:P], ref_topk[i][:P])
             checks.append(_check(f"attention_same_topk[{i}]", rel_err(attn, ref.attn_outputs[i][:P])))
         layer_input = ref.hidden_states[i]
-    checks.append(_check("prefill_logits", rel_err(prefill_logits, ref.logits[:P])))
-    all_logits = prefill_logits
+    checks.append(_check("prefill_logits", rel_err(forced_logits[:P], ref.logits[:P])))
     if decode_steps:
-        decoded = torch.cat(decode_logits)
-        checks.append(_check("decode_logits", rel_err(decoded, ref.logits[P:])))
-        all_logits = torch.cat([prefill_logits, decoded])
-    agree = (all_logits.argmax(-1).cpu() == ref.logits.argmax(-1).cpu()).float().mean()
+        checks.append(_check("decode_logits", rel_err(forced_logits[P:], ref.logits[P:])))
+    agree = (free_logits.argmax(-1).cpu() == ref.logits.argmax(-1).cpu()).float().mean()
     checks.append(_check("top1_agreement", float(agree)))
     return VerifyReport(checks, prompt_len, decode_steps)
