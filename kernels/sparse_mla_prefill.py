@@ -23,7 +23,7 @@ class PrefillConfig:
     block_h: int = 64
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 # Sizes are only compared, never used in addresses: specialising on them would only multiply compiles.
@@ -134,10 +134,11 @@ def _padded(n: int) -> int:
 
 
 def default_config(h_q: int) -> PrefillConfig:
-    """The launch shape used by sparse_mla_prefill: 64 heads per program, fewer for small h_q."""
+    """The launch shape used by sparse_mla_prefill: 64 heads per program (8 warps, 64 keys per step,
+    3 stages: fastest on an H200, docs/perf/prefill.md), fewer heads and 4 warps for small h_q."""
     if h_q >= 64:
         return PrefillConfig()
-    return PrefillConfig(block_h=_padded(h_q), num_warps=4)
+    return PrefillConfig(block_h=_padded(h_q), num_warps=4, num_stages=2)
 
 
 def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:

@@ -15,10 +15,14 @@ from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
 
 ON_GPU = DEVICE == "cuda"
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
-# out: elementwise |err| <= OUT_ATOL + OUT_RTOL * |ref|. The kernel stores out in q's dtype (rounding
-# 2^-9 relative for bf16) and, on the GPU, rounds P to that dtype before the P.V tensor-core dot
-# (another <= 2^-9 per weight, averaging out over the keys): both sit well inside 3/128.
+# out: elementwise |err| <= OUT_ATOL + OUT_RTOL * |ref| + u_P * sum_j w_j |v_j|. The first two terms
+# cover fp32 accumulation and the final rounding of out to q's dtype (unit roundoff 2^-8 for bf16).
+# The third is the one deviation: compiled on the GPU, the kernel rounds the softmax weights P to q's
+# dtype for the P.V tensor-core dot (as FlashMLA does), an error of up to u_P (2^-8 bf16, 2^-11 fp16)
+# per weight. Relative to |out| it is unbounded where the weighted values cancel, so it is bounded by
+# the reference's sum_j w_j |v_j| instead. The interpreter keeps P in fp32: u_P = 0 there.
 OUT_ATOL, OUT_RTOL = 8e-4, 3 / 128
+P_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11} if ON_GPU else {torch.bfloat16: 0.0, torch.float16: 0.0}
 # lse / max_logits: relative 2/65536, plus the fp32 rounding budget of a d_qk-term dot product,
 # 2^-18 * sm_scale * max_j sum_d |q_d k_jd| (about 64 ulps of the largest partial sum), which only
 # matters when the value itself is close to 0.
@@ -26,7 +30,9 @@ STAT_RTOL, STAT_DOT_ULPS = 2 / 65536, 2.0**-18
 
 
 def reference(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
-    """fp64 oracle. Returns out, max_logits, lse, valid [s_q, topk] and the per-(row, head) dot magnitude."""
+    """fp64 oracle. Returns out, max_logits, lse, the empty-row mask [s_q, h_q], the dot magnitude
+    sm_scale * max_j sum_d |q_d k_jd| [s_q, h_q] and the weighted value magnitude sum_j w_j |v_j|
+    [s_q, h_q, d_v] (w: the weights that produce out, sink included)."""
     s_kv, topk = kv.shape[0], indices.shape[-1]
     idx = indices[:, 0, :].long()
     valid = (idx >= 0) & (idx < s_kv)
@@ -47,20 +53,22 @@ def reference(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
         max_logits, magnitude = torch.full_like(lse, -math.inf), torch.zeros_like(lse)
     empty = ~valid.any(-1)[:, None].expand_as(lse)
     lse_finite = torch.where(empty, 0.0, lse)
-    out = torch.einsum("sht,std->shd", torch.exp(logits - lse_finite[..., None]), k[..., :d_v])
+    weights = torch.exp(logits - lse_finite[..., None])
     if attn_sink is not None:
-        out = out / (1.0 + torch.exp(attn_sink.double()[None, :] - lse_finite))[..., None]
+        weights = weights / (1.0 + torch.exp(attn_sink.double()[None, :] - lse_finite))[..., None]
+    out = torch.einsum("sht,std->shd", weights, k[..., :d_v])
+    value_magnitude = torch.einsum("sht,std->shd", weights, k[..., :d_v].abs())
     lse = torch.where(empty, math.inf, lse)
-    return out, max_logits, lse, empty, magnitude
+    return out, max_logits, lse, empty, magnitude, value_magnitude
 
 
 def check(got, ref, dtype):
     out, max_logits, lse = got
-    r_out, r_max, r_lse, empty, magnitude = ref
+    r_out, r_max, r_lse, empty, magnitude, value_magnitude = ref
     assert out.dtype == dtype and max_logits.dtype == torch.float32 and lse.dtype == torch.float32
     assert torch.isfinite(out).all(), "out has NaN/Inf"
     out64 = out.double()
-    excess = (out64 - r_out).abs() - (OUT_ATOL + OUT_RTOL * r_out.abs())
+    excess = (out64 - r_out).abs() - (OUT_ATOL + OUT_RTOL * r_out.abs() + P_ROUNDING[dtype] * value_magnitude)
     assert excess.max() <= 0, f"out off by {excess.max():.3g} beyond tolerance at {divmod(int(excess.argmax()), out.shape[-1])}"
     if r_out.norm() > 0:
         assert (out64 - r_out).norm() / r_out.norm() < 1e-2
@@ -163,7 +171,7 @@ def row_validity(kind, topk, gen):
     return (pos // period) % 2 == 1
 
 
-@settings(max_examples=60 if not ON_GPU else 50, deadline=None,
+@settings(max_examples=200 if not ON_GPU else 50, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_matches_reference(c):
@@ -231,8 +239,8 @@ def test_attn_sink_limits():
     sunk = run_case(q, kv, indices, 0.05, 512, attn_sink=sink)
     assert (sunk[0][:, :4] == 0).all()
     torch.testing.assert_close(sunk[0][:, 4:], plain[0][:, 4:])
-    torch.testing.assert_close(sunk[1], plain[1], rtol=0, atol=0)
-    torch.testing.assert_close(sunk[2], plain[2], rtol=0, atol=0)
+    torch.testing.assert_close(sunk[1], plain[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(sunk[2], plain[2], rtol=1e-6, atol=0)
 
 
 def test_topk_length_ignores_later_entries():
