@@ -30,7 +30,7 @@ D_V = LATENT_DIM
 _LOG2E = math.log2(math.e)
 # Smallest float32: the running max starts finite so that exp2(m_old - m_new) is never
 # exp2(-inf - -inf) = NaN, whatever chunks are fully masked.
-_FP32_LOWEST = -3.4028234663852886e38
+_FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 _MERGE_BLOCK_H = 16
 # Target number of programs per SM when choosing splits: several resident programs per SM hide
 # the gather latency of the memory-bound small-h_q case.
@@ -138,8 +138,9 @@ def _sparse_decode_kernel(
                       mask=valid[:, None, None], other=0.0)
         scale = tl.load((token + SCALES_AT).to(tl.pointer_type(tl.float32))[:, None] + offs_tile[None, :],
                         mask=valid[:, None], other=0.0)
-        # fp8 * 2^e is exact in bf16, so the bf16 tile equals the dequantised cache.
-        kv = tl.reshape(fp8.to(tl.float32) * scale[:, :, None], (BLOCK_N, D_LAT)).to(dot_dtype)
+        # fp8 * 2^e is exact in bf16, so the bf16 tile equals the dequantised cache (and bf16 math
+        # keeps the tile at half the registers of an fp32 detour).
+        kv = tl.reshape(fp8.to(dot_dtype) * scale.to(dot_dtype)[:, :, None], (BLOCK_N, D_LAT))
         k_rope = tl.load((token + ROPE_AT).to(tl.pointer_type(tl.bfloat16))[:, None] + offs_rope[None, :],
                          mask=valid[:, None], other=0.0).to(dot_dtype)
 
@@ -211,11 +212,17 @@ def _merge_splits_kernel(
                  lse_ptr + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h, D)
 
 
-def _default_num_splits(n_programs: int, topk: int, device: torch.device) -> int:
+def default_num_splits(n_rows: int, h_q: int, topk: int, device: torch.device,
+                       config: Optional[DecodeConfig] = None) -> int:
+    """Top-k splits per query row that sparse_mla_decode_fp8 uses by default: enough programs for
+    _PROGRAMS_PER_SM per SM, each split at least _MIN_SPLIT_LEN entries; 1 off the GPU.
+    n_rows = b * s_q."""
     if device.type != "cuda":
         return 1
+    cfg = config or default_config(h_q)
+    n_programs = max(1, n_rows * triton.cdiv(h_q, cfg.block_h))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(n_programs, 1))
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, n_programs)
     return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
 
 
@@ -326,7 +333,7 @@ def sparse_mla_decode_fp8(
     n_head_blocks = triton.cdiv(h_q, cfg.block_h)
     n_rows = b * s_q
     if num_splits is None:
-        num_splits = _default_num_splits(n_rows * n_head_blocks, topk, device)
+        num_splits = default_num_splits(n_rows, h_q, topk, device, cfg)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise InputError(f"num_splits must be a positive int, got {num_splits!r}")
     # Splits cover whole BLOCK_N chunks; drop splits that would start past topk.
