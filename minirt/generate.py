@@ -41,13 +41,18 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
     """Generate up to ``max_new_tokens`` for each prompt; a sequence stops after it emits ``eos_token_id``.
 
     ``on_token(sequence_index, token)`` is called for every new token as soon as it is sampled (streaming).
-    The cache is sized for the longest prompt plus ``max_new_tokens``.
+    The cache is sized for the longest prompt plus ``max_new_tokens``; more than the model's
+    ``max_position_embeddings`` in total is an InputError.
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > engine.cfg.max_position_embeddings:
+        raise InputError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"max_position_embeddings ({engine.cfg.max_position_embeddings})")
     device = getattr(engine, "device", "cpu")
     generator = torch.Generator().manual_seed(sampling.seed)
-    engine.setup_cache(len(prompts), max((len(p) for p in prompts), default=0) + max_new_tokens)
+    engine.setup_cache(len(prompts), longest + max_new_tokens)
     _sync(device)
     start = time.perf_counter()
     logits = engine.prefill(prompts)

@@ -138,3 +138,9 @@ def test_cache_capacity_error_names_numbers(engine):
     engine.setup_cache(1, 8)
     with pytest.raises(InputError, match="needs 9 cached tokens.*holds 8"):
         engine.prefill([list(range(9))])
+
+
+def test_generate_beyond_max_positions_names_the_numbers(engine):
+    limit = engine.cfg.max_position_embeddings
+    with pytest.raises(InputError, match=rf"prompt \(3 tokens\) \+ max_new_tokens \({limit}\) exceeds .*\({limit}\)"):
+        generate(engine, [[1, 2, 3]], limit)
