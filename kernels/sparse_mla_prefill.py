@@ -163,8 +163,9 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:
         raise InputError(f"indices must have shape [s_q={s_q}, h_kv=1, topk], got {tuple(indices.shape)}")
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= d_qk:
         raise InputError(f"d_v must be an int in [1, d_qk={d_qk}], got {d_v!r}")
-    if d_qk > 1024:
-        raise InputError(f"d_qk = {d_qk} exceeds the supported maximum 1024")
+    if d_v > 512 or d_qk - d_v > 64:
+        raise InputError(f"unsupported head dims d_qk={d_qk}, d_v={d_v}: the kernel's register and shared-memory "
+                         "budget needs d_v <= 512 and d_qk - d_v <= 64")
     tensors = {"q": q, "kv": kv, "indices": indices}
     if attn_sink is not None:
         if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32 \
@@ -251,14 +252,15 @@ def sparse_mla_prefill(
     Args:
         q: [s_q, h_q, d_qk], bfloat16 or float16. Any h_q (not only 64/128) and any s_q
             (beyond 65535 too). d_qk is 576 for V3.2 (512 latent + 64 rope) or 512 (V4-style, no
-            separate rope part); any d_qk <= 1024 works.
+            separate rope part); other sizes work within d_v <= 512 and d_qk - d_v <= 64.
         kv: [s_kv, h_kv, d_qk], same dtype as q; h_kv must be 1. V is kv[..., :d_v]. s_kv may exceed
             2^31 / d_qk rows (offsets are 64-bit).
         indices: [s_q, h_kv, topk], int32. Index j of row i is valid iff 0 <= indices[i, 0, j] < s_kv;
             any other value (-1, -2^31, s_kv, 2^31 - 1, ...) is skipped and its kv row never read.
             Any topk (not only multiples of the tile; topk > s_kv allowed); duplicates count twice.
         sm_scale: float, scale applied to q.k before the softmax.
-        d_v: int in [1, d_qk], width of the value vectors (512 for DeepSeek).
+        d_v: int in [1, min(d_qk, 512)] with d_qk - d_v <= 64, width of the value vectors (512 for
+            DeepSeek).
         attn_sink: optional, [h_q], float32. out[i, h] is multiplied by
             exp(lse) / (exp(lse) + exp(attn_sink[h])); -inf has no effect, +inf zeroes the row.
             lse and max_logits are unchanged.
@@ -271,14 +273,16 @@ def sparse_mla_prefill(
     are honoured, nothing is copied.
 
     Returns:
-        out: [s_q, h_q, d_v], q.dtype.
+        out: [s_q, h_q, d_v], q.dtype. Compiled, the softmax weights are rounded to q.dtype for the
+            P.V tensor-core product, as in FlashMLA (error <= 2^-8 * sum_j w_j |v_j| for bf16).
         max_logits: [s_q, h_q], float32, max over valid j of P (natural units, i.e. scaled logits).
         lse: [s_q, h_q], float32, natural-log log-sum-exp of P over valid j (without the sink).
         A row with no valid index gets out exactly 0, lse = +inf and max_logits = -inf. NaN or Inf
         in kv rows that no valid index points to never affects any result.
 
     Raises:
-        minirt.errors.InputError: wrong type, dtype, shape or device, h_kv != 1, d_v not in [1, d_qk].
+        minirt.errors.InputError: wrong type, dtype, shape or device, h_kv != 1, d_v not in [1, d_qk],
+            head dims outside d_v <= 512 and d_qk - d_v <= 64.
     """
     _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out)
     return _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, default_config(q.shape[1]))

@@ -334,6 +334,7 @@ def _valid_args():
     (lambda q, kv, i: (q[0], kv, i, {}), "3 dims"),
     (lambda q, kv, i: (q, kv, i, {"d_v": 577}), "d_v"),
     (lambda q, kv, i: (q, kv, i, {"d_v": 0}), "d_v"),
+    (lambda q, kv, i: (q, kv, i, {"d_v": 448}), "unsupported head dims"),
     (lambda q, kv, i: (q, kv, i, {"attn_sink": torch.zeros(3, device=DEVICE)}), "attn_sink"),
     (lambda q, kv, i: (q, kv, i, {"attn_sink": torch.zeros(4, device=DEVICE).double()}), "attn_sink"),
     (lambda q, kv, i: (q, kv, i, {"topk_length": torch.zeros(2, device=DEVICE)}), "topk_length"),
