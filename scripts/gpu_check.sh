@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call (the device tool runs this from the repo root):
+#   scripts/gpu_check.sh STAGE...   stages: tests kernel-tests bench v32
+# tests:        runtime, CLI and README tests with CUDA tensors (tiny preset, bf16)
+# kernel-tests: the kernel test files with CUDA tensors
+# bench:        scripts/bench_prefill.py and scripts/bench_decode.py (ceilings measured in the same run)
+# v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers), then `minirt verify`
+#               and `minirt generate` at batch 1 and 64
+# Logs and tables go to $OUT (default /tmp/minirt-out).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/minirt-out}
+mkdir -p "$OUT"
+status=0
+python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+
+run() {  # run NAME CMD...: tee output to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests) run tests python3 -m pytest -q -x tests/test_engine.py tests/test_cli.py tests/test_readme.py ;;
+    kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py tests/test_kv_cache_fp8.py ;;
+    bench)
+      run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md"
+      run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" ;;
+    v32)
+      V32=/tmp/minirt-v32
+      [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda
+      run v32-verify minirt verify $V32 --json
+      cp "$OUT/v32-verify.log" "$OUT/verify_v32.json"
+      prompt=$(python3 -c 'print(",".join(str((i * 7919) % 129280) for i in range(512)))')
+      run v32-generate-b1 minirt generate $V32 --tokens "$prompt" -n 64 --batch 1
+      run v32-generate-b64 minirt generate $V32 --tokens "$prompt" -n 64 --batch 64 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status
