@@ -42,19 +42,25 @@ _MIN_SPLIT_LEN = 256
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape: heads per program, cache slots per loop step, warps, software-pipeline depth."""
+    """Launch shape: heads per program, cache slots per loop step, warps, Triton pipeline depth,
+    and prefetch (gather chunk i+1 into registers during chunk i's math instead of letting Triton
+    pipeline the loads; use num_stages=1 with it)."""
 
     block_h: int
-    block_n: int = 32
+    block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    prefetch: bool = False
 
 
 def default_config(h_q: int) -> DecodeConfig:
     """The launch shape sparse_mla_decode_fp8 uses: 64 heads per program, h_q rounded up to a
-    power of two >= 16 (the smallest tl.dot width) when fewer."""
+    power of two >= 16 (the smallest tl.dot width) when fewer; chunk sizes that compile without
+    (or with few) register spills on sm_90."""
     block_h = min(64, max(16, triton.next_power_of_2(h_q)))
-    return DecodeConfig(block_h=block_h, num_warps=8 if block_h == 64 else 4)
+    if block_h == 64:
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8)
+    return DecodeConfig(block_h=block_h, block_n=64 if block_h == 16 else 32, num_warps=4)
 
 
 @triton.jit
@@ -74,6 +80,31 @@ def _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs
     tl.store(lse_ptrs, tl.where(empty, float("inf"), lse), mask=h_mask)
 
 
+@triton.jit
+def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16,
+                   BLOCK_N: tl.constexpr, D_ROPE: tl.constexpr, TILES: tl.constexpr,
+                   TILE: tl.constexpr, BYTES: tl.constexpr, SCALES_AT: tl.constexpr,
+                   ROPE_AT: tl.constexpr):
+    """Load BLOCK_N cache tokens by slot id: (valid [N], fp8 [N, 4, 128], scales [N, 4], rope [N, 64]).
+
+    Invalid slots are never dereferenced: their rows are exact zeros (masked loads), so NaN bytes
+    anywhere outside the attended slots cannot reach the dots."""
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    block = slot // block_size
+    token = cache_ptr + (block.to(tl.int64) * block_stride_16 * 16
+                         + (slot - block * block_size).to(tl.int64) * BYTES)
+    offs_tile = tl.arange(0, TILES)
+    fp8 = tl.load(token.to(tl.pointer_type(tl.float8e4nv))[:, None, None]
+                  + offs_tile[None, :, None] * TILE + tl.arange(0, TILE)[None, None, :],
+                  mask=valid[:, None, None], other=0.0)
+    scale = tl.load((token + SCALES_AT).to(tl.pointer_type(tl.float32))[:, None] + offs_tile[None, :],
+                    mask=valid[:, None], other=0.0)
+    rope = tl.load((token + ROPE_AT).to(tl.pointer_type(tl.bfloat16))[:, None]
+                   + tl.arange(0, D_ROPE)[None, :], mask=valid[:, None], other=0.0)
+    return valid, fp8, scale, rope
+
+
 @triton.jit(do_not_specialize=[
     "s_q", "h_q", "n_head_blocks", "topk", "split_len", "block_size", "num_slots", "block_stride_16",
     "has_topk_length", "has_sink", "stride_q_b", "stride_q_s", "stride_i_b", "stride_i_s",
@@ -89,7 +120,7 @@ def _sparse_decode_kernel(
     stride_l_split, stride_l_b, stride_l_s, stride_l_h,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
     BYTES: tl.constexpr, SCALES_AT: tl.constexpr, ROPE_AT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr,
 ):
     # Program = (query row, block of heads) on axis 0, heads of one row adjacent so their identical
@@ -119,33 +150,36 @@ def _sparse_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
     idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
-    offs_tile = tl.arange(0, TILES)
-    offs_in_tile = tl.arange(0, TILE)
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # Software pipeline by hand, in registers: chunk i+1's tokens are gathered and chunk i+2's
+        # slot ids loaded before chunk i's math, so both latencies overlap it (Triton's own
+        # pipelining of this indirect load waits for every copy in flight at each iteration).
+        valid, fp8, scale, rope = _gather_tokens(
+            cache_ptr, tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1), num_slots,
+            block_size, block_stride_16, BLOCK_N, D_ROPE, TILES, TILE, BYTES, SCALES_AT, ROPE_AT)
+        offs_n += BLOCK_N
+        next_slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
     # The Triton 3.6 interpreter cannot loop to a runtime bound (numpy >= 2.4 refuses int() of its
     # 1-element scalars), so it runs the split's full constexpr length; chunks past hi are masked.
     for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(hi - lo, BLOCK_N)):
-        offs_n = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
-        valid = (slot >= 0) & (slot < num_slots)
-        # Invalid slots are never dereferenced: their tile rows are exact zeros (masked loads), so
-        # NaN bytes anywhere outside the attended slots cannot reach the dots.
-        slot = tl.where(valid, slot, 0)
-        block = slot // block_size
-        row_bytes = block.to(tl.int64) * block_stride_16 * 16 + (slot - block * block_size).to(tl.int64) * BYTES
-        token = cache_ptr + row_bytes
-        fp8 = tl.load(token.to(tl.pointer_type(tl.float8e4nv))[:, None, None]
-                      + offs_tile[None, :, None] * TILE + offs_in_tile[None, None, :],
-                      mask=valid[:, None, None], other=0.0)
-        scale = tl.load((token + SCALES_AT).to(tl.pointer_type(tl.float32))[:, None] + offs_tile[None, :],
-                        mask=valid[:, None], other=0.0)
+        if PREFETCH:
+            next_valid, next_fp8, next_scale, next_rope = _gather_tokens(
+                cache_ptr, next_slot, num_slots, block_size, block_stride_16,
+                BLOCK_N, D_ROPE, TILES, TILE, BYTES, SCALES_AT, ROPE_AT)
+            offs_n += BLOCK_N
+            next_slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
+        else:
+            valid, fp8, scale, rope = _gather_tokens(
+                cache_ptr, tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1), num_slots,
+                block_size, block_stride_16, BLOCK_N, D_ROPE, TILES, TILE, BYTES, SCALES_AT, ROPE_AT)
+            offs_n += BLOCK_N
+
         # fp8 * 2^e is exact in bf16, so the bf16 tile equals the dequantised cache (and bf16 math
         # keeps the tile at half the registers of an fp32 detour).
         kv = tl.reshape(fp8.to(dot_dtype) * scale.to(dot_dtype)[:, :, None], (BLOCK_N, D_LAT))
-        k_rope = tl.load((token + ROPE_AT).to(tl.pointer_type(tl.bfloat16))[:, None] + offs_rope[None, :],
-                         mask=valid[:, None], other=0.0).to(dot_dtype)
-
         scores = tl.dot(q_lat, tl.trans(kv))
-        scores = tl.dot(q_rope, tl.trans(k_rope), acc=scores)
+        scores = tl.dot(q_rope, tl.trans(rope.to(dot_dtype)), acc=scores)
         scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -153,6 +187,8 @@ def _sparse_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None])
         m_i = m_new
+        if PREFETCH:
+            valid, fp8, scale, rope = next_valid, next_fp8, next_scale, next_rope
 
     # l_i >= 1 iff a valid slot was seen (its max term is exp2(0)).
     has_keys = l_i > 0.0
@@ -362,7 +398,7 @@ def sparse_mla_decode_fp8(
         *o_strides, *l_strides,
         D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, TILES=NUM_TILES, TILE=TILE_SIZE, BYTES=BYTES_PER_TOKEN,
         SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, PREFETCH=cfg.prefetch,
         UPCAST=INTERPRET, INTERPRETED_ITERS=triton.cdiv(split_len, cfg.block_n) if INTERPRET else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
