@@ -55,21 +55,26 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[lis
 
 class Engine:
     """Kernel runtime. ``prefill`` starts a batch of prompts (different lengths allowed), ``decode``
-    appends one token to every sequence; both return next-token logits [b, vocab] fp32."""
+    appends one token to every sequence; both return next-token logits [b, vocab] fp32.
+
+    On CUDA a decode step is captured once per batch size as a CUDA graph and replayed (one launch
+    instead of dozens per layer); ``use_cuda_graph = False`` runs every step eagerly."""
 
     backend = "triton"
 
     def __init__(self, cfg: ModelConfig, model: Transformer, device: torch.device, dtype: torch.dtype):
         self.cfg, self.model, self.device, self.dtype = cfg, model, device, dtype
         self.num_layers = len(model.model.layers)
+        self.use_cuda_graph = device.type == "cuda"
         self.cache: PagedCache | None = None
 
     def setup_cache(self, max_batch: int, max_seq_len: int, block_size: int = 64) -> None:
         """Allocate the fp8 latent cache and indexer key cache (capacity per sequence: max_seq_len)."""
         self.cache = PagedCache(self.cfg, self.num_layers, max_batch, max_seq_len, block_size, self.device)
-
-    def _rope(self, positions: torch.Tensor):
-        return rope_cos_sin(self.cfg, positions, self.cfg.qk_rope_head_dim, dtype=torch.float32)
+        positions = torch.arange(self.cache.block_table.shape[1] * block_size, device=self.device)
+        self._cos, self._sin = rope_cos_sin(self.cfg, positions, self.cfg.qk_rope_head_dim, dtype=torch.float32)
+        self._lens: list[int] = []  # host copy of cache.seq_lens, so checks need no GPU sync
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h)).float()
@@ -94,7 +99,7 @@ class Engine:
         batch_index = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         slots = self.cache.slots(batch_index, positions)
-        cos, sin = self._rope(positions)
+        cos, sin = self._cos[positions], self._sin[positions]
         h = self.model.model.embed_tokens(tokens)
         for i, (layer, layer_cache) in enumerate(zip(self.model.model.layers, self.cache.layers)):
             attn, topk = layer.self_attn.prefill(layer.input_layernorm(h), cos, sin, lens, layer_cache, slots,
@@ -106,7 +111,7 @@ class Engine:
                 trace.topk.append(topk)
         self.cache.seq_lens.zero_()
         self.cache.seq_lens[: len(lens)] = torch.tensor(lens, device=dev)
-        self.batch = len(lens)
+        self._lens = lens
         if not all_logits:
             h = h[torch.tensor(lens, device=dev).cumsum(0) - 1]
         return self._logits(h)
@@ -114,26 +119,55 @@ class Engine:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab].
-        ``topk_override``: per layer [b, k] positions that replace the indexer's choice."""
+        ``topk_override``: per layer [b, k] positions that replace the indexer's choice (eager)."""
         tokens = torch.as_tensor(tokens, device=self.device).view(-1)
-        if self.cache is None or tokens.numel() != self.batch:
-            raise InputError(f"decode needs one token per prefilled sequence ({getattr(self, 'batch', 0)}), got {tokens.numel()}")
+        b = len(self._lens) if self.cache is not None else 0
+        if b == 0 or tokens.numel() != b:
+            raise InputError(f"decode needs one token per prefilled sequence ({b}), got {tokens.numel()}")
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
             raise InputError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
-        positions = self.cache.seq_lens[: self.batch].clone()
-        self.cache.check_room([int(positions.max()) + 1])
-        batch_index = torch.arange(self.batch, device=self.device)
-        slots = self.cache.slots(batch_index, positions)
-        block_table = self.cache.block_table[: self.batch]
-        cos, sin = self._rope(positions)
+        lens = [n + 1 for n in self._lens]
+        self.cache.check_room(lens)
+        self._lens = lens
+        if topk_override is not None or not self.use_cuda_graph:
+            return self._decode_step(tokens, topk_override)
+        return self._decode_graphed(tokens)
+
+    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The decode step proper: static shapes, no host sync (so it can be graph-captured)."""
+        b = tokens.shape[0]
+        positions = self.cache.seq_lens[:b].clone()
+        slots = self.cache.slots(torch.arange(b, device=self.device), positions)
+        block_table = self.cache.block_table[:b]
+        cos, sin = self._cos[positions], self._sin[positions]
         h = self.model.model.embed_tokens(tokens)
         for i, (layer, layer_cache) in enumerate(zip(self.model.model.layers, self.cache.layers)):
             h = h + layer.self_attn.decode(layer.input_layernorm(h), cos, sin, positions, layer_cache, block_table,
                                            slots, self.cache.block_size,
                                            None if topk_override is None else topk_override[i])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        self.cache.seq_lens[: self.batch] += 1
+        self.cache.seq_lens[:b] += 1
         return self._logits(h)
+
+    def _decode_graphed(self, tokens: torch.Tensor) -> torch.Tensor:
+        b = tokens.shape[0]
+        if b not in self._graphs:
+            # The first step runs eagerly on a side stream (it compiles the kernels and warms cuBLAS),
+            # then the same step is captured; capturing executes nothing, so the cache is untouched.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self._decode_step(tokens)
+            torch.cuda.current_stream().wait_stream(side)
+            graph, static_tokens = torch.cuda.CUDAGraph(), tokens.clone()
+            with torch.cuda.graph(graph):
+                static_logits = self._decode_step(static_tokens)
+            self._graphs[b] = (graph, static_tokens, static_logits)
+            return logits
+        graph, static_tokens, static_logits = self._graphs[b]
+        static_tokens.copy_(tokens)
+        graph.replay()
+        return static_logits.clone()
 
     @torch.inference_mode()
     def attention_with_topk(self, layer_index: int, layer_input: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
@@ -141,7 +175,7 @@ class Engine:
         attending exactly the given top-k positions [T, k] (for comparisons with identical top-k)."""
         layer = self.model.model.layers[layer_index]
         x = layer.input_layernorm(layer_input.to(self.device, self.dtype))
-        cos, sin = self._rope(torch.arange(x.shape[0], device=self.device))
+        cos, sin = rope_cos_sin(self.cfg, torch.arange(x.shape[0], device=self.device), self.cfg.qk_rope_head_dim)
         out, _ = layer.self_attn.prefill(x, cos, sin, [x.shape[0]], topk_override=topk.to(self.device))
         return out.float()
 

@@ -220,12 +220,13 @@ class MLAAttention(nn.Module):
         x [b, hidden] (normed), cos/sin [b, rope/2] at ``positions`` [b]; the new tokens are written
         to ``slots`` [b] first, so each attends to itself. block_table [b, max_blocks] int32.
         topk_override [b, k] (positions, −1 = none) replaces the indexer's choice. Returns out [b, hidden].
+        The indexer scores every position the block table can hold (masked past ``positions``): shapes
+        stay static and nothing waits on the GPU, so a whole decode step can be captured in a CUDA graph.
         """
         q_abs, latent, k_rope, qr = self.project(x, cos, sin)
         write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), slots)
         b = x.shape[0]
-        span = int(positions.max()) + 1
-        pos = torch.arange(span, device=x.device)
+        pos = torch.arange(block_table.shape[1] * block_size, device=x.device)
         if self.indexer is not None:
             cache.index_keys[slots] = self.indexer.keys(x, cos, sin)
         if topk_override is not None:

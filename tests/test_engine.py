@@ -144,3 +144,27 @@ def test_generate_beyond_max_positions_names_the_numbers(engine):
     limit = engine.cfg.max_position_embeddings
     with pytest.raises(InputError, match=rf"prompt \(3 tokens\) \+ max_new_tokens \({limit}\) exceeds .*\({limit}\)"):
         generate(engine, [[1, 2, 3]], limit)
+
+
+def test_decode_past_cache_capacity_names_the_numbers(engine):
+    engine.setup_cache(1, 5)
+    engine.prefill([[1, 2, 3, 4]])
+    engine.decode(torch.tensor([5]))
+    with pytest.raises(InputError, match="needs 6 cached tokens.*holds 5"):
+        engine.decode(torch.tensor([6]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs exist only on the GPU")
+def test_cuda_graph_decode_equals_eager(engine):
+    prompts = [random_prompt(n, engine.cfg.vocab_size, seed=n) for n in (50, 17)]
+    steps = torch.tensor(random_prompt(10, engine.cfg.vocab_size, seed=99)).view(5, 2)
+
+    def run(graphed):
+        engine.use_cuda_graph = graphed
+        engine.setup_cache(2, 64)
+        out = [engine.prefill(prompts)] + [engine.decode(t) for t in steps]
+        return torch.stack(out)
+
+    eager, graphed = run(False), run(True)
+    assert len(engine._graphs) == 1  # captured once, replayed for the later steps
+    assert rel_err(graphed, eager) < 1e-6
