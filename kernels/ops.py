@@ -1,0 +1,53 @@
+"""The public kernels as torch custom ops (``torch.ops.minirt.*``), so ``torch.compile`` traces through
+them as single opaque nodes (no graph break) and CUDA graphs capture them like any ATen op.
+
+Each op has the signature and semantics of the Python function it wraps (see that function's
+docstring); the registered fake implementation gives output shapes and dtypes without running a kernel.
+"""
+from typing import Optional
+
+import torch
+
+from .kv_cache_fp8 import write_kv_fp8
+from .sparse_mla_decode import sparse_mla_decode_fp8
+from .sparse_mla_prefill import sparse_mla_prefill
+
+
+@torch.library.custom_op("minirt::sparse_mla_prefill", mutates_args=())
+def sparse_mla_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+                          attn_sink: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.sparse_mla_prefill`` as a custom op: (out, max_logits, lse)."""
+    return sparse_mla_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+
+
+@sparse_mla_prefill_op.register_fake
+def _(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    s_q, h_q, _ = q.shape
+    stats = q.new_empty(s_q, h_q, dtype=torch.float32)
+    return q.new_empty(s_q, h_q, d_v), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("minirt::sparse_mla_decode_fp8", mutates_args=())
+def sparse_mla_decode_fp8_op(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                             d_v: int = 512, attn_sink: Optional[torch.Tensor] = None,
+                             topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.sparse_mla_decode_fp8`` as a custom op: (out, lse)."""
+    return sparse_mla_decode_fp8(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_length)
+
+
+@sparse_mla_decode_fp8_op.register_fake
+def _(q, kv_cache, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, h_q, s_q, dtype=torch.float32)
+
+
+@torch.library.custom_op("minirt::write_kv_fp8", mutates_args=("kv_cache",))
+def write_kv_fp8_op(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, slots: torch.Tensor) -> None:
+    """``minirt.kernels.write_kv_fp8`` as a custom op (writes kv_cache in place)."""
+    write_kv_fp8(kv_cache, latent, k_rope, slots)
+
+
+@write_kv_fp8_op.register_fake
+def _(kv_cache, latent, k_rope, slots):
+    return None
