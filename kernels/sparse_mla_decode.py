@@ -32,9 +32,13 @@ _LOG2E = math.log2(math.e)
 # exp2(-inf - -inf) = NaN, whatever chunks are fully masked.
 _FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 _MERGE_BLOCK_H = 16
-# Target number of programs per SM when choosing splits: several resident programs per SM hide
-# the gather latency of the memory-bound small-h_q case.
-_PROGRAMS_PER_SM = 4
+# Split the top-k only when one program per (row, head block) leaves the GPU short of work: below
+# _SPLIT_BELOW_PROGRAMS_PER_SM programs per SM, split until there are _TARGET_PROGRAMS_PER_SM.
+# Measured on an H200 (docs/perf/decode.md): 3.9 programs/SM (b 128, s_q 2, h_q 128) ran 13%
+# faster unsplit than in 2 splits; 1 program/SM (h_q 16, s_q 1) ran 12% faster in 5 splits than
+# unsplit.
+_SPLIT_BELOW_PROGRAMS_PER_SM = 2
+_TARGET_PROGRAMS_PER_SM = 4
 # Fewest top-k entries a split gets: below this its partial output (h_q * 2 KiB) costs more traffic
 # than the cache rows it reads.
 _MIN_SPLIT_LEN = 256
@@ -42,15 +46,12 @@ _MIN_SPLIT_LEN = 256
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape: heads per program, cache slots per loop step, warps, Triton pipeline depth,
-    and prefetch (gather chunk i+1 into registers during chunk i's math instead of letting Triton
-    pipeline the loads; use num_stages=1 with it)."""
+    """Launch shape: heads per program, cache slots per loop step, warps, software-pipeline depth."""
 
     block_h: int
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    prefetch: bool = False
 
 
 def default_config(h_q: int) -> DecodeConfig:
@@ -120,7 +121,7 @@ def _sparse_decode_kernel(
     stride_l_split, stride_l_b, stride_l_s, stride_l_h,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
     BYTES: tl.constexpr, SCALES_AT: tl.constexpr, ROPE_AT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr,
 ):
     # Program = (query row, block of heads) on axis 0, heads of one row adjacent so their identical
@@ -151,29 +152,13 @@ def _sparse_decode_kernel(
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
     idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
     offs_n = lo + tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        # Software pipeline by hand, in registers: chunk i+1's tokens are gathered and chunk i+2's
-        # slot ids loaded before chunk i's math, so both latencies overlap it (Triton's own
-        # pipelining of this indirect load waits for every copy in flight at each iteration).
+    # The Triton 3.6 interpreter cannot loop to a runtime bound (numpy >= 2.4 refuses int() of its
+    # 1-element scalars), so it runs the split's full constexpr length; chunks past hi are masked.
+    for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(hi - lo, BLOCK_N)):
         valid, fp8, scale, rope = _gather_tokens(
             cache_ptr, tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1), num_slots,
             block_size, block_stride_16, BLOCK_N, D_ROPE, TILES, TILE, BYTES, SCALES_AT, ROPE_AT)
         offs_n += BLOCK_N
-        next_slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
-    # The Triton 3.6 interpreter cannot loop to a runtime bound (numpy >= 2.4 refuses int() of its
-    # 1-element scalars), so it runs the split's full constexpr length; chunks past hi are masked.
-    for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(hi - lo, BLOCK_N)):
-        if PREFETCH:
-            next_valid, next_fp8, next_scale, next_rope = _gather_tokens(
-                cache_ptr, next_slot, num_slots, block_size, block_stride_16,
-                BLOCK_N, D_ROPE, TILES, TILE, BYTES, SCALES_AT, ROPE_AT)
-            offs_n += BLOCK_N
-            next_slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
-        else:
-            valid, fp8, scale, rope = _gather_tokens(
-                cache_ptr, tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1), num_slots,
-                block_size, block_stride_16, BLOCK_N, D_ROPE, TILES, TILE, BYTES, SCALES_AT, ROPE_AT)
-            offs_n += BLOCK_N
 
         # fp8 * 2^e is exact in bf16, so the bf16 tile equals the dequantised cache (and bf16 math
         # keeps the tile at half the registers of an fp32 detour).
@@ -187,8 +172,6 @@ def _sparse_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None])
         m_i = m_new
-        if PREFETCH:
-            valid, fp8, scale, rope = next_valid, next_fp8, next_scale, next_rope
 
     # l_i >= 1 iff a valid slot was seen (its max term is exp2(0)).
     has_keys = l_i > 0.0
@@ -250,15 +233,17 @@ def _merge_splits_kernel(
 
 def default_num_splits(n_rows: int, h_q: int, topk: int, device: torch.device,
                        config: Optional[DecodeConfig] = None) -> int:
-    """Top-k splits per query row that sparse_mla_decode_fp8 uses by default: enough programs for
-    _PROGRAMS_PER_SM per SM, each split at least _MIN_SPLIT_LEN entries; 1 off the GPU.
-    n_rows = b * s_q."""
+    """Top-k splits per query row that sparse_mla_decode_fp8 uses by default (n_rows = b * s_q):
+    1 when there are at least 2 programs per SM, else enough splits for 4 programs per SM, each
+    split at least 256 entries; 1 off the GPU."""
     if device.type != "cuda":
         return 1
     cfg = config or default_config(h_q)
     n_programs = max(1, n_rows * triton.cdiv(h_q, cfg.block_h))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, n_programs)
+    if n_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
+    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, n_programs)
     return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
 
 
@@ -398,7 +383,7 @@ def sparse_mla_decode_fp8(
         *o_strides, *l_strides,
         D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, TILES=NUM_TILES, TILE=TILE_SIZE, BYTES=BYTES_PER_TOKEN,
         SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, PREFETCH=cfg.prefetch,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
         UPCAST=INTERPRET, INTERPRETED_ITERS=triton.cdiv(split_len, cfg.block_n) if INTERPRET else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -30,28 +30,19 @@ BLOCK_SIZE = 64
 SM_SCALE = 0.135234   # (qk_nope + qk_rope)^-0.5 * mscale^2 for V3.2 (192^-0.5 * 1.3689^2)
 
 # (h_q, s_q, config or None for default, num_splits or None for the heuristic)
-PREFETCH_64 = DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, prefetch=True)
-PREFETCH_16 = DecodeConfig(block_h=16, block_n=32, num_warps=8, num_stages=1, prefetch=True)
-PREFETCH_16_W4 = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, prefetch=True)
 VARIANTS = [
     (128, 2, None, None),
-    (128, 2, None, 1),
-    (128, 2, PREFETCH_64, 1),
-    (128, 2, PREFETCH_64, 2),
-    (128, 2, DecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=1, prefetch=True), 1),
+    (128, 2, None, 2),
+    (128, 2, DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2), 1),
+    (128, 2, DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3), 2),
     (128, 1, None, None),
-    (128, 1, PREFETCH_64, None),
     (16, 1, None, None),
+    (16, 1, None, 1),
     (16, 1, None, 8),
     (16, 1, None, 16),
-    (16, 1, PREFETCH_16, 8),
-    (16, 1, PREFETCH_16, 16),
-    (16, 1, PREFETCH_16, 32),
-    (16, 1, PREFETCH_16_W4, 8),
-    (16, 1, PREFETCH_16_W4, 16),
+    (16, 1, DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2), 5),
     (16, 1, DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=3), 8),
     (16, 2, None, None),
-    (16, 2, PREFETCH_16, 8),
 ]
 
 
@@ -139,7 +130,6 @@ def main() -> None:
         cfg = config or default_config(h_q)
         splits = num_splits or default_num_splits(b * s_q, h_q, TOPK, device, cfg)
         label = (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-                 + (" prefetch" if cfg.prefetch else "")
                  + (" (default)" if config is None else ""))
         try:
             run = lambda: sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, num_splits=splits, config=cfg)
