@@ -1,0 +1,299 @@
+"""DeepSeek-V3.2 lightning indexer in Triton: exact (unquantised) scores of every key for each query,
+and the stable top-k selection over them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from minirt.errors import InputError
+
+from ._common import INTERPRET
+
+# Largest head count and head dim whose [BLOCK_S, BLOCK_T * BLOCK_H] accumulator and resident q tile
+# fit the register and shared-memory budget of one program.
+MAX_HEADS = 256
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Launch shape: query rows per program (block_t; its heads make the dot's N = block_t * heads),
+    keys per loop step (block_s), warps and pipeline depth."""
+
+    block_t: int = 2
+    block_s: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# Sizes are only compared or used in index arithmetic: specialising on them would only multiply compiles.
+@triton.jit(do_not_specialize=["n_queries", "n_keys", "n_heads", "n_t_tiles", "n_chunks", "tiles_per_chunk"])
+def _indexer_scores_kernel(
+    q_ptr, k_ptr, w_ptr, limit_ptr, out_ptr,
+    n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kd,
+    stride_wb, stride_wt, stride_wh,
+    stride_lb, stride_lt,
+    stride_ob, stride_ot, stride_os,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr, INTERPRETED_TILES: tl.constexpr,
+):
+    # One program: BLOCK_T query rows (of one batch entry) x one chunk of tiles_per_chunk key tiles.
+    # The chunks of a query tile are adjacent programs; query tiles run last-first, because under a
+    # causal limit the last rows have the most keys and should not be the tail of the launch.
+    pid = tl.program_id(0)
+    chunk = pid % n_chunks
+    rest = pid // n_chunks
+    t_tile = n_t_tiles - 1 - rest % n_t_tiles
+    batch = (rest // n_t_tiles).to(tl.int64)
+
+    # Column j of the dot is the pair (query row j // BLOCK_H, head j % BLOCK_H): all heads of all
+    # rows of the tile in one [BLOCK_S, HEAD_DIM] x [HEAD_DIM, BLOCK_T * BLOCK_H] product, with q
+    # loaded once and kept for the whole key loop.
+    offs_j = tl.arange(0, BLOCK_T * BLOCK_H)
+    row_j = t_tile * BLOCK_T + offs_j // BLOCK_H
+    head_j = offs_j % BLOCK_H
+    mask_j = (row_j < n_queries) & (head_j < n_heads)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_t = tl.load(q_ptr + batch * stride_qb + row_j.to(tl.int64)[None, :] * stride_qt
+                  + head_j[None, :] * stride_qh + offs_d[:, None] * stride_qd,
+                  mask=mask_j[None, :], other=0.0)
+    if INTERPRETED:
+        q_t = q_t.to(tl.float32)
+    # Padded (row, head) columns get weight 0, so their relu(0) * 0 adds nothing.
+    w = tl.load(w_ptr + batch * stride_wb + row_j.to(tl.int64) * stride_wt + head_j * stride_wh,
+                mask=mask_j, other=0.0)
+
+    offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < n_queries
+    # last_key[t]: the last key row t may see, clamped to [-1, n_keys - 1] (limit may be int64).
+    if HAS_LIMIT:
+        limit = tl.load(limit_ptr + batch * stride_lb + offs_t.to(tl.int64) * stride_lt, mask=t_mask, other=-1)
+        last_key = tl.minimum(tl.maximum(limit, -1), n_keys - 1).to(tl.int32)
+    else:
+        last_key = tl.where(t_mask, n_keys - 1, -1)
+
+    chunk_start = chunk * tiles_per_chunk * BLOCK_S
+    chunk_end = tl.minimum(chunk_start + tiles_per_chunk * BLOCK_S, n_keys)
+    n_tiles = tl.cdiv(chunk_end - chunk_start, BLOCK_S)
+    # Tiles past every row's limit are not computed, only filled with -inf (half of a causal prefill).
+    n_computed = tl.minimum(tl.cdiv(tl.maximum(tl.max(last_key) + 1 - chunk_start, 0), BLOCK_S), n_tiles)
+
+    k_rows = k_ptr + batch * stride_kb
+    out_rows = out_ptr + batch * stride_ob + offs_t.to(tl.int64) * stride_ot
+    offs_s_tile = tl.arange(0, BLOCK_S)
+    # The Triton 3.6 interpreter cannot use a runtime scalar as a loop bound (numpy >= 2.4), so
+    # interpreted runs take both loops over all tiles of the chunk and let the store masks split them
+    # at n_computed; compiled, the masks `i < n_computed` / `i >= n_computed` are always true.
+    for i in range(0, INTERPRETED_TILES if INTERPRETED else n_computed):
+        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
+        s_mask = offs_s < chunk_end
+        k = tl.load(k_rows + offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=s_mask[:, None], other=0.0)
+        if INTERPRETED:
+            k = k.to(tl.float32)
+        # "ieee" keeps fp32 inputs out of tf32; 16-bit inputs are exact products, fp32 sums anyway.
+        logits = tl.dot(k, q_t, input_precision="ieee")
+        weighted = tl.maximum(logits, 0.0) * w[None, :]
+        scores = tl.sum(tl.reshape(weighted, [BLOCK_S, BLOCK_T, BLOCK_H]), axis=2)
+        scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
+        tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
+                 mask=s_mask[:, None] & t_mask[None, :] & (i < n_computed))
+    for i in range(0 if INTERPRETED else n_computed, INTERPRETED_TILES if INTERPRETED else n_tiles):
+        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
+        tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os,
+                 tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32),
+                 mask=(offs_s < chunk_end)[:, None] & t_mask[None, :] & (i >= n_computed))
+
+
+def default_config(n_queries: int, n_heads: int, head_dim: int) -> IndexerConfig:
+    """About 128 (query, head) columns per program (block_t 2 at 64 heads, 1 in decode), 128-key
+    steps (64 for head dims or head counts above 128, to stay in shared memory and registers)."""
+    heads = triton.next_power_of_2(n_heads)
+    block_t = max(1, min(128 // heads, triton.next_power_of_2(n_queries)))
+    block_s = 128 if head_dim <= 128 and heads <= 128 else 64
+    return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=8, num_stages=3)
+
+
+def _block_h(n_heads: int, block_t: int) -> int:
+    # tl.dot needs N >= 16: pad the heads when block_t * heads would be smaller.
+    return max(triton.next_power_of_2(n_heads), triton.cdiv(16, block_t))
+
+
+def _num_programs_target(device: torch.device) -> int:
+    """Programs a launch should have to fill the GPU (decode has few query tiles: split the keys)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check_inputs(q, k, weights, limit, out) -> None:
+    for name, t in (("q", q), ("k", k), ("weights", weights)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() not in (3, 4):
+        raise InputError(f"q must be [T, H, D] or [B, T, H, D], got shape {tuple(q.shape)}")
+    batched = q.dim() == 4
+    prefix = "B, " if batched else ""
+    *lead, n_heads, head_dim = q.shape
+    if k.dim() != q.dim() - 1:
+        raise InputError(f"k must be [{prefix}S, D] to match q of shape {tuple(q.shape)}, got shape {tuple(k.shape)}")
+    if k.shape[-1] != head_dim or (batched and k.shape[0] != q.shape[0]):
+        raise InputError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}: need [{prefix}S, D={head_dim}]")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise InputError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise InputError(f"head dim D must be a power of two in [16, {MAX_HEAD_DIM}], got {head_dim}")
+    if not 1 <= n_heads <= MAX_HEADS:
+        raise InputError(f"number of heads H must be in [1, {MAX_HEADS}], got {n_heads}")
+    if k.shape[-2] >= 2**31 - 2**16:
+        raise InputError(f"S = {k.shape[-2]} keys: must be below 2^31 - 2^16 (32-bit key indices)")
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (*lead, n_heads):
+        raise InputError(f"weights must be a float32 tensor of shape {[*lead, n_heads]}, got "
+                         f"{weights.dtype} {list(weights.shape)}")
+    tensors = {"q": q, "k": k, "weights": weights}
+    if limit is not None:
+        if not isinstance(limit, torch.Tensor) or limit.dtype not in (torch.int32, torch.int64) \
+                or tuple(limit.shape) != tuple(lead):
+            raise InputError(f"limit must be an int32 or int64 tensor of shape {list(lead)}")
+        tensors["limit"] = limit
+    if out is not None:
+        expected = (*lead, k.shape[-2])
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != expected:
+            raise InputError(f"preallocated out must be a float32 tensor of shape {list(expected)}")
+        tensors["out"] = out
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise InputError("all tensors must be on one device, got "
+                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
+    if q.device.type != "cuda" and not (INTERPRET and q.device.type == "cpu"):
+        raise InputError(f"tensors are on {q.device}; the kernel needs CUDA tensors (or CPU tensors with "
+                         "TRITON_INTERPRET=1 set before minirt.kernels is imported)")
+
+
+def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
+    """Scores with an explicit launch shape (the benchmark's variants); inputs already checked."""
+    batched = q.dim() == 4
+    if out is None:
+        out = torch.empty((*q.shape[:-2], k.shape[-2]), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    # The kernel always sees a batch dimension; an unbatched call is a batch of one (views only).
+    q4, k3, w3, out3 = (q, k, weights, out) if batched else (q[None], k[None], weights[None], out[None])
+    lim2 = None if limit is None else (limit if batched else limit[None])
+    n_batch, n_queries, n_heads, head_dim = q4.shape
+    n_keys = k3.shape[1]
+
+    n_t_tiles = triton.cdiv(n_queries, config.block_t)
+    n_s_tiles = triton.cdiv(n_keys, config.block_s)
+    n_chunks = min(n_s_tiles, triton.cdiv(_num_programs_target(q.device), n_batch * n_t_tiles))
+    tiles_per_chunk = triton.cdiv(n_s_tiles, n_chunks)
+    n_chunks = triton.cdiv(n_s_tiles, tiles_per_chunk)
+    # An absent limit still needs a tensor argument; HAS_LIMIT keeps it unread.
+    limit_arg = lim2 if lim2 is not None else w3
+    _indexer_scores_kernel[(n_batch * n_t_tiles * n_chunks,)](
+        q4, k3, w3, limit_arg, out3,
+        n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
+        q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
+        k3.stride(0), k3.stride(1), k3.stride(2),
+        w3.stride(0), w3.stride(1), w3.stride(2),
+        limit_arg.stride(0), limit_arg.stride(1),
+        out3.stride(0), out3.stride(1), out3.stride(2),
+        HEAD_DIM=head_dim, BLOCK_T=config.block_t, BLOCK_H=_block_h(n_heads, config.block_t),
+        BLOCK_S=config.block_s, HAS_LIMIT=lim2 is not None,
+        INTERPRETED=INTERPRET, INTERPRETED_TILES=tiles_per_chunk if INTERPRET else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def lightning_indexer_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    limit: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """
+    DeepSeek-V3.2 lightning indexer scores, exact mode (no Hadamard rotation, no fp8):
+
+        out[t, s] = sum_h relu(q[t, h, :] . k[s, :]) * weights[t, h]    if s <= limit[t]
+        out[t, s] = -inf                                                 otherwise
+
+    Args:
+        q: [T, H, D] or batched [B, T, H, D]; bfloat16, float16 or float32; already roped. H in
+            [1, 256] (V3.2: 64), D a power of two in [16, 256] (V3.2: 128).
+        k: [S, D] or batched [B, S, D] (one key set per batch entry), same dtype as q; already
+            normalised and roped. Any S < 2^31 - 2^16, not only multiples of the tile.
+        weights: [T, H] or [B, T, H], float32: the per-head weights with every scale folded in
+            (weights_proj(x) * H^-0.5 * D^-0.5 for V3.2). Scores are in the units of weights * q.k.
+        limit: optional, [T] or [B, T], int32 or int64: the last key index row t may see (causal
+            prefill of a prompt over its own keys: limit[t] = t; decode over a cache: the query's
+            position). Negative: the whole row is -inf; >= S - 1: every key is valid. None: every
+            key is valid. Key tiles beyond a query tile's largest limit are not computed.
+        out: keyword-only, optional preallocated float32 [T, S] / [B, T, S] (any strides); every
+            element is overwritten.
+
+    All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
+    are honoured, nothing is copied; element offsets are 64-bit (T * S may exceed 2^31).
+
+    Returns:
+        out: [T, S] or [B, T, S], float32. Products of 16-bit inputs are exact and all sums are
+            fp32 (for float32 inputs the dot runs in full fp32, not tf32), so the result differs from
+            an exact evaluation only by fp32 rounding of the sums. Masked entries are exactly -inf,
+            valid ones finite for finite inputs.
+
+    Raises:
+        minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the range above.
+    """
+    _check_inputs(q, k, weights, limit, out)
+    return _launch(q, k, weights, limit, out, default_config(q.shape[-3], q.shape[-2], q.shape[-1]))
+
+
+# Order-preserving int32 image of the fp32 score -inf (see indexer_topk).
+_NEG_INF_ORDERED = -2139095041
+
+
+def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """
+    Per row, the key indices of the topk largest scores, best first, equal scores in ascending key
+    order: the first topk of a stable descending sort. Selected -inf entries (masked keys) become -1,
+    and rows are padded with -1 when S < topk.
+
+    Args:
+        scores: [..., S] float32 (lightning_indexer_scores output), any device. NaN is unsupported.
+        topk: int >= 1 (V3.2: 2048); may exceed S.
+
+    Returns:
+        [..., topk] int32 key indices in [0, S) or -1.
+
+    No full sort: each score maps to an int64 key (order-preserving int32 image of the fp32 bits
+    << 32 | S - 1 - s), unique per row, so torch.topk on it selects and orders exactly as the stable
+    sort does; the low half gives s back.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
+        raise InputError("scores must be a float32 tensor [..., S]")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise InputError(f"topk must be a positive int, got {topk!r}")
+    n_keys = scores.shape[-1]
+    k = min(topk, n_keys)
+    # + 0.0 turns -0.0 into +0.0: a stable sort ties them, their bit images would not.
+    bits = (scores + 0.0).view(torch.int32)
+    # Negative floats order backwards as ints: flip their magnitude bits.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = ordered.to(torch.int64) << 32
+    key |= torch.arange(n_keys - 1, -1, -1, dtype=torch.int64, device=scores.device)
+    top = torch.topk(key, k, dim=-1, sorted=True).values
+    indices = (n_keys - 1 - (top & 0xFFFFFFFF)).to(torch.int32)
+    indices = indices.masked_fill_((top >> 32) == _NEG_INF_ORDERED, -1)
+    if k < topk:
+        indices = torch.nn.functional.pad(indices, (0, topk - k), value=-1)
+    return indices

@@ -1,0 +1,324 @@
+"""lightning_indexer_scores against an fp64 torch reference written here (loop over heads), and
+indexer_topk against a stable descending torch.sort.
+
+Runs the real Triton kernel: compiled with CUDA tensors on a GPU, under TRITON_INTERPRET=1 on the CPU.
+Every call gets a NaN-poisoned preallocated out; strided inputs keep NaN in the gaps of their buffers.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import DEVICE
+from minirt.errors import InputError
+from minirt.kernels import lightning_indexer as li
+from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk, lightning_indexer_scores
+
+ON_GPU = DEVICE == "cuda"
+# Elementwise: |err| <= 2^-16 * sum_h |w_h| sum_d |q_hd k_d|, i.e. 256 fp32 ulps of the magnitude of
+# the terms summed (fp32 rounding of 128-term dots and a 64-term head sum stays far below it).
+# Overall relative-norm error: fp32 accumulation only, so ~1e-7 typical; the GPU's summation order
+# and tensor-core accumulation differ from numpy's.
+ELEMENT_ULPS = 2.0**-16
+REL_TOL = 1e-5 if ON_GPU else 2e-6
+
+
+def reference(q, k, weights, limit):
+    """fp64 oracle on the same (already rounded) inputs. Returns the scores (-inf where masked), the
+    magnitude sum_h |w_h| sum_d |q_hd k_d| and the validity mask, all [..., T, S]."""
+    q64, k64, w64 = q.double(), k.double(), weights.double()
+    kt, kt_abs = k64.transpose(-1, -2), k64.abs().transpose(-1, -2)
+    scores = torch.zeros((*q.shape[:-2], k.shape[-2]), dtype=torch.float64, device=q.device)
+    magnitude = torch.zeros_like(scores)
+    for h in range(q.shape[-2]):
+        scores += (q64[..., h, :] @ kt).relu() * w64[..., h, None]
+        magnitude += (q64[..., h, :].abs() @ kt_abs) * w64[..., h, None].abs()
+    keys = torch.arange(k.shape[-2], device=q.device)
+    valid = torch.ones_like(scores, dtype=torch.bool) if limit is None else keys <= limit[..., None]
+    return scores.masked_fill(~valid, -math.inf), magnitude, valid
+
+
+def check(out, q, k, weights, limit):
+    ref, magnitude, valid = reference(q, k, weights, limit)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.equal(out == -math.inf, ~valid), "-inf exactly where s > limit"
+    assert torch.isfinite(out[valid]).all(), "valid scores must be finite"
+    err = (out.double()[valid] - ref[valid]).abs()
+    excess = err - ELEMENT_ULPS * magnitude[valid]
+    assert valid.sum() == 0 or excess.max() <= 0, f"off by {excess.max():.3g} beyond the elementwise bound"
+    if valid.any() and ref[valid].norm() > 0:
+        rel = (err.norm() / ref[valid].norm()).item()
+        assert rel < REL_TOL, f"relative error {rel:.3g}"
+
+
+def poisoned(shape, dtype=torch.float32, strided=False):
+    """A NaN-filled tensor of `shape`, optionally a non-contiguous view (see strided_copy)."""
+    x = torch.full(shape, math.nan, dtype=dtype, device=DEVICE)
+    return strided_copy(x) if strided else x
+
+
+def strided_copy(x):
+    """x's values in a non-contiguous view: dims stored in reverse order inside a padded buffer whose
+    gaps hold NaN (floats) or a huge value (ints), so a wrong stride shows up in the result."""
+    fill = math.nan if x.dtype.is_floating_point else 2**30
+    buf = torch.full([n + 3 for n in reversed(x.shape)], fill, dtype=x.dtype, device=DEVICE)
+    view = buf[tuple(slice(1, 1 + n) for n in reversed(x.shape))].permute(*reversed(range(x.dim())))
+    view.copy_(x)
+    return view
+
+
+def random_inputs(gen, lead, n_keys, n_heads, head_dim, dtype):
+    """q [*lead, H, D], k [*lead[:-1], S, D] in dtype; weights [*lead, H] fp32 of both signs, scaled
+    as V3.2 scales them."""
+    q = torch.randn((*lead, n_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
+    k = torch.randn((*lead[:-1], n_keys, head_dim), generator=gen, device=DEVICE).to(dtype)
+    weights = torch.randn((*lead, n_heads), generator=gen, device=DEVICE) * (n_heads * head_dim) ** -0.5
+    return q, k, weights
+
+
+def run_case(q, k, weights, limit=None, strided=False, strided_out=False):
+    if strided:
+        q, k, weights = strided_copy(q), strided_copy(k), strided_copy(weights)
+        limit = None if limit is None else strided_copy(limit)
+        assert not (q.is_contiguous() or k.is_contiguous() or weights.is_contiguous())
+    out = poisoned((*q.shape[:-2], k.shape[-2]), strided=strided_out)
+    got = lightning_indexer_scores(q, k, weights, limit, out=out)
+    assert got is out
+    check(out, q, k, weights, limit)
+    return out
+
+
+LIMIT_KINDS = ["none", "causal", "random"]
+
+
+def make_limit(kind, lead, n_keys, gen, dtype=torch.int32):
+    """none; causal: the queries are the last T tokens of an S-token sequence (limit S - T + t, negative
+    when T > S); random: any value in [-3, S + 3)."""
+    if kind == "none":
+        return None
+    if kind == "causal":
+        n_queries = lead[-1]
+        return (torch.arange(n_queries, device=DEVICE) + n_keys - n_queries).to(dtype).expand(lead).contiguous()
+    return torch.randint(-3, n_keys + 3, lead, generator=gen, device=DEVICE).to(dtype)
+
+
+@st.composite
+def cases(draw):
+    batched = draw(st.booleans())
+    n_queries = draw(st.integers(1, 9 if not ON_GPU else 300))
+    return dict(
+        lead=(draw(st.integers(1, 3)), n_queries) if batched else (n_queries,),
+        n_keys=draw(st.integers(1, 300 if not ON_GPU else 3000)),
+        n_heads=draw(st.sampled_from([1, 3, 4, 64] + ([128, 256] if ON_GPU else []))),
+        head_dim=draw(st.sampled_from([64, 128] + ([16, 256] if ON_GPU else []))),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+        limit=draw(st.sampled_from(LIMIT_KINDS)), limit_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+        strided=draw(st.booleans()), strided_out=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=40 if not ON_GPU else 60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases())
+def test_matches_reference(c):
+    gen = torch.Generator(DEVICE).manual_seed(c["seed"])
+    q, k, weights = random_inputs(gen, c["lead"], c["n_keys"], c["n_heads"], c["head_dim"], c["dtype"])
+    limit = make_limit(c["limit"], c["lead"], c["n_keys"], gen, c["limit_dtype"])
+    run_case(q, k, weights, limit, c["strided"], c["strided_out"])
+
+
+@pytest.mark.parametrize("n_queries, n_keys, n_heads, head_dim", [
+    (7, 7, 64, 128),        # V3.2 heads, prompt over its own keys, odd T
+    (13, 13, 4, 128),       # tiny preset
+    (5, 259, 1, 64),        # one head (padded to the dot's minimum width), S just past two tiles
+    (3, 130, 3, 64),        # head count not a power of two
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_causal_prefill(n_queries, n_keys, n_heads, head_dim, dtype):
+    """limit = the query's position in a prompt of n_keys tokens: -inf exactly above the diagonal."""
+    gen = torch.Generator(DEVICE).manual_seed(n_queries * 1000 + n_keys)
+    q, k, weights = random_inputs(gen, (n_queries,), n_keys, n_heads, head_dim, dtype)
+    limit = torch.arange(n_keys - n_queries, n_keys, device=DEVICE)
+    out = run_case(q, k, weights, limit)
+    assert torch.isinf(out[0, n_keys - n_queries + 1:]).all() and torch.isfinite(out[-1]).all()
+
+
+def test_batched_decode_ignores_keys_past_limit():
+    """Decode over per-sequence gathered caches: one query per sequence, different lengths; keys past a
+    sequence's position (cache padding) hold NaN and must not reach any valid score."""
+    gen = torch.Generator(DEVICE).manual_seed(21)
+    n_batch, n_keys = 4, 700
+    q, k, weights = random_inputs(gen, (n_batch, 1), n_keys, 64, 128, torch.bfloat16)
+    positions = torch.tensor([[0], [129], [699], [383]], device=DEVICE)
+    for b in range(n_batch):
+        k[b, int(positions[b]) + 1:] = math.nan
+    out = run_case(q, k, weights, positions)
+    assert torch.isfinite(out[2]).all() and torch.isfinite(out[0, 0, :1]).all()
+
+
+def test_limit_extremes():
+    """Negative limits mask the whole row; limits at or past S (int64 past 2^32 too) mask nothing."""
+    gen = torch.Generator(DEVICE).manual_seed(22)
+    q, k, weights = random_inputs(gen, (5,), 200, 4, 64, torch.bfloat16)
+    limit = torch.tensor([-1, -2**40, 199, 200, 2**40], dtype=torch.int64, device=DEVICE)
+    out = run_case(q, k, weights, limit)
+    assert (out[:2] == -math.inf).all() and torch.isfinite(out[2:]).all()
+
+
+@pytest.mark.parametrize("programs", [1, 10**6], ids=["one-chunk", "one-tile-per-chunk"])
+@pytest.mark.parametrize("config", [
+    IndexerConfig(block_t=1, block_s=32, num_warps=4, num_stages=2),
+    IndexerConfig(block_t=2, block_s=64, num_warps=4, num_stages=3),
+    IndexerConfig(block_t=4, block_s=128, num_warps=8, num_stages=2),
+], ids=lambda c: f"t{c.block_t}-s{c.block_s}")
+def test_launch_shapes(monkeypatch, programs, config):
+    """Every launch shape the benchmark tries, with the keys split into one chunk per query tile or one
+    tile per chunk: chunks whose tiles are partly computed, partly -inf-filled, or all filled."""
+    monkeypatch.setattr(li, "_num_programs_target", lambda device: programs)
+    gen = torch.Generator(DEVICE).manual_seed(23)
+    n_queries, n_keys = 6, 333
+    q, k, weights = random_inputs(gen, (n_queries,), n_keys, 64, 128, torch.bfloat16)
+    limit = torch.tensor([5, 70, 0, 200, 31, 64], device=DEVICE)
+    out = poisoned((n_queries, n_keys))
+    assert li._launch(q, k, weights, limit, out, config) is out
+    check(out, q, k, weights, limit)
+
+
+def test_default_config_shapes():
+    """~128 (query, head) columns: 2 rows of 64 heads in prefill, 1 in decode, 32 rows of 4 heads."""
+    assert li.default_config(4096, 64, 128).block_t == 2
+    assert li.default_config(1, 64, 128).block_t == 1
+    assert li.default_config(4096, 4, 128).block_t == 32
+
+
+def test_64bit_batch_offsets():
+    """Batch strides past 2^31 elements: q/k/weights batch offsets must be 64-bit. On the CPU the 4 GB
+    buffers are allocated lazily and only the rows used get physical pages."""
+    gen = torch.Generator(DEVICE).manual_seed(24)
+    q, k, weights = random_inputs(gen, (2, 3), 50, 4, 64, torch.bfloat16)
+    far = 2**31 + 64
+    k_buf = torch.empty(far + k[0].numel(), dtype=torch.bfloat16, device=DEVICE)
+    q_buf = torch.empty(far + q[0].numel(), dtype=torch.bfloat16, device=DEVICE)
+    far_k = k_buf.as_strided(k.shape, (far, *k.stride()[1:]))
+    far_q = q_buf.as_strided(q.shape, (far, *q.stride()[1:]))
+    far_k.copy_(k)
+    far_q.copy_(q)
+    run_case(far_q, far_k, weights, torch.tensor([[49, 3, 0], [10, 49, 20]], device=DEVICE))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="an 8 GB output; the interpreter would take hours")
+def test_output_beyond_2_31_elements():
+    """T * S > 2^31: out row offsets must be 64-bit. Checked on a sample of rows, the last ones too."""
+    gen = torch.Generator(DEVICE).manual_seed(25)
+    n_queries, n_keys = 2**16 + 3, 2**15 + 5
+    q, k, weights = random_inputs(gen, (n_queries,), n_keys, 1, 64, torch.bfloat16)
+    limit = torch.arange(n_queries, device=DEVICE) % (n_keys + 7)
+    out = lightning_indexer_scores(q, k, weights, limit)
+    rows = torch.cat([torch.arange(0, n_queries, 4099, device=DEVICE), torch.arange(n_queries - 3, n_queries, device=DEVICE)])
+    check(out[rows], q[rows], k, weights[rows], limit[rows])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="full DeepSeek-V3.2 shape; the interpreter would take minutes")
+def test_deepseek_shape():
+    gen = torch.Generator(DEVICE).manual_seed(26)
+    n_queries, n_keys = 256, 8192
+    q, k, weights = random_inputs(gen, (n_queries,), n_keys, 64, 128, torch.bfloat16)
+    run_case(q, k, weights, torch.arange(n_keys - n_queries, n_keys, device=DEVICE))
+
+
+def test_empty_sizes():
+    gen = torch.Generator(DEVICE).manual_seed(27)
+    q, k, weights = random_inputs(gen, (3,), 5, 4, 64, torch.bfloat16)
+    assert lightning_indexer_scores(q[:0], k, weights[:0]).shape == (0, 5)
+    assert lightning_indexer_scores(q, k[:0], weights).shape == (3, 0)
+
+
+def stable_topk_reference(scores, topk):
+    """The first topk of a stable descending sort; -inf entries and padding are -1."""
+    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    order = torch.where(values == -math.inf, -1, order)[..., :topk]
+    return torch.nn.functional.pad(order, (0, topk - order.shape[-1]), value=-1).to(torch.int32)
+
+
+def tied_scores(gen, shape):
+    """Scores with many exact ties: a few levels (0 among them, with both signs of zero), -inf masks,
+    extremes (+inf, +-max, denormals) and a fully masked row."""
+    levels = torch.tensor([-2.5, -1.0, -0.0, 0.0, 0.0, 0.75, 3.0, -math.inf, math.inf, 3.4e38, -3.4e38, 1e-45, -1e-45],
+                          device=DEVICE)
+    pick = torch.randint(0, len(levels), shape, generator=gen, device=DEVICE)
+    scores = levels[pick]
+    scores[..., 0, :] = -math.inf
+    return scores
+
+
+@pytest.mark.parametrize("shape, topk", [
+    ((6, 300), 40), ((6, 300), 300), ((6, 50), 64), ((2, 3, 129), 1), ((4, 2048), 2048 - 5),
+])
+def test_topk_matches_stable_sort_on_ties(shape, topk):
+    gen = torch.Generator(DEVICE).manual_seed(shape[-1] + topk)
+    scores = tied_scores(gen, shape)
+    got = indexer_topk(scores, topk)
+    assert got.dtype == torch.int32 and got.shape == (*shape[:-1], topk)
+    assert torch.equal(got, stable_topk_reference(scores, topk))
+
+
+def test_topk_on_indexer_scores():
+    """Kernel output of a causal prefill where every head's relu clips for some keys (exact 0 scores)."""
+    gen = torch.Generator(DEVICE).manual_seed(28)
+    n_queries, n_keys = 9, 150
+    q, k, weights = random_inputs(gen, (n_queries,), n_keys, 1, 64, torch.bfloat16)
+    scores = lightning_indexer_scores(q, k, weights, torch.arange(n_keys - n_queries, n_keys, device=DEVICE))
+    assert (scores == 0).sum() > n_keys, "the case needs many exact-zero ties"
+    torch.testing.assert_close(indexer_topk(scores, 100), stable_topk_reference(scores, 100), rtol=0, atol=0)
+
+
+def _valid_args():
+    gen = torch.Generator(DEVICE).manual_seed(29)
+    return random_inputs(gen, (3,), 8, 4, 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda q, k, w: (q.double(), k.double(), w, {}), "bfloat16, float16 or float32"),
+    (lambda q, k, w: (q, k.half(), w, {}), "differs from q dtype"),
+    (lambda q, k, w: (q[0], k, w, {}), r"\[T, H, D\]"),
+    (lambda q, k, w: (q, k[None], w, {}), "k must be"),
+    (lambda q, k, w: (q, k[:, :32], w, {}), "does not match q"),
+    (lambda q, k, w: (q[None].expand(2, 3, 4, 64), k[None].expand(3, 8, 64), w[None].expand(2, 3, 4), {}),
+     "does not match q"),
+    (lambda q, k, w: (q[..., :48], k[:, :48], w, {}), "power of two"),
+    (lambda q, k, w: (q[:, :1].expand(3, 257, 64), k, w[:, :1].expand(3, 257), {}), "heads"),
+    (lambda q, k, w: (q, k, w.bfloat16(), {}), "weights must be"),
+    (lambda q, k, w: (q, k, w[:, :3], {}), "weights must be"),
+    (lambda q, k, w: (q, k, w, {"limit": torch.zeros(3, device=DEVICE)}), "limit must be"),
+    (lambda q, k, w: (q, k, w, {"limit": torch.zeros(4, dtype=torch.int32, device=DEVICE)}), "limit must be"),
+    (lambda q, k, w: (q, k, w, {"out": torch.empty(3, 9, device=DEVICE)}), "preallocated out"),
+    (lambda q, k, w: (q, k, w, {"out": torch.empty(3, 8, dtype=torch.float64, device=DEVICE)}), "preallocated out"),
+    (lambda q, k, w: (q, k.to("meta"), w, {}), "one device"),
+    (lambda q, k, w: (q.to("meta"), k.to("meta"), w.to("meta"), {}), "meta"),
+    (lambda q, k, w: ("q", k, w, {}), "torch.Tensor"),
+])
+def test_bad_input_raises_input_error(mutate, message):
+    q, k, weights, kwargs = mutate(*_valid_args())
+    with pytest.raises(InputError, match=message):
+        lightning_indexer_scores(q, k, weights, **kwargs)
+
+
+@pytest.mark.parametrize("scores, topk, message", [
+    (torch.zeros(3, 5, dtype=torch.float64), 2, "float32"),
+    (torch.zeros(3, 5), 0, "positive"),
+    (torch.zeros(3, 5), True, "positive"),
+    (torch.zeros(3, 5), 2.0, "positive"),
+])
+def test_topk_bad_input(scores, topk, message):
+    with pytest.raises(InputError, match=message):
+        indexer_topk(scores.to(DEVICE), topk)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CPU tensors are valid input under the interpreter")
+def test_cpu_tensors_rejected_when_compiled():
+    q, k, weights = (t.cpu() for t in _valid_args())
+    with pytest.raises(InputError, match="CUDA"):
+        lightning_indexer_scores(q, k, weights)
