@@ -19,10 +19,10 @@ from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk, lightn
 ON_GPU = DEVICE == "cuda"
 # Elementwise: |err| <= 2^-16 * sum_h |w_h| sum_d |q_hd k_d|, i.e. 256 fp32 ulps of the magnitude of
 # the terms summed (fp32 rounding of 128-term dots and a 64-term head sum stays far below it).
-# Overall relative-norm error: fp32 accumulation only, so ~1e-7 typical; the GPU's summation order
-# and tensor-core accumulation differ from numpy's.
+# Overall error norm relative to the magnitude norm: fp32 accumulation only, ~1e-7 typical; the GPU's
+# summation order and tensor-core accumulation differ from numpy's.
 ELEMENT_ULPS = 2.0**-16
-REL_TOL = 1e-5 if ON_GPU else 2e-6
+REL_TOL = 1e-5 if ON_GPU else 1e-6
 
 
 def reference(q, k, weights, limit):
@@ -48,8 +48,10 @@ def check(out, q, k, weights, limit):
     err = (out.double()[valid] - ref[valid]).abs()
     excess = err - ELEMENT_ULPS * magnitude[valid]
     assert valid.sum() == 0 or excess.max() <= 0, f"off by {excess.max():.3g} beyond the elementwise bound"
-    if valid.any() and ref[valid].norm() > 0:
-        rel = (err.norm() / ref[valid].norm()).item()
+    # Normalised by the terms' magnitude, not by |ref|: a score that cancels across heads has a
+    # relative error that no fp32 sum bounds (the elementwise check above covers it).
+    if valid.any():
+        rel = (err.norm() / magnitude[valid].norm()).item()
         assert rel < REL_TOL, f"relative error {rel:.3g}"
 
 
@@ -82,7 +84,6 @@ def run_case(q, k, weights, limit=None, strided=False, strided_out=False):
     if strided:
         q, k, weights = strided_copy(q), strided_copy(k), strided_copy(weights)
         limit = None if limit is None else strided_copy(limit)
-        assert not (q.is_contiguous() or k.is_contiguous() or weights.is_contiguous())
     out = poisoned((*q.shape[:-2], k.shape[-2]), strided=strided_out)
     got = lightning_indexer_scores(q, k, weights, limit, out=out)
     assert got is out
