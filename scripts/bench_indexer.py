@@ -1,0 +1,156 @@
+"""Benchmark the lightning indexer kernel (scores, and scores + top-k) on the GPU against the sparse MLA
+prefill it feeds and the bf16 matmul ceiling, all measured in the same run.
+
+    python3 scripts/bench_indexer.py [--out results.md] [--variants 2,128,8,3 4,64,8,2 ...]
+
+Prefill shape (DeepSeek-V3.2): the last T = 4096 queries of a 32768-token sequence (limit[t] = 28672 + t)
+against all S = 32768 keys, H = 64 heads, D = 128, bf16. TFLOP/s counts only the causal part that is
+needed, FLOPs = 2 H D sum_t (limit[t] + 1) (the kernel also computes the masked part of the tiles that
+straddle the diagonal). The target: scores + indexer_topk(2048) no slower than sparse_mla_prefill at
+s_q 4096, s_kv 32768, top-k 2048 (random valid indices), h_q 128, d_qk 576, d_v 512.
+Decode rows: B sequences, one query each, against S = 32768 keys each (memory-bound: GB/s counts the
+keys read and the scores written). Every kernel variant is first compared with an eager fp32 torch
+evaluation on 64 query rows. Times are triton.testing.do_bench medians (L2 cleared before each rep).
+A failing measurement is reported in its cell; the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from minirt.kernels.lightning_indexer import IndexerConfig, _launch, default_config, indexer_topk
+from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
+
+T, S, H, D, TOPK = 4096, 32768, 64, 128, 2048
+DECODE_BATCHES = (1, 32, 128)
+DEFAULT_VARIANTS = ["2,128,8,2", "2,128,4,3", "2,64,4,3", "2,64,8,3", "4,128,8,2", "4,64,8,3", "1,128,8,3", "1,64,4,3"]
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def attempt(fn) -> str:
+    """fn() formatted, or the failure in one short cell."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a failure is a result too; keep benchmarking the rest
+        torch.cuda.synchronize()
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+def parse_variant(text: str) -> IndexerConfig:
+    block_t, block_s, num_warps, num_stages = (int(x) for x in text.split(","))
+    return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=num_warps, num_stages=num_stages)
+
+
+def eager_scores(q, k, weights, limit, chunk=128):
+    """bf16 matmuls, fp32 relu / weighting / head sum, chunked over queries to bound [c, H, S]."""
+    out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
+    keys = torch.arange(k.shape[0], device=q.device)
+    for start in range(0, q.shape[0], chunk):
+        logits = torch.matmul(q[start:start + chunk], k.T).float().relu_()       # [c, H, S]
+        scores = torch.einsum("chs,ch->cs", logits, weights[start:start + chunk])
+        out[start:start + chunk] = scores.masked_fill(keys[None, :] > limit[start:start + chunk, None], float("-inf"))
+    return out
+
+
+def ceiling_tflops() -> float:
+    a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    b = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
+
+
+def attention_ms() -> float:
+    """sparse_mla_prefill at the shape the indexer feeds: the time the indexer should stay under."""
+    gen = torch.Generator("cuda").manual_seed(1)
+    q = torch.randn((T, 128, 576), generator=gen, device="cuda").bfloat16()
+    kv = torch.randn((S, 1, 576), generator=gen, device="cuda").bfloat16()
+    indices = torch.randint(0, S, (T, 1, TOPK), generator=gen, device="cuda", dtype=torch.int32)
+    return bench_ms(lambda: sparse_mla_prefill(q, kv, indices, 576**-0.5))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
+                        help="kernel configs block_t,block_s,num_warps,num_stages besides the default")
+    args = parser.parse_args()
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn((T, H, D), generator=gen, device="cuda").bfloat16()
+    k = torch.randn((S, D), generator=gen, device="cuda").bfloat16()
+    weights = torch.randn((T, H), generator=gen, device="cuda") * (H * D) ** -0.5
+    limit = torch.arange(S - T, S, device="cuda", dtype=torch.int32)
+    flops = 2 * H * D * int((limit.long() + 1).sum())
+    check_rows = torch.cat([torch.arange(0, 32, device="cuda"), torch.arange(T - 32, T, device="cuda")])
+    expected = eager_scores(q[check_rows].float(), k.float(), weights[check_rows], limit[check_rows])
+    finite = torch.isfinite(expected)
+
+    def fmt(ms):
+        return f"{flops / ms / 1e9:.0f} TFLOP/s ({ms:.3f} ms)"
+
+    def scores_cell(config):
+        got = _launch(q[check_rows], k, weights[check_rows], limit[check_rows], None, config)
+        rel = ((got[finite] - expected[finite]).norm() / expected[finite].norm()).item()
+        if not (rel < 1e-4 and torch.equal(torch.isfinite(got), finite)):
+            return f"WRONG (rel err {rel:.2g})"
+        return fmt(bench_ms(lambda: _launch(q, k, weights, limit, None, config)))
+
+    default = default_config(T, H, D)
+    lines = [
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",
+        f"- bf16 matmul 8192^3 ceiling: {attempt(lambda: f'{ceiling_tflops():.0f} TFLOP/s')}",
+        f"- prefill: T {T} (limit[t] = {S - T} + t), S {S}, H {H}, D {D}, bf16; TFLOP/s of the causal part "
+        f"needed ({flops / 1e12:.2f} TFLOP); default config {default}",
+        "",
+        "| what | result |",
+        "|---|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+
+    def row(name, cell):
+        lines.append(f"| {name} | {cell} |")
+        print(lines[-1], flush=True)
+
+    row("sparse_mla_prefill (h_q 128, d_qk 576, top-k 2048): the target", attempt(lambda: f"{attention_ms():.3f} ms"))
+    row(f"scores, default {default.block_t},{default.block_s},{default.num_warps},{default.num_stages}",
+        attempt(lambda: scores_cell(default)))
+    scores = _launch(q, k, weights, limit, None, default)
+    row("indexer_topk(scores, 2048) alone", attempt(lambda: f"{bench_ms(lambda: indexer_topk(scores, TOPK)):.3f} ms"))
+    row("torch.topk(scores, 2048) alone (fp32, ties unordered: lower bound)",
+        attempt(lambda: f"{bench_ms(lambda: torch.topk(scores, TOPK, dim=-1)):.3f} ms"))
+    row("scores + indexer_topk, default", attempt(lambda: f"{bench_ms(lambda: indexer_topk(_launch(q, k, weights, limit, None, default), TOPK)):.3f} ms"))
+    del scores
+    row("eager torch scores (chunked bf16 matmul + fp32 head sum)",
+        attempt(lambda: fmt(bench_ms(lambda: eager_scores(q, k, weights, limit)))))
+    for text in args.variants:
+        row(f"scores, variant {text}", attempt(lambda: scores_cell(parse_variant(text))))
+
+    for n_batch in DECODE_BATCHES:
+        def decode_cell():
+            dq = torch.randn((n_batch, 1, H, D), generator=gen, device="cuda").bfloat16()
+            dk = torch.randn((n_batch, S, D), generator=gen, device="cuda").bfloat16()
+            dw = torch.randn((n_batch, 1, H), generator=gen, device="cuda") * (H * D) ** -0.5
+            dlimit = torch.full((n_batch, 1), S - 1, device="cuda", dtype=torch.int32)
+            config = default_config(1, H, D)
+            ms = bench_ms(lambda: _launch(dq, dk, dw, dlimit, None, config))
+            return f"{n_batch * S * (2 * D + 4) / ms / 1e6:.0f} GB/s ({ms:.3f} ms)"
+        row(f"decode scores, B {n_batch} x 1 query, S {S} each", attempt(decode_cell))
+
+    text = "\n".join(lines) + "\n"
+    if args.out == "-":
+        sys.stdout.write("\n" + text)
+    else:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
