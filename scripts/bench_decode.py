@@ -20,6 +20,7 @@ import time
 import torch
 import triton
 import triton.testing
+from ceilings import measure_ceilings
 
 from minirt.kernels.kv_cache_fp8 import BYTES_PER_TOKEN, new_kv_cache, positions_to_slots
 from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, default_num_splits,
@@ -48,17 +49,6 @@ VARIANTS = [
 
 def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def ceilings(device) -> tuple[float, float]:
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    tflops = 2 * 8192 ** 3 / bench_ms(lambda: a @ b) / 1e9
-    del a, b
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    gbps = 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6
-    return tflops, gbps
 
 
 def build_problem(b, device, seed=0):
@@ -106,7 +96,7 @@ def main() -> None:
     t_start = time.time()
     device = torch.device(args.device)
     props = torch.cuda.get_device_properties(device)
-    peak_tflops, copy_gbps = ceilings(device)
+    peak_tflops, copy_gbps = measure_ceilings(device)
     header = (f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
               f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
               f"Ceilings (same run): bf16 matmul 8192^3 {peak_tflops:.0f} TFLOP/s; "

@@ -17,6 +17,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from ceilings import measure_ceilings
+
 from minirt.kernels.sparse_mla_prefill import PrefillConfig, _launch, default_config
 
 S_Q, TOPK, D_V = 4096, 2048, 512
@@ -35,16 +37,6 @@ def eager_prefill(q, kv, indices, sm_scale, d_v, chunk=256):
     return out
 
 
-def ceilings():
-    a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
-    b = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
-    mm_ms = do_bench(lambda: a @ b, return_mode="median")
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * 8192**3 / mm_ms / 1e9, 2 * src.numel() / copy_ms / 1e6
-
-
 def parse_variant(text: str) -> PrefillConfig:
     block_n, num_warps, num_stages = (int(x) for x in text.split(","))
     return PrefillConfig(block_h=64, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
@@ -58,7 +50,7 @@ def main():
     args = parser.parse_args()
     variants = [("default", None)] + [(v, parse_variant(v)) for v in args.variants]
 
-    mm_tflops, copy_gbs = ceilings()
+    mm_tflops, copy_gbs = measure_ceilings()
     lines = [
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",

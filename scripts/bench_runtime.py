@@ -21,6 +21,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import minirt
+from ceilings import measure_ceilings
 
 
 def timed(fn) -> float:
@@ -77,10 +78,12 @@ def main() -> None:
     rows = [bench_batch(engine, int(b), args.prompt_len, args.steps, seed=i)
             for i, b in enumerate(args.batches.split(","))]
     cfg = engine.cfg
+    matmul_tflops, copy_gbps = measure_ceilings()
     lines = [
         f"runtime, {engine.num_layers} layers of {args.weights} (hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
         f"index_topk {cfg.index_topk}), {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"{datetime.date.today()}",
+        f"ceilings measured in the same run: bf16 matmul {matmul_tflops:.0f} TFLOP/s, device copy {copy_gbps:.0f} GB/s",
         "",
         "| batch | prompt | prefill tok/s | prefill ms | decode tok/s | graph step ms | eager step ms | kernel sum ms | graph / kernels |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
