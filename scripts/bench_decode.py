@@ -20,7 +20,7 @@ import time
 import torch
 import triton
 import triton.testing
-from ceilings import measure_ceilings
+from ceilings import measure_ceilings, plot_roofline
 
 from minirt.kernels.kv_cache_fp8 import BYTES_PER_TOKEN, new_kv_cache, positions_to_slots
 from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, default_num_splits,
@@ -92,8 +92,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--variants", default=None,
                         help="comma-separated indices into VARIANTS (default: all)")
+    parser.add_argument("--plot", help="write a roofline PNG of the default configs here")
     args = parser.parse_args()
     t_start = time.time()
+    points = []
     device = torch.device(args.device)
     props = torch.cuda.get_device_properties(device)
     peak_tflops, copy_gbps = measure_ceilings(device)
@@ -142,6 +144,7 @@ def main() -> None:
                     f"{diff:.2e} |")
         print(rows[-1], flush=True)
         if config is None and num_splits is None:
+            points.append((f"h{h_q} s_q{s_q}", flops, bytes_, ms * 1e-3))
             ms_wrapper = bench_ms(lambda: mla_decode_fp8(q, cache, table, positions, SM_SCALE))
             rows.append(f"| {h_q} | {s_q} | mla_decode_fp8 (positions→slots + decode) | {splits} | "
                         f"{ms_wrapper * 1e3:.1f} | {flops / ms_wrapper / 1e9:.1f} | "
@@ -151,6 +154,8 @@ def main() -> None:
                 "(% of matmul) | eff. GB/s (% of copy) | max abs diff vs default |\n"
                 "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     print(table_md, flush=True)
+    if args.plot:
+        plot_roofline(args.plot, f"sparse_mla_decode_fp8, b {b}, topk {TOPK}", points, peak_tflops, copy_gbps)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"b = {b}, topk = {TOPK}, block_size = {BLOCK_SIZE}\n\n{header}\n{table_md}")

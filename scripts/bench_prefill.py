@@ -17,7 +17,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from ceilings import measure_ceilings
+from ceilings import measure_ceilings, plot_roofline
 
 from minirt.kernels.sparse_mla_prefill import PrefillConfig, _launch, default_config
 
@@ -47,8 +47,10 @@ def main():
     parser.add_argument("--out", default="-", help="markdown table destination (default stdout)")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="extra kernel configs block_n,num_warps,num_stages (block_h 64) besides the default")
+    parser.add_argument("--plot", help="write a roofline PNG of the default config here")
     args = parser.parse_args()
     variants = [("default", None)] + [(v, parse_variant(v)) for v in args.variants]
+    points = []
 
     mm_tflops, copy_gbs = measure_ceilings()
     lines = [
@@ -84,8 +86,12 @@ def main():
                 if not rel < 1e-2:
                     cells.append(f"WRONG (rel err {rel:.2g})")
                     continue
-                cells.append(fmt(do_bench(
-                    lambda: _launch(q, kv, indices, sm_scale, D_V, None, None, None, config), return_mode="median")))
+                ms = do_bench(lambda: _launch(q, kv, indices, sm_scale, D_V, None, None, None, config),
+                              return_mode="median")
+                cells.append(fmt(ms))
+                if name == "default":  # fewest bytes: q, each gathered kv row once, indices, out
+                    nbytes = 2 * S_Q * (h_q * d_qk + TOPK * d_qk + h_q * D_V) + 4 * S_Q * TOPK
+                    points.append((f"h{h_q} kv{s_kv // 1024}k d{d_qk}", flops, nbytes, ms * 1e-3))
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
                 cells.append(f"failed: {type(e).__name__}")
         row = f"| {s_kv} | {h_q} | {d_qk} | " + " | ".join(cells) + " |"
@@ -94,6 +100,8 @@ def main():
         del q, kv, indices
         torch.cuda.empty_cache()
 
+    if args.plot:
+        plot_roofline(args.plot, f"sparse_mla_prefill, s_q {S_Q}, topk {TOPK}", points, mm_tflops, copy_gbs)
     text = "\n".join(lines) + "\n"
     if args.out == "-":
         sys.stdout.write("\n" + text)

@@ -16,3 +16,28 @@ def measure_ceilings(device="cuda") -> tuple[float, float]:
     dst = torch.empty_like(src)
     gbps = 2 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
     return tflops, gbps
+
+
+def plot_roofline(path: str, title: str, points: list[tuple[str, float, float, float]],
+                  matmul_tflops: float, copy_gbps: float) -> None:
+    """Roofline PNG: each point (label, flops, bytes, seconds) at its intensity (FLOP per byte of the
+    fewest bytes the kernel must move) and achieved TFLOP/s, under the two measured ceilings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    intensities = [f / b for _, f, b, _ in points]
+    lo, hi = min(intensities + [1.0]) / 4, max(intensities + [matmul_tflops * 1e3 / copy_gbps]) * 4
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [min(matmul_tflops, copy_gbps * x / 1e3) for x in xs], "k-",
+            label=f"ceiling: {matmul_tflops:.0f} TFLOP/s bf16 matmul, {copy_gbps:.0f} GB/s copy")
+    for (label, flops, nbytes, seconds), x in zip(points, intensities):
+        y = flops / seconds / 1e12
+        ax.plot([x], [y], "o")
+        ax.annotate(f"{label}\n{y:.0f} TFLOP/s", (x, y), textcoords="offset points", xytext=(5, -18), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="FLOP per byte (minimum traffic)", ylabel="TFLOP/s", title=title)
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
