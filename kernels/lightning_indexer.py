@@ -13,10 +13,11 @@ from minirt.errors import InputError
 
 from ._common import INTERPRET
 
-# Largest head count and head dim whose [BLOCK_S, BLOCK_T * BLOCK_H] accumulator and resident q tile
-# fit the register and shared-memory budget of one program.
-MAX_HEADS = 256
-MAX_HEAD_DIM = 256
+# The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
+# the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
+MAX_Q_ROW_BYTES = 64 * 1024
+# Key-tile pipeline stages share this much shared memory.
+KEY_PIPELINE_BYTES = 96 * 1024
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,8 @@ class IndexerConfig:
     """Launch shape: query rows per program (block_t; its heads make the dot's N = block_t * heads),
     keys per loop step (block_s), warps and pipeline depth."""
 
-    block_t: int = 2
-    block_s: int = 128
+    block_t: int = 4
+    block_s: int = 64
     num_warps: int = 8
     num_stages: int = 3
 
@@ -111,13 +112,16 @@ def _indexer_scores_kernel(
                  mask=(offs_s < chunk_end)[:, None] & t_mask[None, :] & (i >= n_computed))
 
 
-def default_config(n_queries: int, n_heads: int, head_dim: int) -> IndexerConfig:
-    """About 128 (query, head) columns per program (block_t 2 at 64 heads, 1 in decode), 128-key
-    steps (64 for head dims or head counts above 128, to stay in shared memory and registers)."""
+def default_config(n_queries: int, n_heads: int, head_dim: int, element_size: int = 2) -> IndexerConfig:
+    """256 (query, head) columns per program where the resident q tile allows (the widest Hopper MMA:
+    block_t 4 at 64 heads, 588 TFLOP/s on an H200 against 475 for block_t 2; 1 row in decode), 64-key
+    steps, up to 3 pipeline stages within KEY_PIPELINE_BYTES."""
     heads = triton.next_power_of_2(n_heads)
-    block_t = max(1, min(128 // heads, triton.next_power_of_2(n_queries)))
-    block_s = 128 if head_dim <= 128 and heads <= 128 else 64
-    return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=8, num_stages=3)
+    columns = max(heads, min(256, MAX_Q_ROW_BYTES // (head_dim * element_size)))
+    block_t = max(1, min(columns // heads, triton.next_power_of_2(n_queries)))
+    block_s = 64
+    num_stages = max(1, min(3, KEY_PIPELINE_BYTES // (block_s * head_dim * element_size)))
+    return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=8, num_stages=num_stages)
 
 
 def _block_h(n_heads: int, block_t: int) -> int:
@@ -150,9 +154,11 @@ def _check_inputs(q, k, weights, limit, out) -> None:
     if k.dtype != q.dtype:
         raise InputError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
     if head_dim not in (16, 32, 64, 128, 256):
-        raise InputError(f"head dim D must be a power of two in [16, {MAX_HEAD_DIM}], got {head_dim}")
-    if not 1 <= n_heads <= MAX_HEADS:
-        raise InputError(f"number of heads H must be in [1, {MAX_HEADS}], got {n_heads}")
+        raise InputError(f"head dim D must be a power of two in [16, 256], got {head_dim}")
+    if n_heads < 1 or triton.next_power_of_2(n_heads) * head_dim * q.element_size() > MAX_Q_ROW_BYTES:
+        raise InputError(f"unsupported H = {n_heads}, D = {head_dim} for {q.dtype}: need H >= 1 and "
+                         f"next_pow2(H) * D * itemsize <= {MAX_Q_ROW_BYTES} (the q tile of a row stays in "
+                         "shared memory); V3.2 has H = 64, D = 128")
     if k.shape[-2] >= 2**31 - 2**16:
         raise InputError(f"S = {k.shape[-2]} keys: must be below 2^31 - 2^16 (32-bit key indices)")
     if weights.dtype != torch.float32 or tuple(weights.shape) != (*lead, n_heads):
@@ -229,8 +235,9 @@ def lightning_indexer_scores(
         out[t, s] = -inf                                                 otherwise
 
     Args:
-        q: [T, H, D] or batched [B, T, H, D]; bfloat16, float16 or float32; already roped. H in
-            [1, 256] (V3.2: 64), D a power of two in [16, 256] (V3.2: 128).
+        q: [T, H, D] or batched [B, T, H, D]; bfloat16, float16 or float32; already roped. D a
+            power of two in [16, 256], any H >= 1 with next_pow2(H) * D * itemsize <= 64 KiB
+            (V3.2: H = 64, D = 128; 16-bit inputs allow up to 256 heads at D = 128).
         k: [S, D] or batched [B, S, D] (one key set per batch entry), same dtype as q; already
             normalised and roped. Any S < 2^31 - 2^16, not only multiples of the tile.
         weights: [T, H] or [B, T, H], float32: the per-head weights with every scale folded in
@@ -252,14 +259,32 @@ def lightning_indexer_scores(
             valid ones finite for finite inputs.
 
     Raises:
-        minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the range above.
+        minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the envelope above.
     """
     _check_inputs(q, k, weights, limit, out)
-    return _launch(q, k, weights, limit, out, default_config(q.shape[-3], q.shape[-2], q.shape[-1]))
+    return _launch(q, k, weights, limit, out, default_config(*q.shape[-3:], q.element_size()))
 
 
-# Order-preserving int32 image of the fp32 score -inf (see indexer_topk).
+# Order-preserving int32 image of the fp32 score -inf (see _order_keys).
 _NEG_INF_ORDERED = -2139095041
+
+
+def _order_keys(values: torch.Tensor, indices: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """int64 keys whose descending order is (value descending, key index ascending), unique per row:
+    the order-preserving int32 image of the fp32 value in the high half, n_keys - 1 - index in the low."""
+    # + 0.0 turns -0.0 into +0.0: a stable sort ties them, their bit images would not.
+    bits = (values + 0.0).view(torch.int32)
+    # Negative floats order backwards as ints: flip their magnitude bits.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    keys = ordered.to(torch.int64) << 32
+    keys |= n_keys - 1 - indices
+    return keys
+
+
+def _key_indices(keys: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Key indices back from _order_keys keys, -1 where the value was -inf."""
+    indices = (n_keys - 1 - (keys & 0xFFFFFFFF)).to(torch.int32)
+    return indices.masked_fill_((keys >> 32) == _NEG_INF_ORDERED, -1)
 
 
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -275,9 +300,11 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     Returns:
         [..., topk] int32 key indices in [0, S) or -1.
 
-    No full sort: each score maps to an int64 key (order-preserving int32 image of the fp32 bits
-    << 32 | S - 1 - s), unique per row, so torch.topk on it selects and orders exactly as the stable
-    sort does; the low half gives s back.
+    No full sort. A float32 torch.topk selects (ties broken arbitrarily); the selection is then
+    ordered by int64 keys (value, then lower index first; see _order_keys). Ties only change the
+    selected set at the k-th largest value, when a row holds more copies of it than were selected:
+    such rows (found with one device synchronisation) are selected again exactly, by torch.topk on
+    the int64 keys of the whole row.
     """
     if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
         raise InputError("scores must be a float32 tensor [..., S]")
@@ -285,15 +312,20 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         raise InputError(f"topk must be a positive int, got {topk!r}")
     n_keys = scores.shape[-1]
     k = min(topk, n_keys)
-    # + 0.0 turns -0.0 into +0.0: a stable sort ties them, their bit images would not.
-    bits = (scores + 0.0).view(torch.int32)
-    # Negative floats order backwards as ints: flip their magnitude bits.
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = ordered.to(torch.int64) << 32
-    key |= torch.arange(n_keys - 1, -1, -1, dtype=torch.int64, device=scores.device)
-    top = torch.topk(key, k, dim=-1, sorted=True).values
-    indices = (n_keys - 1 - (top & 0xFFFFFFFF)).to(torch.int32)
-    indices = indices.masked_fill_((top >> 32) == _NEG_INF_ORDERED, -1)
-    if k < topk:
-        indices = torch.nn.functional.pad(indices, (0, topk - k), value=-1)
-    return indices
+    result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
+    if k == 0 or scores.numel() == 0:
+        return result
+    values, indices = torch.topk(scores, k, dim=-1, sorted=False)
+    kth = values.amin(-1, keepdim=True)
+    # A -inf boundary needs no fix: every -inf entry becomes -1 whichever was selected.
+    tied_rows = ((scores == kth).sum(-1) > (values == kth).sum(-1)) & (kth[..., 0] > float("-inf"))
+    rows = tied_rows.nonzero(as_tuple=True)
+    if rows[0].numel():
+        tied = scores[rows]
+        all_keys = torch.arange(n_keys, device=scores.device).expand_as(tied)
+        exact = torch.topk(_order_keys(tied, all_keys, n_keys), k, dim=-1, sorted=False).values
+        indices[rows] = n_keys - 1 - (exact & 0xFFFFFFFF)
+        values[rows] = tied.gather(-1, indices[rows])
+    keys = torch.sort(_order_keys(values, indices, n_keys), dim=-1, descending=True).values
+    result[..., :k] = _key_indices(keys, n_keys)
+    return result

@@ -28,7 +28,7 @@ from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
 
 T, S, H, D, TOPK = 4096, 32768, 64, 128, 2048
 DECODE_BATCHES = (1, 32, 128)
-DEFAULT_VARIANTS = ["2,128,8,2", "2,128,4,3", "2,64,4,3", "2,64,8,3", "4,128,8,2", "4,64,8,3", "1,128,8,3", "1,64,4,3"]
+DEFAULT_VARIANTS = ["4,64,8,4", "4,64,8,2", "4,64,4,3", "4,32,4,3", "2,64,4,3", "2,128,8,3", "8,32,8,3"]
 
 
 def bench_ms(fn) -> float:
