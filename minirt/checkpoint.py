@@ -125,12 +125,21 @@ class StoredTensor:
     nbytes: int
 
 
+def _is_size(value) -> bool:
+    """A JSON non-negative integer (not a bool, which json also gives as an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """Parse and validate a safetensors file's header without reading tensor data.
 
     Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing or
-    truncated file, a header length beyond the file, a header that is not JSON, an unsupported dtype,
-    a byte range that disagrees with dtype × shape, or tensor data past the end of the file.
+    truncated file, a header length beyond the file, a header that is not a JSON object, an entry
+    that is not ``{"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}``, a
+    ``__metadata__`` that is not an object of strings, an unsupported dtype, a byte range that
+    disagrees with dtype × shape, tensor data past the end of the file, or byte ranges that overlap,
+    leave a hole or do not cover the data area exactly (the safetensors format forbids all three, and
+    the safetensors library refuses such files when they are opened).
     """
     path = Path(path)
     try:
@@ -152,24 +161,33 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {e})") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise CheckpointError(f"{path}: corrupt safetensors header (JSON nested too deeply)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.get("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is not an object of strings)")
     data_size = size - 8 - header_len
     tensors: dict[str, StoredTensor] = {}
+    ranges: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype_str, shape, (begin, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}: {entry!r}") from None
+        dtype_str = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(dtype_str, str) and isinstance(shape, list) and all(_is_size(d) for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}: {entry!r:.200}")
         dtype = SAFETENSORS_DTYPES.get(dtype_str)
         if dtype is None:
             raise CheckpointError(
-                f"{path}: tensor {name} has dtype {dtype_str}, not one of {', '.join(SAFETENSORS_DTYPES)}"
+                f"{path}: tensor {name} has dtype {dtype_str:.40}, not one of {', '.join(SAFETENSORS_DTYPES)}"
             )
+        begin, end = offsets
         nbytes = math.prod(shape) * dtype.itemsize
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end) or end - begin != nbytes:
+        if begin > end or end - begin != nbytes:
             raise CheckpointError(
                 f"{path}: corrupt safetensors header: tensor {name} byte range {[begin, end]} does not hold "
                 f"{dtype_str} {shape} ({nbytes} bytes)"
@@ -180,6 +198,19 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
                 f"but the file holds only {data_size} data bytes"
             )
         tensors[name] = StoredTensor(path, dtype, tuple(shape), nbytes)
+        ranges.append((begin, end, name))
+    covered = 0
+    for begin, end, name in sorted(ranges):
+        if begin != covered:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor {name} starts at data byte {begin}, but the "
+                f"tensors before it end at byte {covered} ({'overlap' if begin < covered else 'hole'})"
+            )
+        covered = end
+    if covered != data_size:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors file: data bytes {covered}..{data_size} belong to no tensor"
+        )
     return tensors
 
 
@@ -215,6 +246,8 @@ def _weight_map(path: Path) -> tuple[str, dict[str, str]]:
             index = json.loads(index_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{index_path}: cannot parse ({e})") from None
+        except RecursionError:  # json's decoder recurses once per nesting level
+            raise CheckpointError(f"{index_path}: cannot parse (JSON nested too deeply)") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' of tensor name → shard file")
