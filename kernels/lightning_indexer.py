@@ -265,26 +265,17 @@ def lightning_indexer_scores(
     return _launch(q, k, weights, limit, out, default_config(*q.shape[-3:], q.element_size()))
 
 
-# Order-preserving int32 image of the fp32 score -inf (see _order_keys).
-_NEG_INF_ORDERED = -2139095041
-
-
-def _order_keys(values: torch.Tensor, indices: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """int64 keys whose descending order is (value descending, key index ascending), unique per row:
-    the order-preserving int32 image of the fp32 value in the high half, n_keys - 1 - index in the low."""
+def _order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys [..., S] whose descending order is (score descending, key index ascending), unique
+    per row: the order-preserving int32 image of the fp32 score in the high half, S - 1 - s in the low."""
+    n_keys = scores.shape[-1]
     # + 0.0 turns -0.0 into +0.0: a stable sort ties them, their bit images would not.
-    bits = (values + 0.0).view(torch.int32)
+    bits = (scores + 0.0).view(torch.int32)
     # Negative floats order backwards as ints: flip their magnitude bits.
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     keys = ordered.to(torch.int64) << 32
-    keys |= n_keys - 1 - indices
+    keys |= torch.arange(n_keys - 1, -1, -1, dtype=torch.int64, device=scores.device)
     return keys
-
-
-def _key_indices(keys: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """Key indices back from _order_keys keys, -1 where the value was -inf."""
-    indices = (n_keys - 1 - (keys & 0xFFFFFFFF)).to(torch.int32)
-    return indices.masked_fill_((keys >> 32) == _NEG_INF_ORDERED, -1)
 
 
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -300,11 +291,10 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     Returns:
         [..., topk] int32 key indices in [0, S) or -1.
 
-    No full sort. A float32 torch.topk selects (ties broken arbitrarily); the selection is then
-    ordered by int64 keys (value, then lower index first; see _order_keys). Ties only change the
-    selected set at the k-th largest value, when a row holds more copies of it than were selected:
-    such rows (found with one device synchronisation) are selected again exactly, by torch.topk on
-    the int64 keys of the whole row.
+    No full sort: a float32 torch.topk of topk + 1 (sorted) is exact wherever no two of those values
+    are equal; ties among them (which torch.topk orders arbitrarily, and which at the topk-th value
+    decide the selected set) are found with one device synchronisation, and only those rows are
+    selected again by torch.topk on unique int64 keys (_order_keys). -inf ties need no fix.
     """
     if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
         raise InputError("scores must be a float32 tensor [..., S]")
@@ -315,17 +305,15 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or scores.numel() == 0:
         return result
-    values, indices = torch.topk(scores, k, dim=-1, sorted=False)
-    kth = values.amin(-1, keepdim=True)
-    # A -inf boundary needs no fix: every -inf entry becomes -1 whichever was selected.
-    tied_rows = ((scores == kth).sum(-1) > (values == kth).sum(-1)) & (kth[..., 0] > float("-inf"))
-    rows = tied_rows.nonzero(as_tuple=True)
+    # One past the k-th shows a tie across the selection boundary.
+    n_selected = min(topk + 1, n_keys)
+    values, indices = torch.topk(scores, n_selected, dim=-1, sorted=True)
+    tied = ((values[..., 1:] == values[..., :-1]) & (values[..., 1:] > float("-inf"))).any(-1)
+    rows = tied.nonzero(as_tuple=True)
     if rows[0].numel():
-        tied = scores[rows]
-        all_keys = torch.arange(n_keys, device=scores.device).expand_as(tied)
-        exact = torch.topk(_order_keys(tied, all_keys, n_keys), k, dim=-1, sorted=False).values
+        row_scores = scores[rows]
+        exact = torch.topk(_order_keys(row_scores), n_selected, dim=-1, sorted=True).values
         indices[rows] = n_keys - 1 - (exact & 0xFFFFFFFF)
-        values[rows] = tied.gather(-1, indices[rows])
-    keys = torch.sort(_order_keys(values, indices, n_keys), dim=-1, descending=True).values
-    result[..., :k] = _key_indices(keys, n_keys)
+        values[rows] = row_scores.gather(-1, indices[rows])
+    result[..., :k] = indices[..., :k].masked_fill(values[..., :k] == float("-inf"), -1)
     return result

@@ -275,6 +275,32 @@ def test_topk_matches_stable_sort_on_ties(shape, topk):
     assert torch.equal(got, stable_topk_reference(scores, topk))
 
 
+def test_topk_tie_across_the_boundary_only():
+    """Distinct scores except that the k-th and (k+1)-th largest are equal: the lower key index must be
+    selected, in rows where it comes first and in rows where it comes second."""
+    gen = torch.Generator(DEVICE).manual_seed(30)
+    n_rows, n_keys, topk = 16, 200, 50
+    scores = torch.stack([torch.randperm(n_keys, generator=gen, device=DEVICE) for _ in range(n_rows)]).float()
+    # Ranks topk and topk + 1 (values n_keys - topk and n_keys - topk - 1) get the same value.
+    scores[scores == n_keys - topk - 1] = n_keys - topk
+    assert torch.equal(indexer_topk(scores, topk), stable_topk_reference(scores, topk))
+
+
+def test_topk_masked_ties_take_the_fast_path(monkeypatch):
+    """-inf entries tie, but every one becomes -1: rows of distinct finite scores must not take the
+    exact (int64, whole-row) path, the slow one."""
+    exact_rows = []
+    order_keys = li._order_keys
+    monkeypatch.setattr(li, "_order_keys", lambda scores: exact_rows.append(scores.shape[0]) or order_keys(scores))
+    gen = torch.Generator(DEVICE).manual_seed(31)
+    n_rows, n_keys = 8, 300
+    scores = torch.randn((n_rows, n_keys), generator=gen, device=DEVICE)
+    scores = scores.masked_fill(torch.arange(n_keys, device=DEVICE) > 3 + 40 * torch.arange(n_rows, device=DEVICE)[:, None],
+                                -math.inf)
+    assert torch.equal(indexer_topk(scores, 100), stable_topk_reference(scores, 100))
+    assert exact_rows == []
+
+
 def test_topk_on_indexer_scores():
     """Kernel output of a causal prefill where every head's relu clips for some keys (exact 0 scores)."""
     gen = torch.Generator(DEVICE).manual_seed(28)
