@@ -19,3 +19,7 @@ class InputError(MinirtError, ValueError):
 
 class DeviceError(MinirtError):
     """The requested device is not available."""
+
+
+class WriteError(MinirtError):
+    """A file or directory could not be written (names the path and the operating system's reason)."""

@@ -30,7 +30,7 @@ import torch
 from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, resolve_device, tensor_specs
 from .config import Fp8Quantization, ModelConfig, YarnScaling
-from .errors import InputError
+from .errors import InputError, WriteError
 
 TOKENIZER_FILE = "tokenizer.json"
 BOS_TOKEN, EOS_TOKEN = "<bos>", "<eos>"
@@ -306,6 +306,12 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         raise InputError(f"{out_dir} is not empty; use force=True (--force) to replace it")
 
 
+def _os_reason(e: OSError) -> str:
+    """'No space left on device', with the path the operating system refused when it names one."""
+    reason = e.strerror or str(e)
+    return f"{reason}: {e.filename}" if e.filename else reason
+
+
 def _write_files(tmp: Path, preset: Preset, cfg: ModelConfig, seed: int, device: torch.device, progress: Progress | None) -> None:
     num_layers = cfg.num_hidden_layers
     specs = tensor_specs(cfg, num_layers)
@@ -358,7 +364,8 @@ def write_synthetic_checkpoint(
     and quantised ("cuda" speeds up v32; output differs from "cpu" but is deterministic per device type).
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
     removed on any failure. Raises InputError for an unknown preset, a bad num_layers, or an out_dir that
-    is a file or a non-empty directory (unless force=True, which replaces it). ``progress(done, total,
+    is a file or a non-empty directory (unless force=True, which replaces it); WriteError when the
+    operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
     name)``, if given, is called after each chunk written with bytes written so far and in total.
     """
     cfg = preset_config(preset, num_layers)
@@ -366,9 +373,12 @@ def write_synthetic_checkpoint(
         raise InputError(f"seed must be an int, got {seed!r}")
     device = resolve_device(device)
     out_dir = Path(out_dir).resolve()  # "." must name a directory with a parent to hold the temporary
-    _check_out_dir(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        _check_out_dir(out_dir, force)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    except OSError as e:
+        raise WriteError(f"{out_dir}: cannot create the checkpoint there ({_os_reason(e)})") from e
     try:
         _write_files(tmp, PRESETS[preset], cfg, seed, device, progress)
         _check_out_dir(out_dir, force)
@@ -381,10 +391,13 @@ def write_synthetic_checkpoint(
             except BaseException:
                 old.rename(out_dir)
                 raise
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)  # the new checkpoint is complete: a leftover is no failure
         else:
             tmp.rename(out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # disk full, permissions, ...: a one-line error, not a traceback
+            raise WriteError(f"{out_dir}: writing the checkpoint failed ({_os_reason(e)}); "
+                             f"{out_dir} is left as it was") from e
         raise
     return out_dir
