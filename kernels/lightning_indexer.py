@@ -265,17 +265,24 @@ def lightning_indexer_scores(
     return _launch(q, k, weights, limit, out, default_config(*q.shape[-3:], q.element_size()))
 
 
-def _order_keys(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys [..., S] whose descending order is (score descending, key index ascending), unique
-    per row: the order-preserving int32 image of the fp32 score in the high half, S - 1 - s in the low."""
-    n_keys = scores.shape[-1]
+# Order-preserving int32 image of the fp32 score -inf (see _order_keys).
+_NEG_INF_ORDERED = -2139095041
+
+
+def _order_keys(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is (value descending, key index ascending), unique for
+    distinct indices: the order-preserving int32 image of the fp32 value in the high half, the bitwise
+    complement of the (int64, < 2^32) index in the low half."""
     # + 0.0 turns -0.0 into +0.0: a stable sort ties them, their bit images would not.
-    bits = (scores + 0.0).view(torch.int32)
+    bits = (values + 0.0).view(torch.int32)
     # Negative floats order backwards as ints: flip their magnitude bits.
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    keys = ordered.to(torch.int64) << 32
-    keys |= torch.arange(n_keys - 1, -1, -1, dtype=torch.int64, device=scores.device)
-    return keys
+    return (ordered.to(torch.int64) << 32) | (indices ^ 0xFFFFFFFF)
+
+
+def _key_indices(keys: torch.Tensor) -> torch.Tensor:
+    """The index half of _order_keys keys."""
+    return (keys & 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -291,10 +298,11 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     Returns:
         [..., topk] int32 key indices in [0, S) or -1.
 
-    No full sort: a float32 torch.topk of topk + 1 (sorted) is exact wherever no two of those values
-    are equal; ties among them (which torch.topk orders arbitrarily, and which at the topk-th value
-    decide the selected set) are found with one device synchronisation, and only those rows are
-    selected again by torch.topk on unique int64 keys (_order_keys). -inf ties need no fix.
+    No full sort of the rows. A float32 torch.topk selects topk + 1 (ties broken arbitrarily); the
+    selection is sorted by unique int64 keys (value, then lower index: _order_keys) and the last one
+    dropped. The arbitrary tie-breaking only changes the selected set when the topk-th and
+    (topk + 1)-th values are equal and finite: such rows (found with one device synchronisation) are
+    selected again exactly, by torch.topk on the int64 keys of the whole row.
     """
     if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
         raise InputError("scores must be a float32 tensor [..., S]")
@@ -305,15 +313,19 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or scores.numel() == 0:
         return result
-    # One past the k-th shows a tie across the selection boundary.
     n_selected = min(topk + 1, n_keys)
-    values, indices = torch.topk(scores, n_selected, dim=-1, sorted=True)
-    tied = ((values[..., 1:] == values[..., :-1]) & (values[..., 1:] > float("-inf"))).any(-1)
-    rows = tied.nonzero(as_tuple=True)
-    if rows[0].numel():
-        row_scores = scores[rows]
-        exact = torch.topk(_order_keys(row_scores), n_selected, dim=-1, sorted=True).values
-        indices[rows] = n_keys - 1 - (exact & 0xFFFFFFFF)
-        values[rows] = row_scores.gather(-1, indices[rows])
-    result[..., :k] = indices[..., :k].masked_fill(values[..., :k] == float("-inf"), -1)
+    values, indices = torch.topk(scores, n_selected, dim=-1, sorted=False)
+    if n_selected > k:
+        last_two = torch.topk(values, 2, dim=-1, largest=False, sorted=True).values
+        # -inf ties need no fix: every selected -inf becomes -1.
+        boundary_tie = (last_two[..., 0] == last_two[..., 1]) & (last_two[..., 0] > float("-inf"))
+        rows = boundary_tie.nonzero(as_tuple=True)
+        if rows[0].numel():
+            row_scores = scores[rows]
+            all_keys = torch.arange(n_keys, device=scores.device).expand_as(row_scores)
+            exact = torch.topk(_order_keys(row_scores, all_keys), n_selected, dim=-1, sorted=False).values
+            indices[rows] = _key_indices(exact)
+            values[rows] = row_scores.gather(-1, indices[rows])
+    keys = torch.sort(_order_keys(values, indices), dim=-1, descending=True).values[..., :k]
+    result[..., :k] = _key_indices(keys).to(torch.int32).masked_fill_((keys >> 32) == _NEG_INF_ORDERED, -1)
     return result

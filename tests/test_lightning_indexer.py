@@ -288,17 +288,17 @@ def test_topk_tie_across_the_boundary_only():
 
 def test_topk_masked_ties_take_the_fast_path(monkeypatch):
     """-inf entries tie, but every one becomes -1: rows of distinct finite scores must not take the
-    exact (int64, whole-row) path, the slow one."""
+    exact (int64 keys of the whole row) path, the slow one."""
     exact_rows = []
     order_keys = li._order_keys
-    monkeypatch.setattr(li, "_order_keys", lambda scores: exact_rows.append(scores.shape[0]) or order_keys(scores))
+    monkeypatch.setattr(li, "_order_keys", lambda values, indices: exact_rows.append(values.shape[-1]) or order_keys(values, indices))
     gen = torch.Generator(DEVICE).manual_seed(31)
     n_rows, n_keys = 8, 300
     scores = torch.randn((n_rows, n_keys), generator=gen, device=DEVICE)
     scores = scores.masked_fill(torch.arange(n_keys, device=DEVICE) > 3 + 40 * torch.arange(n_rows, device=DEVICE)[:, None],
                                 -math.inf)
     assert torch.equal(indexer_topk(scores, 100), stable_topk_reference(scores, 100))
-    assert exact_rows == []
+    assert exact_rows == [101], "only the selection (topk + 1 per row) is keyed, never a whole row"
 
 
 def test_topk_on_indexer_scores():
