@@ -5,6 +5,8 @@
   latent cache in FlashMLA's 656-byte V32 layout.
 - ``sparse_mla_decode_fp8`` and its wrapper ``mla_decode_fp8``: absorbed-MQA sparse decode over that
   cache, dequantising in registers.
+- ``lightning_indexer_scores`` / ``indexer_topk``: V3.2's indexer scores (exact mode) and a top-k
+  with ties going to the lower key index.
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8}``: the same as torch
   custom ops, for torch.compile (see ``ops``).
 
@@ -20,5 +22,6 @@ if not torch.cuda.is_available():
 
 from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, quantize_kv_fp8, write_kv_fp8  # noqa: E402
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
+from .lightning_indexer import indexer_topk, lightning_indexer_scores  # noqa: E402
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.minirt.*)

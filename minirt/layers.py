@@ -19,7 +19,7 @@ from torch import nn
 
 from .cache import LayerCache
 from .config import ModelConfig
-from .kernels import mla_decode_fp8, sparse_mla_prefill, write_kv_fp8
+from .kernels import indexer_topk, lightning_indexer_scores, mla_decode_fp8, sparse_mla_prefill, write_kv_fp8
 from .rope import apply_rope_half, apply_rope_interleaved
 
 
@@ -83,9 +83,16 @@ class LightningIndexer(nn.Module):
         w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q, w
 
+    def prefill_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """One prompt's causal top-k through the Triton scores kernel: q [n, H, D], w [n, H], k [n, D]
+        (fp32, from ``queries`` / ``keys``) -> key positions [n, index_topk] int32, −1 padded."""
+        scores = lightning_indexer_scores(q, k, w, torch.arange(k.shape[0], device=k.device))
+        return indexer_topk(scores, self.topk)
+
     @staticmethod
     def scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """q [..., T, H, D], w [..., T, H], k [..., S, D] -> scores [..., T, S] fp32."""
+        """q [..., T, H, D], w [..., T, H], k [..., S, D] -> scores [..., T, S] fp32 (torch: the decode
+        step uses it, as it must stay free of host syncs for CUDA-graph capture)."""
         logits = torch.einsum("...thd,...sd->...ths", q, k).relu_()
         return torch.einsum("...ths,...th->...ts", logits, w)
 
@@ -191,15 +198,13 @@ class MLAAttention(nn.Module):
         topk, start = [], 0
         for n in seq_lens:
             rows = slice(start, start + n)
-            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
             if topk_override is not None:
                 topk.append(topk_override[rows].to(torch.int32))
             elif self.indexer is not None:
-                scores = self.indexer.scores(index_q[rows], index_w[rows], index_keys[rows])
-                topk.append(self.indexer.select(scores, causal))
+                topk.append(self.indexer.prefill_topk(index_q[rows], index_w[rows], index_keys[rows]))
             else:  # V3: dense causal attention is top-k over every earlier position
                 pos = torch.arange(n, device=x.device, dtype=torch.int32)
-                topk.append(torch.where(causal, pos, -1))
+                topk.append(torch.where(pos[None, :] <= pos[:, None], pos, -1))
             start += n
         width = max(t.shape[-1] for t in topk)
         topk = torch.cat([F.pad(t, (0, width - t.shape[-1]), value=-1) for t in topk])
