@@ -299,8 +299,8 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         [..., topk] int32 key indices in [0, S) or -1.
 
     No full sort of the rows. A float32 torch.topk selects topk + 1 (ties broken arbitrarily); the
-    selection is sorted by unique int64 keys (value, then lower index: _order_keys) and the last one
-    dropped. The arbitrary tie-breaking only changes the selected set when the topk-th and
+    selection, less its last element, is sorted by unique int64 keys (value, then lower index:
+    _order_keys). The arbitrary tie-breaking only changes the selected set when the topk-th and
     (topk + 1)-th values are equal and finite: such rows (found with one device synchronisation) are
     selected again exactly, by torch.topk on the int64 keys of the whole row.
     """
@@ -326,6 +326,11 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
             exact = torch.topk(_order_keys(row_scores, all_keys), n_selected, dim=-1, sorted=False).values
             indices[rows] = _key_indices(exact)
             values[rows] = row_scores.gather(-1, indices[rows])
-    keys = torch.sort(_order_keys(values, indices), dim=-1, descending=True).values[..., :k]
+    keys = _order_keys(values, indices)
+    if n_selected > k:
+        # Drop the (k+1)-th (the unique smallest key) by moving the last key into its slot: sorting
+        # exactly k = 2048 keys stays on torch's in-shared-memory sort, 2049 would not.
+        keys = keys.scatter_(-1, keys.argmin(-1, keepdim=True), keys[..., -1:].clone())[..., :k]
+    keys = torch.sort(keys, dim=-1, descending=True).values
     result[..., :k] = _key_indices(keys).to(torch.int32).masked_fill_((keys >> 32) == _NEG_INF_ORDERED, -1)
     return result
