@@ -58,8 +58,9 @@ class _ProgressBar:
     """A rich progress bar behind the ``progress(done, total, name)`` callback the loaders take."""
 
     def __init__(self, what: str):
+        # Only on a terminal: a transient bar still leaves a blank line on a redirected stderr.
         self.bar = Progress(TextColumn(f"{what} " + "{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TimeRemainingColumn(), console=console, transient=True)
+                            TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal)
         self.task = None
 
     def __enter__(self):

@@ -95,8 +95,10 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+        except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deep
+            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         try:
@@ -119,6 +121,9 @@ class ModelConfig:
         return d
 
 
+_MAY_BE_ZERO = ("first_k_dense_replace", "bos_token_id", "eos_token_id", "mscale", "mscale_all_dim")
+
+
 def _get(raw: dict, key: str, kind: type, default: Any = ...) -> Any:
     if key not in raw or raw[key] is None:
         if default is ...:
@@ -129,7 +134,9 @@ def _get(raw: dict, key: str, kind: type, default: Any = ...) -> Any:
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ConfigError(f"key '{key}' must be {kind.__name__}, got {value!r}")
-    if kind is int and value <= 0 and key not in ("first_k_dense_replace", "bos_token_id", "eos_token_id"):
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"key '{key}' must be finite, got {value}")
+    if value <= 0 and key not in _MAY_BE_ZERO:
         raise ConfigError(f"key '{key}' must be positive, got {value}")
     return value
 

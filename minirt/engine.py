@@ -3,6 +3,7 @@ decode through the Triton kernels. ``minirt.load`` builds one; ``backend="refere
 oracle behind the same ``prefill`` / ``decode`` calls."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,10 +12,13 @@ from torch import nn
 
 from .cache import PagedCache
 from .config import ModelConfig
-from .errors import InputError
+from .errors import ConfigError, InputError
 from .layers import DecoderLayer, RMSNorm
 from .reference import ReferenceModel
 from .rope import rope_cos_sin
+
+
+DECODE_HEADROOM = 256  # decode steps a cache allocated by prefill leaves room for
 
 
 class Transformer(nn.Module):
@@ -38,18 +42,28 @@ class PrefillTrace:
     topk: list[torch.Tensor] = field(default_factory=list)
 
 
+def check_tokens(tokens, vocab_size: int, what: str = "tokens") -> list[int]:
+    """Token ids as Python ints, or InputError: integers only (an int tensor, or ints), in [0, vocab)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise InputError(f"{what}: token ids must be integers, got a {tokens.dtype} tensor")
+        tokens = tokens.reshape(-1).tolist()
+    ids = list(tokens)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InputError(f"{what}: token ids must be integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise InputError(f"{what}: token id {t} is outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in ids]
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
     if len(prompts) == 0:
         raise InputError("no prompts given")
-    out = []
-    for i, p in enumerate(prompts):
-        p = [int(t) for t in p]
+    out = [check_tokens(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
+    for i, p in enumerate(out):
         if not p:
             raise InputError(f"prompt {i} is empty")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise InputError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        out.append(p)
     return out
 
 
@@ -85,14 +99,15 @@ class Engine:
         """Run prompts (lists of token ids) through the model, filling the cache from position 0.
 
         Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
-        packed prompt after prompt [sum(len), vocab]. Allocates a cache that fits the prompts when
-        none was set up. ``topk_override``: per layer [sum(len), k] positions that replace the
-        indexer's choice (to compare numerics with identical top-k).
+        packed prompt after prompt [sum(len), vocab]. Without ``setup_cache`` first, allocates a cache
+        for the prompts plus ``DECODE_HEADROOM`` decode steps. ``topk_override``: per layer
+        [sum(len), k] positions that replace the indexer's choice (to compare numerics with identical
+        top-k).
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
         if self.cache is None:
-            self.setup_cache(len(prompts), max(lens))
+            self.setup_cache(len(prompts), max(lens) + DECODE_HEADROOM)
         self.cache.check_room(lens)
         dev = self.device
         tokens = torch.tensor([t for p in prompts for t in p], device=dev)
@@ -120,12 +135,11 @@ class Engine:
     def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab].
         ``topk_override``: per layer [b, k] positions that replace the indexer's choice (eager)."""
-        tokens = torch.as_tensor(tokens, device=self.device).view(-1)
+        ids = check_tokens(tokens, self.cfg.vocab_size, "decode")
         b = len(self._lens) if self.cache is not None else 0
-        if b == 0 or tokens.numel() != b:
-            raise InputError(f"decode needs one token per prefilled sequence ({b}), got {tokens.numel()}")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
-            raise InputError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
+        if b == 0 or len(ids) != b:
+            raise InputError(f"decode needs one token per prefilled sequence ({b}), got {len(ids)}")
+        tokens = torch.tensor(ids, device=self.device)
         lens = [n + 1 for n in self._lens]
         self.cache.check_room(lens)
         self._lens = lens
@@ -198,18 +212,21 @@ class ReferenceEngine:
         return torch.cat(outs) if all_logits else torch.stack([o[-1] for o in outs])
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = torch.as_tensor(tokens).view(-1).tolist()
-        if len(tokens) != len(self.sequences):
+        tokens = check_tokens(tokens, self.cfg.vocab_size, "decode")
+        if not self.sequences or len(tokens) != len(self.sequences):
             raise InputError(f"decode needs one token per prefilled sequence ({len(self.sequences)}), got {len(tokens)}")
         for seq, t in zip(self.sequences, tokens):
             seq.append(t)
-        check_prompts(self.sequences, self.cfg.vocab_size)
         return torch.stack([self.reference.forward(torch.tensor(s)).logits[-1].float() for s in self.sequences])
 
 
 def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
                  dtype: torch.dtype, indexer_precision: str = "exact") -> Engine:
     """An Engine from a config and HF-named weights (dequantised) already on ``device``."""
+    for key, need in (("kv_lora_rank", 512), ("qk_rope_head_dim", 64)):
+        if getattr(cfg, key) != need:
+            raise ConfigError(f"key '{key}' is {getattr(cfg, key)}: the Triton kernels and the fp8 cache layout "
+                              f"need {key} = {need} (d_qk 576); backend='reference' runs any dims")
     with torch.device("meta"):
         model = Transformer(cfg, num_layers, indexer_precision)
     wanted = model.state_dict().keys()
