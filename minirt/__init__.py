@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .errors import CheckpointError, ConfigError, DeviceError, InputError, MinirtError
+from .errors import CheckpointError, ConfigError, DeviceError, InputError, MinirtError, WriteError
 
 __all__ = ["load", "default_checkpoint", "default_weights_dir", "ModelConfig", "MinirtError", "ConfigError", "CheckpointError",
-           "InputError", "DeviceError"]
+           "InputError", "DeviceError", "WriteError"]
 
 
 def default_weights_dir() -> Path:
@@ -38,7 +38,7 @@ def default_checkpoint(progress=None) -> Path:
     if not (path / "config.json").is_file():
         try:
             write_synthetic_checkpoint(path, preset="tiny", seed=0, progress=progress)
-        except InputError:  # another process wrote it first (the write is an atomic rename)
+        except (InputError, WriteError):  # another process wrote it first (the write is an atomic rename)
             if not (path / "config.json").is_file():
                 raise
     return path
