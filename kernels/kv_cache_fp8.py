@@ -25,6 +25,8 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
+from ._common import check_device
+
 LATENT_DIM = 512
 ROPE_DIM = 64
 TILE_SIZE = 128
@@ -242,9 +244,7 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
     if block_table.shape[0] != positions.shape[0]:
         raise InputError(f"block_table has {block_table.shape[0]} rows but positions has batch "
                          f"{positions.shape[0]}")
-    if not positions.device == block_table.device == kv_cache.device:
-        raise InputError(f"positions ({positions.device}), block_table ({block_table.device}) and "
-                         f"kv_cache ({kv_cache.device}) must be on one device")
+    check_device({"positions": positions, "block_table": block_table, "kv_cache": kv_cache})
     batch = positions.shape[0]
     flat = positions.reshape(batch, -1).contiguous()
     slots = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
@@ -336,9 +336,7 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
             or slots.shape != latent.shape[:-1]:
         raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(latent.shape[:-1])}")
-    if not latent.device == slots.device == kv_cache.device:
-        raise InputError(f"latent ({latent.device}), slots ({slots.device}) and kv_cache "
-                         f"({kv_cache.device}) must be on one device")
+    check_device({"latent": latent, "k_rope": k_rope, "slots": slots, "kv_cache": kv_cache})
     latent = latent.reshape(-1, LATENT_DIM)
     rope = k_rope.reshape(-1, ROPE_DIM).view(torch.int16)
     slots = slots.reshape(-1).contiguous()

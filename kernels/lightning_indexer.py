@@ -11,7 +11,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import INTERPRET
+from ._common import INTERPRET, check_device
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -175,13 +175,7 @@ def _check_inputs(q, k, weights, limit, out) -> None:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != expected:
             raise InputError(f"preallocated out must be a float32 tensor of shape {list(expected)}")
         tensors["out"] = out
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise InputError("all tensors must be on one device, got "
-                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
-    if q.device.type != "cuda" and not (INTERPRET and q.device.type == "cpu"):
-        raise InputError(f"tensors are on {q.device}; the kernel needs CUDA tensors (or CPU tensors with "
-                         "TRITON_INTERPRET=1 set before minirt.kernels is imported)")
+    check_device(tensors)
 
 
 def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:

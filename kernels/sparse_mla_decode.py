@@ -21,7 +21,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import INTERPRET
+from ._common import INTERPRET, check_device
 from .kv_cache_fp8 import (BYTES_PER_TOKEN, LATENT_DIM, NUM_TILES, ROPE_DIM, ROPE_OFFSET,
                            SCALE_OFFSET, TILE_SIZE, cache_geometry, positions_to_slots)
 
@@ -273,13 +273,7 @@ def _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out,
         tensors[name] = t
     if out is not None and out.stride(3) != 1:
         raise InputError("out must have a contiguous last dim")
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise InputError("all tensors must be on one device, got "
-                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
-    if not INTERPRET and q.device.type != "cuda":
-        raise InputError(f"tensors are on {q.device}; the compiled kernel needs CUDA tensors "
-                         "(set TRITON_INTERPRET=1 before importing minirt.kernels to run on the CPU)")
+    check_device(tensors)
 
 
 def sparse_mla_decode_fp8(

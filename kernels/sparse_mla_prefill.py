@@ -11,7 +11,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import INTERPRET
+from ._common import INTERPRET, check_device
 
 _LOG2E = math.log2(math.e)
 
@@ -185,13 +185,7 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
                 raise InputError(f"preallocated {name} must be a {dtype} tensor of shape {list(shape)}")
             tensors[name] = t
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise InputError("all tensors must be on one device, got "
-                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
-    if q.device.type != "cuda" and not (INTERPRET and q.device.type == "cpu"):
-        raise InputError(f"tensors are on {q.device}; the kernel needs CUDA tensors (or CPU tensors with "
-                         "TRITON_INTERPRET=1 set before minirt.kernels is imported)")
+    check_device(tensors)
 
 
 def _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, config: PrefillConfig):
