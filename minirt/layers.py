@@ -19,6 +19,7 @@ from torch import nn
 
 from .cache import LayerCache
 from .config import ModelConfig
+from .errors import InputError
 from .kernels import indexer_topk, lightning_indexer_scores, mla_decode_fp8, sparse_mla_prefill, write_kv_fp8
 from .rope import apply_rope_half, apply_rope_interleaved
 
@@ -51,7 +52,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, cfg: ModelConfig, precision: str = "exact"):
         super().__init__()
         if precision not in ("exact", "fp8"):
-            raise ValueError(f"indexer precision must be 'exact' or 'fp8', got {precision!r}")
+            raise InputError(f"indexer precision must be 'exact' or 'fp8', got {precision!r}")
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         self.topk = cfg.index_topk
         self.precision = precision
@@ -116,7 +117,7 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     it spreads outliers across dims before the fp8 cast (the official indexer's rotate_activation)."""
     d = x.shape[-1]
     if d & (d - 1):
-        raise ValueError(f"Hadamard rotation needs a power-of-two dim, got {d}")
+        raise InputError(f"Hadamard rotation needs a power-of-two dim, got {d}")
     h = torch.ones(1, 1, dtype=x.dtype, device=x.device)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
