@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 
 import torch
 import triton
 from triton.testing import do_bench
+
+from ceilings import measure_ceilings, write_report
 
 from minirt.kernels.lightning_indexer import IndexerConfig, _launch, default_config, indexer_topk
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
@@ -58,12 +59,6 @@ def eager_scores(q, k, weights, limit, chunk=128):
         scores = torch.einsum("chs,ch->cs", logits, weights[start:start + chunk])
         out[start:start + chunk] = scores.masked_fill(keys[None, :] > limit[start:start + chunk, None], float("-inf"))
     return out
-
-
-def ceiling_tflops() -> float:
-    a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
-    b = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
 
 
 def attention_ms() -> float:
@@ -103,10 +98,11 @@ def main():
         return fmt(bench_ms(lambda: _launch(q, k, weights, limit, None, config)))
 
     default = default_config(T, H, D)
+    matmul_tflops, copy_gbps = measure_ceilings()
     lines = [
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",
-        f"- bf16 matmul 8192^3 ceiling: {attempt(lambda: f'{ceiling_tflops():.0f} TFLOP/s')}",
+        f"- ceilings: bf16 matmul 8192^3 {matmul_tflops:.0f} TFLOP/s, device copy {copy_gbps:.0f} GB/s (read + write)",
         f"- prefill: T {T} (limit[t] = {S - T} + t), S {S}, H {H}, D {D}, bf16; TFLOP/s of the causal part "
         f"needed ({flops / 1e12:.2f} TFLOP); default config {default}",
         "",
@@ -145,11 +141,7 @@ def main():
         row(f"decode scores, B {n_batch} x 1 query, S {S} each", attempt(decode_cell))
 
     text = "\n".join(lines) + "\n"
-    if args.out == "-":
-        sys.stdout.write("\n" + text)
-    else:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from ceilings import measure_ceilings, plot_roofline
+from ceilings import measure_ceilings, plot_roofline, write_report
 
 from minirt.kernels.sparse_mla_prefill import PrefillConfig, _launch, default_config
 
@@ -103,11 +102,7 @@ def main():
     if args.plot:
         plot_roofline(args.plot, f"sparse_mla_prefill, s_q {S_Q}, topk {TOPK}", points, mm_tflops, copy_gbs)
     text = "\n".join(lines) + "\n"
-    if args.out == "-":
-        sys.stdout.write("\n" + text)
-    else:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

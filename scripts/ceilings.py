@@ -3,6 +3,8 @@
 bf16 matmul 8192³ on random data (TFLOP/s) and a 1 GiB device-to-device copy of random bytes
 (GB/s, bytes read + written), medians of triton.testing.do_bench.
 """
+import sys
+
 import torch
 from triton.testing import do_bench
 
@@ -41,3 +43,12 @@ def plot_roofline(path: str, title: str, points: list[tuple[str, float, float, f
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def write_report(text: str, out: str) -> None:
+    """The markdown report to the file ``out``, or to stdout when ``out`` is "-"."""
+    if out == "-":
+        sys.stdout.write("\n" + text)
+    else:
+        with open(out, "w") as f:
+            f.write(text)
