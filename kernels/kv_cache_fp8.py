@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minirt.blockfp8 import ceil_log2
 from minirt.errors import InputError
 
 from ._common import check_device
@@ -43,16 +44,10 @@ DEFAULT_BLOCK_SIZE = 64
 # torch reference
 # ----------------------------------------------------------------------------------------------
 
-def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(x)) of positive float32 values (torch.log2 can round 2^k * (1 + 2^-23) to k)."""
-    mantissa, exponent = torch.frexp(x)            # x = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return exponent - (mantissa == 0.5).to(exponent.dtype)
-
-
 def _tile_scale_exponents(latent: torch.Tensor) -> torch.Tensor:
     """int32 exponent e of each tile's scale 2^e; latent [..., 512] -> [..., 4]."""
     amax = latent.float().abs().unflatten(-1, (NUM_TILES, TILE_SIZE)).amax(dim=-1)
-    return _ceil_log2(torch.clamp_min(amax / FP8_MAX, 1e-4)).to(torch.int32)
+    return ceil_log2(torch.clamp_min(amax / FP8_MAX, 1e-4)).to(torch.int32)
 
 
 def quantize_kv_fp8(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:

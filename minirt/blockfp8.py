@@ -22,6 +22,14 @@ def block_scale_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
 
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(x)) of positive float32 values, as an int tensor (x = m·2^e with m in [0.5, 1)
+    by frexp; torch.log2 can round 2^k·(1 + 2^-23) down to k). The exponent of every power-of-two
+    fp8 scale in minirt: weights, the V32 cache tiles, the fp8 indexer."""
+    mantissa, exponent = torch.frexp(x)
+    return exponent - (mantissa == 0.5).to(exponent.dtype)
+
+
 def _mul_blocks_(t: torch.Tensor, factors: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """In place: ``t[i, j] *= factors[i // block[0], j // block[1]]`` (t float32 [out, in])."""
     rows, cols = t.shape
@@ -83,11 +91,7 @@ def quantize_block_fp8(
     padded = torch.nn.functional.pad(w.abs(), (0, col_blocks * block[1] - cols, 0, row_blocks * block[0] - rows))
     amax = padded.view(row_blocks, block[0], col_blocks, block[1]).amax(dim=(1, 3))
     ratio = torch.clamp(amax / FP8_MAX, min=torch.finfo(torch.float32).tiny)
-    # Exact ceil(log2(ratio)) via frexp (ratio = m·2^e, m in [0.5, 1)): log2 in floating point can
-    # round an exponent the wrong way.
-    mantissa, exponent = torch.frexp(ratio)
-    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
-    scale_inv = torch.ldexp(torch.ones_like(ratio), exponent)
+    scale_inv = torch.ldexp(torch.ones_like(ratio), ceil_log2(ratio))
     # Multiplying by 2^-k rounds exactly like dividing by 2^k (both are normal powers of two).
     scaled = _mul_blocks_(w.clone(), scale_inv.reciprocal(), block)
     w_fp8 = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

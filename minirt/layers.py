@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blockfp8 import ceil_log2
 from .cache import LayerCache
 from .config import ModelConfig
 from .errors import InputError
@@ -129,7 +130,7 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     fp32 values (what an fp8 dot with per-block scales computes, up to accumulation order)."""
     xb = x.unflatten(-1, (-1, min(block, x.shape[-1])))
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    scale = torch.ldexp(torch.ones_like(amax), ceil_log2(amax / 448.0))
     q = (xb / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return (q.float() * scale).flatten(-2)
 
