@@ -25,47 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checkpoint import tensor_specs
 from .config import ModelConfig
 from .errors import CheckpointError, InputError
 from .rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
 
 # The official indexer builds its k LayerNorm with the default eps, not the config's rms_norm_eps.
 INDEXER_LAYERNORM_EPS = 1e-6
-
-
-def weight_shapes(cfg: ModelConfig, num_layers: int) -> dict[str, tuple[int, ...]]:
-    """HF tensor name → shape of every weight the reference reads for the first ``num_layers`` layers."""
-    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-        "lm_head.weight": (cfg.vocab_size, hidden),
-    }
-    for i in range(num_layers):
-        layer = {
-            "input_layernorm.weight": (hidden,),
-            "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_a_proj.weight": (cfg.q_lora_rank, hidden),
-            "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
-            "self_attn.q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
-            "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden),
-            "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-            "self_attn.kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-            "self_attn.o_proj.weight": (hidden, heads * cfg.v_head_dim),
-            "mlp.gate_proj.weight": (cfg.intermediate_size, hidden),
-            "mlp.up_proj.weight": (cfg.intermediate_size, hidden),
-            "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
-        }
-        if cfg.is_v32:
-            layer |= {
-                "self_attn.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-                "self_attn.indexer.wk.weight": (cfg.index_head_dim, hidden),
-                "self_attn.indexer.k_norm.weight": (cfg.index_head_dim,),
-                "self_attn.indexer.k_norm.bias": (cfg.index_head_dim,),
-                "self_attn.indexer.weights_proj.weight": (cfg.index_n_heads, hidden),
-            }
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
-    return shapes
 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -240,7 +206,7 @@ class ReferenceModel:
     """The first ``num_layers`` dense decoder layers of a DeepSeek-V3/V3.2 model, then the final norm
     and lm_head, in plain torch.
 
-    weights: HF name → tensor (dequantised; any float dtype), at least those of :func:`weight_shapes`;
+    weights: HF name → tensor (dequantised; any float dtype), at least those of ``checkpoint.tensor_specs``;
     they are copied to ``dtype`` on ``device``. ``num_layers`` defaults to every dense layer
     (``cfg.num_dense_layers``); MoE layers are not supported.
     """
@@ -255,7 +221,7 @@ class ReferenceModel:
     ):
         if num_layers is None:
             num_layers = cfg.num_dense_layers
-        if not 0 <= num_layers <= cfg.num_dense_layers:
+        if not 1 <= num_layers <= cfg.num_dense_layers:
             raise InputError(
                 f"num_layers={num_layers}: the reference runs only the {cfg.num_dense_layers} dense layers "
                 f"(first_k_dense_replace={cfg.first_k_dense_replace}, num_hidden_layers={cfg.num_hidden_layers})"
@@ -264,7 +230,8 @@ class ReferenceModel:
             raise InputError(f"dtype must be a floating-point dtype, got {dtype}")
         self.cfg, self.num_layers, self.dtype, self.device = cfg, num_layers, dtype, torch.device(device)
         self.weights: dict[str, Tensor] = {}
-        for name, shape in weight_shapes(cfg, num_layers).items():
+        for name, spec in tensor_specs(cfg, num_layers).items():
+            shape = spec.shape
             if name not in weights:
                 raise CheckpointError(f"tensor '{name}' is missing")
             tensor = weights[name]
