@@ -4,7 +4,9 @@ The kernel gathers each query row's top-k cache slots straight from the 656-byte
 kv_cache_fp8), dequantises fp8 * scale in registers (exact in bf16), and runs a base-2 online
 softmax over chunks of BLOCK_N slots; there is no bf16 copy of the cache. When the batch is too
 small to fill the GPU, each row's top-k is split across programs and the partial (out, lse) are
-merged by lse in a second kernel.
+merged by lse in a second kernel. On sm_90 GPUs the default launch runs the Gluon kernel of
+sparse_mla_decode_sm90 instead (same semantics, same split/merge); elsewhere, and for an explicit
+DecodeConfig, the portable Triton kernel here runs.
 
 Public entry points: ``mla_decode_fp8`` (what the runtime calls per layer and step: block table +
 the indexer's top-k positions) and ``sparse_mla_decode_fp8`` (slot ids, FlashMLA's interface).
@@ -21,6 +23,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
+from . import sparse_mla_decode_sm90 as sm90
 from ._common import INTERPRET, check_device
 from .kv_cache_fp8 import (BYTES_PER_TOKEN, LATENT_DIM, NUM_TILES, ROPE_DIM, ROPE_OFFSET,
                            SCALE_OFFSET, TILE_SIZE, cache_geometry, positions_to_slots)
@@ -33,12 +36,12 @@ _LOG2E = math.log2(math.e)
 _FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 _MERGE_BLOCK_H = 16
 # Split the top-k only when one program per (row, head block) leaves the GPU short of work: below
-# _SPLIT_BELOW_PROGRAMS_PER_SM programs per SM, split until there are _TARGET_PROGRAMS_PER_SM.
-# Measured on an H200 (docs/perf/decode.md): 3.9 programs/SM (b 128, s_q 2, h_q 128) ran 13%
-# faster unsplit than in 2 splits; 1 program/SM (h_q 16, s_q 1) ran 12% faster in 5 splits than
-# unsplit.
-_SPLIT_BELOW_PROGRAMS_PER_SM = 2
-_TARGET_PROGRAMS_PER_SM = 4
+# `below` programs per SM, split until there are `target`. Measured on an H200 (docs/perf/decode.md).
+# Portable kernel: 3.9 programs/SM (b 128, s_q 2, h_q 128) ran 13% faster unsplit than in 2 splits;
+# 1 program/SM (h_q 16, s_q 1) ran 12% faster in 5 splits than unsplit. Hopper kernel (one program
+# fills an SM's shared memory): 1.9 programs/SM (b 128, s_q 1, h_q 128) ran 20% faster unsplit than
+# in 2 splits; at 1 program/SM (h_q 16) 2 splits beat 4 and 8.
+_SPLIT_RULE = {"portable": (2, 4), "sm90": (1, 1)}
 # Fewest top-k entries a split gets: below this its partial output (h_q * 2 KiB) costs more traffic
 # than the cache rows it reads.
 _MIN_SPLIT_LEN = 256
@@ -106,11 +109,7 @@ def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16,
     return valid, fp8, scale, rope
 
 
-@triton.jit(do_not_specialize=[
-    "s_q", "h_q", "n_head_blocks", "topk", "split_len", "block_size", "num_slots", "block_stride_16",
-    "has_topk_length", "has_sink", "stride_q_b", "stride_q_s", "stride_i_b", "stride_i_s",
-    "stride_o_split", "stride_o_b", "stride_o_s", "stride_l_split", "stride_l_b", "stride_l_s",
-    "stride_l_h"])
+@triton.jit(do_not_specialize=sm90.RUNTIME_ARGS)
 def _sparse_decode_kernel(
     q_ptr, cache_ptr, indices_ptr, topk_length_ptr, sink_ptr, out_ptr, lse_ptr,
     s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, qk_scale_log2,
@@ -232,18 +231,20 @@ def _merge_splits_kernel(
 
 
 def default_num_splits(n_rows: int, h_q: int, topk: int, device: torch.device,
-                       config: Optional[DecodeConfig] = None) -> int:
-    """Top-k splits per query row that sparse_mla_decode_fp8 uses by default (n_rows = b * s_q):
-    1 when there are at least 2 programs per SM, else enough splits for 4 programs per SM, each
-    split at least 256 entries; 1 off the GPU."""
+                       config: Optional[DecodeConfig] = None, kernel: str = "portable") -> int:
+    """Top-k splits per query row that sparse_mla_decode_fp8 uses by default (n_rows = b * s_q) for
+    kernel "portable" (the Triton kernel with `config`) or "sm90" (the Hopper kernel, 64 heads per
+    program): 1 when there are enough programs per SM (portable 2, sm90 1), else enough splits for
+    that many (portable 4, sm90 1), each split at least 256 entries; 1 off the GPU."""
     if device.type != "cuda":
         return 1
-    cfg = config or default_config(h_q)
-    n_programs = max(1, n_rows * triton.cdiv(h_q, cfg.block_h))
+    below, target = _SPLIT_RULE[kernel]
+    block_h = 64 if kernel == "sm90" else (config or default_config(h_q)).block_h
+    n_programs = max(1, n_rows * triton.cdiv(h_q, block_h))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if n_programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+    if n_programs >= below * num_sms:
         return 1
-    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, n_programs)
+    wanted = triton.cdiv(target * num_sms, n_programs)
     return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
 
 
@@ -315,8 +316,10 @@ def sparse_mla_decode_fp8(
         topk_length: optional [b] int32. Batch b uses only indices[b, :, :topk_length[b]]
             (clamped to [0, topk]); later entries are never read.
         num_splits: keyword-only, optional: split each row's top-k over this many programs (merged
-            by lse). Default: enough programs to fill the GPU (1 on the CPU).
-        config: keyword-only, optional DecodeConfig (launch shape); default default_config(h_q).
+            by lse). Default: default_num_splits (enough programs to fill the GPU; 1 on the CPU).
+        config: keyword-only, optional DecodeConfig: run the portable Triton kernel with this launch
+            shape. Default: the Gluon kernel (sparse_mla_decode_sm90) on sm_90 GPUs, else the
+            portable kernel with default_config(h_q).
         out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
 
     Returns:
@@ -344,11 +347,14 @@ def sparse_mla_decode_fp8(
         q = q.contiguous()
     if indices.stride(2) != 1:
         indices = indices.contiguous()
-    cfg = config or default_config(h_q)
+    # The Hopper kernel takes the default launch (64 heads per program); an explicit config, another
+    # GPU or the interpreter run the portable kernel.
+    use_sm90 = config is None and not INTERPRET and sm90.supported(q)
+    cfg = DecodeConfig(block_h=64) if use_sm90 else config or default_config(h_q)
     n_head_blocks = triton.cdiv(h_q, cfg.block_h)
     n_rows = b * s_q
     if num_splits is None:
-        num_splits = default_num_splits(n_rows, h_q, topk, device, cfg)
+        num_splits = default_num_splits(n_rows, h_q, topk, device, cfg, "sm90" if use_sm90 else "portable")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise InputError(f"num_splits must be a positive int, got {num_splits!r}")
     # Splits cover whole BLOCK_N chunks; drop splits that would start past topk.
@@ -367,20 +373,25 @@ def sparse_mla_decode_fp8(
     # Unused optional pointers still need a tensor argument; the runtime flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
-    _sparse_decode_kernel[(n_rows * n_head_blocks, num_splits)](
-        q, kv_cache, indices, lengths, sink, dst_out, dst_lse,
-        s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
-        geometry.block_stride // 16, float(sm_scale) * _LOG2E,
-        int(topk_length is not None), int(attn_sink is not None),
-        q.stride(0), q.stride(1), q.stride(2),
-        indices.stride(0), indices.stride(1),
-        *o_strides, *l_strides,
-        D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, TILES=NUM_TILES, TILE=TILE_SIZE, BYTES=BYTES_PER_TOKEN,
-        SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
-        UPCAST=INTERPRET, INTERPRETED_ITERS=triton.cdiv(split_len, cfg.block_n) if INTERPRET else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (q, kv_cache, indices, lengths, sink, dst_out, dst_lse,
+            s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
+            geometry.block_stride // 16, float(sm_scale) * _LOG2E,
+            int(topk_length is not None), int(attn_sink is not None),
+            q.stride(0), q.stride(1), q.stride(2),
+            indices.stride(0), indices.stride(1),
+            *o_strides, *l_strides)
+    grid = (n_rows * n_head_blocks, num_splits)
+    if use_sm90:
+        sm90._sparse_decode_sm90_kernel[grid](*args, SPLIT=num_splits > 1, num_warps=8)
+    else:
+        _sparse_decode_kernel[grid](
+            *args,
+            D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, TILES=NUM_TILES, TILE=TILE_SIZE, BYTES=BYTES_PER_TOKEN,
+            SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
+            UPCAST=INTERPRET, INTERPRETED_ITERS=triton.cdiv(split_len, cfg.block_n) if INTERPRET else 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if num_splits > 1:
         n_merge_blocks = triton.cdiv(h_q, _MERGE_BLOCK_H)
         _merge_splits_kernel[(n_rows * n_merge_blocks,)](

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
+from . import sparse_mla_prefill_sm90 as sm90
 from ._common import INTERPRET, check_device
 
 _LOG2E = math.log2(math.e)
@@ -188,13 +189,16 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:
     check_device(tensors)
 
 
+def _new_outputs(q, d_v):
+    s_q, h_q, _ = q.shape
+    return (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
+            torch.empty((s_q, h_q), dtype=torch.float32, device=q.device),
+            torch.empty((s_q, h_q), dtype=torch.float32, device=q.device))
+
+
 def _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, config: PrefillConfig):
     s_q, h_q, d_qk = q.shape
-    if out is None:
-        out = (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
-               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device),
-               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device))
-    o, max_logits, lse = out
+    o, max_logits, lse = out if out is not None else _new_outputs(q, d_v)
     if s_q == 0 or h_q == 0:
         return o, max_logits, lse
     n_head_blocks = triton.cdiv(h_q, config.block_h)
@@ -264,7 +268,9 @@ def sparse_mla_prefill(
             shapes and dtypes below (any strides); every element is overwritten.
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
-    are honoured, nothing is copied.
+    are honoured, nothing is copied. On sm_90 GPUs, d_qk 576 / d_v 512 calls with contiguous q and
+    kv rows (16-byte aligned kv rows) run the Gluon kernel of sparse_mla_prefill_sm90; all others
+    run the portable Triton kernel here. Both have the semantics below.
 
     Returns:
         out: [s_q, h_q, d_v], q.dtype. Compiled, the softmax weights are rounded to q.dtype for the
@@ -279,4 +285,8 @@ def sparse_mla_prefill(
             head dims outside d_v <= 512 and d_qk - d_v <= 64.
     """
     _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out)
+    if not INTERPRET and sm90.supported(q, kv, d_v) and q.shape[0] * q.shape[1] > 0:
+        if out is None:
+            out = _new_outputs(q, d_v)
+        return sm90.launch(q, kv, indices, float(sm_scale) * _LOG2E, attn_sink, topk_length, out)
     return _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, default_config(q.shape[1]))

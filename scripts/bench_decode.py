@@ -23,27 +23,32 @@ import triton.testing
 from ceilings import measure_ceilings, plot_roofline
 
 from minirt.kernels.kv_cache_fp8 import BYTES_PER_TOKEN, new_kv_cache, positions_to_slots
-from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, default_num_splits,
+from minirt.kernels import sparse_mla_decode_sm90
+from minirt.kernels.sparse_mla_decode import (default_config, default_num_splits,
                                               mla_decode_fp8, sparse_mla_decode_fp8)
 
 TOPK = 2048
 BLOCK_SIZE = 64
 SM_SCALE = 0.135234   # (qk_nope + qk_rope)^-0.5 * mscale^2 for V3.2 (192^-0.5 * 1.3689^2)
 
-# (h_q, s_q, config or None for default, num_splits or None for the heuristic)
+# (h_q, s_q, config, num_splits or None for the heuristic). config None: the public default (the
+# Gluon kernel on sm_90 GPUs); PORTABLE: the portable Triton kernel with default_config(h_q); a
+# DecodeConfig: the portable kernel with that launch shape.
+PORTABLE = "portable"
 VARIANTS = [
     (128, 2, None, None),
+    (128, 2, PORTABLE, None),
     (128, 2, None, 2),
-    (128, 2, DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2), 1),
-    (128, 2, DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3), 2),
     (128, 1, None, None),
+    (128, 1, PORTABLE, None),
+    (128, 1, None, 3),
     (16, 1, None, None),
-    (16, 1, None, 1),
-    (16, 1, None, 8),
-    (16, 1, None, 16),
-    (16, 1, DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2), 5),
-    (16, 1, DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=3), 8),
+    (16, 1, PORTABLE, None),
+    (16, 1, None, 3),
+    (16, 1, None, 4),
     (16, 2, None, None),
+    (16, 2, PORTABLE, None),
+    (16, 2, None, 2),
 ]
 
 
@@ -119,10 +124,14 @@ def main() -> None:
             positions = topk_positions(b, s_q, lengths, seed=s_q)
             problems[(h_q, s_q)] = (q, positions, positions_to_slots(positions, table, cache))
         q, positions, slots = problems[(h_q, s_q)]
-        cfg = config or default_config(h_q)
-        splits = num_splits or default_num_splits(b * s_q, h_q, TOPK, device, cfg)
-        label = (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-                 + (" (default)" if config is None else ""))
+        sm90 = config is None and sparse_mla_decode_sm90.supported(q)
+        cfg = default_config(h_q) if config in (None, PORTABLE) else config
+        splits = num_splits or default_num_splits(b * s_q, h_q, TOPK, device, cfg,
+                                                  "sm90" if sm90 else "portable")
+        cfg = None if sm90 else cfg
+        label = ("sm90 Gluon, h64 n64 w8" if sm90 else
+                 f"portable h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
+        label += " (default)" if config is None else ""
         try:
             run = lambda: sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, num_splits=splits, config=cfg)
             out, _ = run()

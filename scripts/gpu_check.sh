@@ -2,8 +2,9 @@
 # Everything that needs the GPU, in one call (the device tool runs this from the repo root):
 #   scripts/gpu_check.sh STAGE...   stages: tests kernel-tests bench v32 runtime-bench
 # tests:        runtime, CLI and README tests with CUDA tensors (tiny preset, bf16)
-# kernel-tests: the kernel test files with CUDA tensors
-# bench:        scripts/bench_prefill.py and scripts/bench_decode.py (ceilings measured in the same run)
+# kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels)
+# bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py;
+#               ceilings measured in the same run
 # v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers), then `minirt verify`
 #               and `minirt generate` at batch 1 and 64
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (prefill/decode tok/s, CUDA-graph step)
@@ -30,10 +31,12 @@ run() {  # run NAME CMD...: tee output to $OUT/NAME.log, remember failures
 for stage in "$@"; do
   case $stage in
     tests) run tests python3 -m pytest -q -x tests/test_engine.py tests/test_cli.py tests/test_readme.py tests/test_ops.py ;;
-    kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py tests/test_kv_cache_fp8.py ;;
+    kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py \
+                    tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py ;;
     bench)
-      run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md"
-      run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" ;;
+      run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md" --plot "$OUT/prefill.png"
+      run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"
+      run bench-indexer python3 scripts/bench_indexer.py --out "$OUT/indexer.md" ;;
     v32|runtime-bench)
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda ;;&

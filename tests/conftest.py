@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run under the interpreter; it must be chosen before any kernel
@@ -8,3 +9,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["sm90", "portable"] if DEVICE == "cuda" else ["portable"])
+def kernel_path(request, monkeypatch):
+    """Which attention kernel runs: on a GPU a test using this runs twice, through the kernel the
+    public functions pick (the Gluon kernels on sm_90) and through the portable Triton kernels,
+    forced. The CPU (interpreter) has only the portable kernels."""
+    if request.param == "portable":
+        from minirt.kernels import sparse_mla_decode_sm90, sparse_mla_prefill_sm90
+        monkeypatch.setattr(sparse_mla_prefill_sm90, "supported", lambda *args: False)
+        monkeypatch.setattr(sparse_mla_decode_sm90, "supported", lambda *args: False)
+    return request.param

@@ -18,8 +18,14 @@ from minirt.kernels.kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, quantiz
 from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, mla_decode_fp8,
                                               sparse_mla_decode_fp8)
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
+from minirt.kernels import sparse_mla_decode_sm90 as sm90
 
 ON_GPU = DEVICE == "cuda"
+
+
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
+
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 SM_SCALE = 576 ** -0.5 * 1.3
 # out: |err| <= OUT_ATOL + OUT_RTOL * |ref| + P_ROUNDING * sum_j p_j |v_j| elementwise. The cache is
@@ -344,3 +350,20 @@ def test_production_shape_gpu(h_q, s_q):
     attn_sink = torch.randn(h_q, device=DEVICE)
     got = decode(q, cache, indices, 0.1352 * 192 ** -0.5, attn_sink=attn_sink)   # default splits
     check(got, reference(q, cache, indices, 0.1352 * 192 ** -0.5, attn_sink))
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
+def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch):
+    launched = []
+
+    class Spy:   # stands in for the Gluon kernel object: records the launch, then runs it
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+    kernel = sm90._sparse_decode_sm90_kernel
+    monkeypatch.setattr(sm90, "_sparse_decode_sm90_kernel", Spy())
+    _, cache = make_cache(4, 64, 7)
+    indices = random_indices(2, 1, 100, 256, 7).to(DEVICE)
+    q = random_q(2, 1, 16, 7)
+    check(decode(q, cache, indices, SM_SCALE), reference(q, cache, indices, SM_SCALE))
+    assert len(launched) == (1 if kernel_path == "sm90" else 0)

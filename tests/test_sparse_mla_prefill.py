@@ -12,8 +12,14 @@ from hypothesis import strategies as st
 from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
+from minirt.kernels import sparse_mla_prefill_sm90 as sm90
 
 ON_GPU = DEVICE == "cuda"
+
+
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
+
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 # out: elementwise |err| <= OUT_ATOL + OUT_RTOL * |ref| + u_P * sum_j w_j |v_j|. The first two terms
 # cover fp32 accumulation and the final rounding of out to q's dtype (unit roundoff 2^-8 for bf16).
@@ -353,3 +359,16 @@ def test_cpu_tensors_rejected_when_compiled():
     q, kv, indices = (t.cpu() for t in _valid_args())
     with pytest.raises(InputError, match="CUDA"):
         sparse_mla_prefill(q, kv, indices, 0.1)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
+def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch):
+    calls = []
+    launch = sm90.launch
+    monkeypatch.setattr(sm90, "launch", lambda *args, **kw: calls.append(1) or launch(*args, **kw))
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    q = torch.randn((3, 64, 576), generator=gen, device=DEVICE).to(torch.bfloat16)
+    kv = torch.randn((100, 1, 576), generator=gen, device=DEVICE).to(torch.bfloat16)
+    indices = torch.randint(0, 100, (3, 1, 64), generator=gen, device=DEVICE, dtype=torch.int32)
+    run_case(q, kv, indices, 0.05, 512)
+    assert len(calls) == (1 if kernel_path == "sm90" else 0)

@@ -1,0 +1,166 @@
+"""Hopper (sm_90) fast path of sparse_mla_decode_fp8, written in Gluon.
+
+Same semantics and launch geometry as the portable Triton kernel in sparse_mla_decode.py (programs =
+query rows x blocks of 64 heads x top-k splits; split partials are merged by that module's merge
+kernel). The structure is the Gluon prefill kernel's (sparse_mla_prefill_sm90.py): the 656-byte
+tokens of chunk i+1 are gathered by cp.async into a double buffer while chunk i is dequantised
+(fp8 * scale -> bf16 in shared memory) and multiplied on the tensor cores. Fewer than 64 heads are
+padded to 64 (zero query rows): wgmma needs M = 64.
+
+The attention step is mla_sm90.attend_chunk. Gluon has no interpreter: this kernel runs only on sm_90 GPUs; sparse_mla_decode_fp8 dispatches.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+from .mla_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_LAT, D_ROPE, NUM_WARPS, O_LAYOUT, ROPE_L, ROW_O, ROW_S,
+                       attend_chunk, load_q)
+
+TILES = gl.constexpr(4)
+TILE = gl.constexpr(128)
+TOKEN_BYTES = gl.constexpr(656)
+SCALES_AT = gl.constexpr(512)
+ROPE_AT = gl.constexpr(528)
+# fp8 tokens as [keys, tile, 128]: one warp copies one 512-byte token row in 16-byte vectors.
+FP8_L = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 4, 8], [8, 1, 1], [2, 1, 0]))
+# Runtime integers of the decode kernels (this one and sparse_mla_decode's portable one): only
+# compared or multiplied, so specialising on their values would only multiply compiles.
+RUNTIME_ARGS = [
+    "s_q", "h_q", "n_head_blocks", "topk", "split_len", "block_size", "num_slots", "block_stride_16",
+    "has_topk_length", "has_sink", "stride_q_b", "stride_q_s", "stride_i_b", "stride_i_s",
+    "stride_o_split", "stride_o_b", "stride_o_s", "stride_l_split", "stride_l_b", "stride_l_s",
+    "stride_l_h"]
+
+
+@gluon.jit(do_not_specialize=RUNTIME_ARGS)
+def _sparse_decode_sm90_kernel(
+    q_ptr, cache_ptr, indices_ptr, topk_length_ptr, sink_ptr, out_ptr, lse_ptr,
+    s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, qk_scale_log2,
+    has_topk_length, has_sink,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_i_b, stride_i_s,
+    stride_o_split, stride_o_b, stride_o_s, stride_o_h,
+    stride_l_split, stride_l_b, stride_l_s, stride_l_h,
+    SPLIT: gl.constexpr,
+):
+    RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    LAT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
+    ROPE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
+    KEYS_FP8: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, FP8_L))
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    row = pid // n_head_blocks
+    b = (row // s_q).to(gl.int64)
+    s = (row % s_q).to(gl.int64)
+    head0 = (pid % n_head_blocks) * BLOCK_H
+
+    q_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], LAT_SMEM)
+    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], ROPE_SMEM)
+    load_q(q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, head0, h_q, q_lat_smem, q_rope_smem)
+
+    n_used = topk
+    if has_topk_length:
+        n_used = gl.minimum(gl.maximum(gl.load(topk_length_ptr + b), 0), topk)
+    lo = split * split_len
+    hi = gl.minimum(lo + split_len, n_used)
+    n_chunks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    raw_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_N, TILES, TILE], RAW_SMEM)
+    k_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], ROPE_SMEM)
+    k_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D_LAT], LAT_SMEM)
+    idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
+    offs_n = gl.arange(0, BLOCK_N, KEYS_FP8)
+    offs_tile = gl.arange(0, TILES, gl.SliceLayout(0, gl.SliceLayout(2, FP8_L)))
+    offs_in_tile = gl.arange(0, TILE, gl.SliceLayout(0, gl.SliceLayout(1, FP8_L)))
+    offs_rope = gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))
+
+    # Prologue: gather chunk 0 and load its scales; load chunk 1's slot ids.
+    slot_cur = gl.load(idx_row + lo + offs_n, mask=lo + offs_n < hi, other=-1)
+    scale_cur = _gather(cache_ptr, slot_cur, num_slots, block_size, block_stride_16, raw_smem.index(0),
+                        k_rope_smem.index(0), offs_tile, offs_in_tile, offs_rope)
+    slot_next = gl.load(idx_row + lo + BLOCK_N + offs_n, mask=lo + BLOCK_N + offs_n < hi, other=-1)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, O_LAYOUT)
+    for i in range(n_chunks):
+        buf = i % 2
+        # Chunk i's bytes have landed everywhere, and every warpgroup is done with chunk i-1.
+        cp.wait_group(0)
+        gl.thread_barrier()
+        scale_next = _gather(cache_ptr, slot_next, num_slots, block_size, block_stride_16, raw_smem.index(1 - buf),
+                             k_rope_smem.index(1 - buf), offs_tile, offs_in_tile, offs_rope)
+        start_after = lo + (i + 2) * BLOCK_N
+        slot_after = gl.load(idx_row + start_after + offs_n, mask=start_after + offs_n < hi, other=-1)
+
+        # fp8 * 2^e is exact in bf16: the bf16 tile equals the dequantised cache.
+        raw = raw_smem.index(buf).load(FP8_L)
+        kv = raw.to(gl.bfloat16) * scale_cur.to(gl.bfloat16)[:, :, None]
+        k_lat_smem.store(gl.reshape(kv, [BLOCK_N, D_LAT]))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        slot_s = gl.convert_layout(slot_cur, COL_S)
+        m_i, l_i, acc = attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem.index(buf),
+                                     (slot_s >= 0) & (slot_s < num_slots), qk_scale_log2, m_i, l_i, acc)
+        slot_cur = slot_next
+        scale_cur = scale_next
+        slot_next = slot_after
+    cp.wait_group(0)
+
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+    lse2 = gl.where(has_keys, m_ref + gl.log2(l_safe), float("-inf"))
+    offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
+    h_mask = offs_h < h_q
+    scale_o = 1.0 / l_safe
+    if not SPLIT:
+        # Final result: exp(lse) / (exp(lse) + exp(sink)) folded into the row scale; empty rows keep
+        # out = 0 (acc is 0) and get lse = +inf.
+        lse = gl.where(has_keys, lse2 * 0.6931471805599453, 0.0)
+        if has_sink:
+            sink = gl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
+            scale_o = scale_o / (1.0 + gl.exp(sink - lse))
+    offs_ho = head0 + gl.arange(0, BLOCK_H, ROW_O)
+    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, O_LAYOUT))
+    o = acc * gl.convert_layout(scale_o, ROW_O)[:, None]
+    out_rows = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s + offs_ho * stride_o_h
+    gl.store(out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=(offs_ho < h_q)[:, None])
+    lse_ptrs = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h
+    if SPLIT:
+        # Partial result: normalised fp32 out and base-2 lse (-inf: nothing in this split).
+        gl.store(lse_ptrs, lse2, mask=h_mask)
+    else:
+        gl.store(lse_ptrs, gl.where(has_keys, lse, float("inf")), mask=h_mask)
+
+
+@gluon.jit
+def _gather(cache_ptr, slot, num_slots, block_size, block_stride_16, raw_smem, rope_smem,
+            offs_tile, offs_in_tile, offs_rope):
+    """cp.async one chunk of tokens (fp8 latent, bf16 rope) into shared memory and load their scales
+    [keys, tiles] (returned). Invalid slots are never read: masked copies zero-fill, scales are 0."""
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = gl.where(valid, slot, 0)
+    block = slot // block_size
+    token = cache_ptr + (block.to(gl.int64) * block_stride_16 * 16
+                         + (slot - block * block_size).to(gl.int64) * TOKEN_BYTES)
+    fp8_rows = token.to(gl.pointer_type(gl.float8e4nv))[:, None, None]
+    cp.async_copy_global_to_shared(raw_smem, fp8_rows + offs_tile[None, :, None] * TILE + offs_in_tile[None, None, :],
+                                   mask=valid[:, None, None])
+    rope_rows = gl.convert_layout((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, ROPE_L))
+    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE_L))
+    cp.async_copy_global_to_shared(rope_smem, rope_rows[:, None] + offs_rope[None, :], mask=valid_r[:, None])
+    cp.commit_group()
+    return gl.load((token + SCALES_AT).to(gl.pointer_type(gl.float32))[:, None] + offs_tile[None, :],
+                   mask=valid[:, None], other=0.0)
+
+
+def supported(q: torch.Tensor) -> bool:
+    """Whether this kernel takes the call: an sm_90 GPU (the cache layout is already checked)."""
+    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
