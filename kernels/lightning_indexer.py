@@ -42,7 +42,8 @@ def _indexer_scores_kernel(
     stride_lb, stride_lt,
     stride_ob, stride_ot, stride_os,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr, INTERPRETED_TILES: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    INTERPRETED_TILES: tl.constexpr,
 ):
     # One program: BLOCK_T query rows (of one batch entry) x one chunk of tiles_per_chunk key tiles.
     # The chunks of a query tile are adjacent programs; query tiles run last-first, because under a
@@ -98,8 +99,7 @@ def _indexer_scores_kernel(
                     mask=s_mask[:, None], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        # "ieee" keeps fp32 inputs out of tf32; 16-bit inputs are exact products, fp32 sums anyway.
-        logits = tl.dot(k, q_t, input_precision="ieee")
+        logits = tl.dot(k, q_t, input_precision=DOT_PRECISION)
         weighted = tl.maximum(logits, 0.0) * w[None, :]
         scores = tl.sum(tl.reshape(weighted, [BLOCK_S, BLOCK_T, BLOCK_H]), axis=2)
         scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
@@ -208,6 +208,10 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
         out3.stride(0), out3.stride(1), out3.stride(2),
         HEAD_DIM=head_dim, BLOCK_T=config.block_t, BLOCK_H=_block_h(n_heads, config.block_t),
         BLOCK_S=config.block_s, HAS_LIMIT=lim2 is not None,
+        # 16-bit inputs: exact products, fp32 sums. float32 inputs: three tf32 tensor-core products
+        # (hi*hi + hi*lo + lo*hi, ~2^-21 relative per product) instead of the fp32 FMA path, which
+        # ran at 0.9 TFLOP/s and made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "ieee",
         INTERPRETED=INTERPRET, INTERPRETED_TILES=tiles_per_chunk if INTERPRET else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -248,8 +252,9 @@ def lightning_indexer_scores(
 
     Returns:
         out: [T, S] or [B, T, S], float32. Products of 16-bit inputs are exact and all sums are
-            fp32 (for float32 inputs the dot runs in full fp32, not tf32), so the result differs from
-            an exact evaluation only by fp32 rounding of the sums. Masked entries are exactly -inf,
+            fp32, so the result differs from an exact evaluation only by fp32 rounding of the sums.
+            float32 inputs are multiplied as three tf32 products (tf32x3: about 2^-21 relative
+            error per product, far below the fp32 rounding of a 128-term sum's magnitude bound). Masked entries are exactly -inf,
             valid ones finite for finite inputs.
 
     Raises:
