@@ -37,8 +37,8 @@ def plot_roofline(path: str, title: str, points: list[tuple[str, float, float, f
             label=f"ceiling: {matmul_tflops:.0f} TFLOP/s bf16 matmul, {copy_gbps:.0f} GB/s copy")
     for (label, flops, nbytes, seconds), x in zip(points, intensities):
         y = flops / seconds / 1e12
-        ax.plot([x], [y], "o")
-        ax.annotate(f"{label}\n{y:.0f} TFLOP/s", (x, y), textcoords="offset points", xytext=(5, -18), fontsize=7)
+        # Labels go to the legend: points of equal intensity would overprint annotations.
+        ax.plot([x], [y], "o", label=f"{label}: {y:.0f} TFLOP/s, {nbytes / seconds / 1e9:.0f} GB/s")
     ax.set(xscale="log", yscale="log", xlabel="FLOP per byte (minimum traffic)", ylabel="TFLOP/s", title=title)
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
