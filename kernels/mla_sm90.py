@@ -42,6 +42,15 @@ def load_q(q_base, stride_h, head0, h_q, q_lat_smem, q_rope_smem):
 
 
 @gluon.jit
+def chunk_indices(row_ptr, stride, start, end, LAYOUT: gl.constexpr):
+    """The 64 int32 indices row_ptr[(start + j) * stride] of one chunk in a 1-D layout; -1 at and past
+    `end`. A chunk's indices are loaded once per layout that needs them (an L1 hit after the first):
+    cheaper than a layout conversion, which goes through shared memory and barriers."""
+    offs = start + gl.arange(0, BLOCK_N, LAYOUT)
+    return gl.load(row_ptr + offs * stride, mask=offs < end, other=-1)
+
+
+@gluon.jit
 def attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem, valid, scale_log2, m_i, l_i, acc):
     """One online-softmax step over a chunk of 64 keys in shared memory (k_lat doubles as V).
 

@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .mla_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_LAT, D_ROPE, LAT_L, NUM_WARPS, O_LAYOUT, ROPE_L, ROW_O,
-                       ROW_S, attend_chunk, load_q)
+                       ROW_S, attend_chunk, chunk_indices, load_q)
 
 
 @gluon.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks"])
@@ -49,13 +49,14 @@ def _sparse_mla_prefill_sm90_kernel(
         n_keys = gl.minimum(gl.maximum(gl.load(topk_length_ptr + token * stride_tl_s), 0), topk)
     k_lat_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_LAT], LAT_SMEM)
     k_rope_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_ROPE], ROPE_SMEM)
-    idx_ptrs = indices_ptr + token * stride_idx_s + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LAT_L)) * stride_idx_k
-    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LAT_L))
+    idx_row = indices_ptr + token * stride_idx_s
+    LAT_ROWS: gl.constexpr = gl.SliceLayout(1, LAT_L)
+    ROPE_ROWS: gl.constexpr = gl.SliceLayout(1, ROPE_L)
 
     # Prologue: gather chunk 0, load chunk 1's indices.
-    idx_cur = gl.load(idx_ptrs, mask=offs_n < n_keys, other=-1)
-    _gather(kv_ptr, stride_kv_s, s_kv, idx_cur, k_lat_smem.index(0), k_rope_smem.index(0))
-    idx_next = gl.load(idx_ptrs + BLOCK_N * stride_idx_k, mask=BLOCK_N + offs_n < n_keys, other=-1)
+    _gather(kv_ptr, stride_kv_s, s_kv, chunk_indices(idx_row, stride_idx_k, 0, n_keys, LAT_ROWS),
+            chunk_indices(idx_row, stride_idx_k, 0, n_keys, ROPE_ROWS), k_lat_smem.index(0), k_rope_smem.index(0))
+    idx_next = chunk_indices(idx_row, stride_idx_k, BLOCK_N, n_keys, LAT_ROWS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
@@ -67,14 +68,12 @@ def _sparse_mla_prefill_sm90_kernel(
         cp.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        _gather(kv_ptr, stride_kv_s, s_kv, idx_next, k_lat_smem.index(1 - buf), k_rope_smem.index(1 - buf))
-        start_after = (i + 2) * BLOCK_N
-        idx_after = gl.load(idx_ptrs + start_after * stride_idx_k, mask=start_after + offs_n < n_keys, other=-1)
-        idx_s = gl.convert_layout(idx_cur, COL_S)
+        _gather(kv_ptr, stride_kv_s, s_kv, idx_next, chunk_indices(idx_row, stride_idx_k, (i + 1) * BLOCK_N, n_keys, ROPE_ROWS),
+                k_lat_smem.index(1 - buf), k_rope_smem.index(1 - buf))
+        idx_next = chunk_indices(idx_row, stride_idx_k, (i + 2) * BLOCK_N, n_keys, LAT_ROWS)
+        idx_s = chunk_indices(idx_row, stride_idx_k, i * BLOCK_N, n_keys, COL_S)
         m_i, l_i, acc = attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem.index(buf), k_rope_smem.index(buf),
                                      (idx_s >= 0) & (idx_s < s_kv), scale_log2, m_i, l_i, acc)
-        idx_cur = idx_next
-        idx_next = idx_after
     cp.wait_group(0)
 
     # As in the portable kernel: l_i == 0 means no valid key (out 0, lse +inf, max_logits -inf).
@@ -98,15 +97,16 @@ def _sparse_mla_prefill_sm90_kernel(
 
 
 @gluon.jit
-def _gather(kv_ptr, stride_kv_s, s_kv, idx, lat_smem, rope_smem):
-    """cp.async the kv rows idx (one chunk) into shared memory. Invalid rows are never read: the
-    masked copies zero-fill their smem rows, so no NaN from unreferenced rows reaches the MMAs."""
-    valid = (idx >= 0) & (idx < s_kv)
-    rows = kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv_s
+def _gather(kv_ptr, stride_kv_s, s_kv, idx_lat, idx_rope, lat_smem, rope_smem):
+    """cp.async the kv rows of one chunk (its indices in the latent and rope copy layouts) into shared
+    memory. Invalid rows are never read: the masked copies zero-fill their smem rows, so no NaN from
+    unreferenced rows reaches the MMAs."""
+    valid = (idx_lat >= 0) & (idx_lat < s_kv)
+    rows = kv_ptr + gl.where(valid, idx_lat, 0).to(gl.int64) * stride_kv_s
     cp.async_copy_global_to_shared(lat_smem, rows[:, None] + gl.arange(0, D_LAT, gl.SliceLayout(0, LAT_L))[None, :],
                                    mask=valid[:, None])
-    rows = gl.convert_layout(rows, gl.SliceLayout(1, ROPE_L))
-    valid = gl.convert_layout(valid, gl.SliceLayout(1, ROPE_L))
+    valid = (idx_rope >= 0) & (idx_rope < s_kv)
+    rows = kv_ptr + gl.where(valid, idx_rope, 0).to(gl.int64) * stride_kv_s
     cp.async_copy_global_to_shared(rope_smem, rows[:, None] + D_LAT + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
                                    mask=valid[:, None])
     cp.commit_group()
