@@ -1,4 +1,4 @@
-"""Triton kernels of minirt, imported as ``minirt.kernels``.
+"""Triton (and Gluon, on Hopper) kernels of minirt, imported as ``minirt.kernels``.
 
 - ``sparse_mla_prefill``: NaN-safe sparse MLA prefill, FlashMLA ``flash_mla_sparse_fwd`` semantics.
 - ``quantize_kv_fp8`` / ``dequantize_kv_fp8`` / ``write_kv_fp8`` / ``new_kv_cache``: the fp8 paged
@@ -9,6 +9,10 @@
   with ties going to the lower key index.
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8}``: the same as torch
   custom ops, for torch.compile (see ``ops``).
+
+On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``,
+``sparse_mla_decode_sm90``, sharing ``mla_sm90``) with the same semantics and a hand-placed
+software pipeline; everywhere else the portable Triton kernels run.
 
 Without a GPU the kernels run under the Triton interpreter; it must be chosen before any kernel is
 defined, hence the variable is set here, first.
