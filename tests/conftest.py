@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 import torch
@@ -21,3 +22,16 @@ def kernel_path(request, monkeypatch):
         monkeypatch.setattr(sparse_mla_prefill_sm90, "supported", lambda *args: False)
         monkeypatch.setattr(sparse_mla_decode_sm90, "supported", lambda *args: False)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_master(tmp_path_factory):
+    """The tiny synthetic checkpoint, written once per session; tests only read it."""
+    from minirt.synthetic import write_synthetic_checkpoint
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("master") / "tiny", preset="tiny", seed=1234)
+
+
+@pytest.fixture
+def tiny(tiny_master, tmp_path):
+    """A private copy of the tiny checkpoint that a test may damage."""
+    return shutil.copytree(tiny_master, tmp_path / "tiny")

@@ -2,7 +2,6 @@
 import dataclasses
 import json
 import math
-import shutil
 import struct
 
 import pytest
@@ -13,7 +12,7 @@ from minirt.blockfp8 import block_scale_shape, dequantize_block_fp8, quantize_bl
 from minirt.checkpoint import INDEX_FILE, load_checkpoint, plan_load, read_safetensors_header, tensor_specs
 from minirt.config import ModelConfig
 from minirt.errors import CheckpointError, InputError
-from minirt.synthetic import preset_config, write_synthetic_checkpoint
+from minirt.synthetic import preset_config
 
 E4M3_MAX = 448.0
 
@@ -172,17 +171,6 @@ def test_specs_for_unquantized_v3_have_no_indexer_and_no_fp8():
 
 # ---------------------------------------------------------------------------------------------------
 # Loader
-
-
-@pytest.fixture(scope="module")
-def tiny_master(tmp_path_factory):
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("master") / "tiny", preset="tiny", seed=1234)
-
-
-@pytest.fixture
-def tiny(tiny_master, tmp_path):
-    """A private copy of the tiny checkpoint that a test may damage."""
-    return shutil.copytree(tiny_master, tmp_path / "tiny")
 
 
 def weight_map(ckpt):

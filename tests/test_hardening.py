@@ -8,7 +8,6 @@ import errno
 import json
 import math
 import re
-import shutil
 import struct
 from pathlib import Path
 
@@ -31,17 +30,6 @@ from minirt.synthetic import write_synthetic_checkpoint
 README = Path(__file__).resolve().parent.parent / "README.md"
 runner = CliRunner()
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("hardening") / "tiny", preset="tiny", seed=77)
-
-
-@pytest.fixture
-def broken(master, tmp_path):
-    """A private copy of the tiny checkpoint that a test may damage."""
-    return shutil.copytree(master, tmp_path / "tiny")
 
 
 def shard_of(ckpt: Path, tensor: str) -> Path:
@@ -76,13 +64,13 @@ def header_longer_than_file(data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("corrupt", [truncate_in_data, garbage_header, header_longer_than_file])
-def test_broken_last_shard_is_named_before_any_weight_is_read(broken, corrupt):
+def test_broken_last_shard_is_named_before_any_weight_is_read(tiny, corrupt):
     # lm_head's shard is the last one a load reads; all headers are checked before the first weight.
-    shard = shard_of(broken, "lm_head.weight")
+    shard = shard_of(tiny, "lm_head.weight")
     shard.write_bytes(corrupt(shard.read_bytes()))
     weights_read = []
     with pytest.raises(CheckpointError, match=re.escape(str(shard))):
-        load_checkpoint(broken, progress=lambda done, total, name: weights_read.append(name))
+        load_checkpoint(tiny, progress=lambda done, total, name: weights_read.append(name))
     assert weights_read == []
 
 
@@ -141,10 +129,10 @@ BROKEN_INDEXES = {
 
 
 @pytest.mark.parametrize("content", BROKEN_INDEXES.values(), ids=BROKEN_INDEXES)
-def test_unreadable_index_is_named(broken, content):
-    (broken / INDEX_FILE).write_bytes(content)
-    with pytest.raises(CheckpointError, match=re.escape(str(broken / INDEX_FILE))):
-        plan_load(broken)
+def test_unreadable_index_is_named(tiny, content):
+    (tiny / INDEX_FILE).write_bytes(content)
+    with pytest.raises(CheckpointError, match=re.escape(str(tiny / INDEX_FILE))):
+        plan_load(tiny)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,8 +153,8 @@ NON_FINITE_PATTERNS = [
 
 
 @pytest.mark.parametrize("name, bits_dtype, patterns", NON_FINITE_PATTERNS)
-def test_first_non_finite_value_is_named(broken, name, bits_dtype, patterns):
-    shard = shard_of(broken, name)
+def test_first_non_finite_value_is_named(tiny, name, bits_dtype, patterns):
+    shard = shard_of(tiny, name)
     with safe_open(str(shard), framework="pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
     bits = tensors[name].view(-1).view(bits_dtype)
@@ -177,7 +165,7 @@ def test_first_non_finite_value_is_named(broken, name, bits_dtype, patterns):
     save_file(tensors, shard, metadata={"format": "pt"})
     first = int(positions.min())
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} in {shard.name}: non-finite .* flat index {first}$"):
-        load_checkpoint(broken)
+        load_checkpoint(tiny)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,16 +177,16 @@ def test_first_non_finite_value_is_named(broken, name, bits_dtype, patterns):
 
 @pytest.mark.parametrize("content", [b'\xff\xfe{"model_type": "deepseek_v32"}', b"[" * 100_000],
                          ids=["not UTF-8", "nested 100000 deep"])
-def test_unreadable_config_is_a_config_error_naming_the_file(broken, content):
-    (broken / "config.json").write_bytes(content)
-    with pytest.raises(ConfigError, match=re.escape(str(broken / "config.json"))):
-        plan_load(broken)
+def test_unreadable_config_is_a_config_error_naming_the_file(tiny, content):
+    (tiny / "config.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(str(tiny / "config.json"))):
+        plan_load(tiny)
 
 
 @pytest.mark.parametrize("key, value", [("rms_norm_eps", math.nan), ("rms_norm_eps", -1e-6),
                                         ("rope_theta", math.inf), ("rope_scaling.factor", 0.0)])
-def test_invalid_float_config_value_names_the_key(master, key, value):
-    raw = json.loads((master / "config.json").read_text())
+def test_invalid_float_config_value_names_the_key(tiny_master, key, value):
+    raw = json.loads((tiny_master / "config.json").read_text())
     section, _, field = key.rpartition(".")
     (raw[section] if section else raw)[field] = value
     with pytest.raises(ConfigError, match=re.escape(field)):
@@ -223,8 +211,8 @@ def test_dims_the_kernels_cannot_run_name_the_key(tmp_path, monkeypatch, key, va
 
 
 @pytest.fixture(scope="module")
-def engine(master):
-    return minirt.load(master, device="cpu")
+def engine(tiny_master):
+    return minirt.load(tiny_master, device="cpu")
 
 
 PROMPT, NEXT_TOKEN = [17, 301, 5, 250, 99, 3], 42
@@ -272,8 +260,8 @@ def test_bad_tokens_rejected_before_compute_and_leave_no_trace(engine, clean_ste
     assert torch.equal(engine.decode(torch.tensor([NEXT_TOKEN])), clean_step)
 
 
-def test_reference_backend_rejected_decode_leaves_no_trace(master):
-    reference = minirt.load(master, device="cpu", backend="reference")
+def test_reference_backend_rejected_decode_leaves_no_trace(tiny_master):
+    reference = minirt.load(tiny_master, device="cpu", backend="reference")
     reference.prefill([PROMPT])
     clean = reference.decode(torch.tensor([NEXT_TOKEN]))
     reference.prefill([PROMPT])
@@ -293,8 +281,8 @@ def test_readme_documents_the_length_limit():
     assert "max_position_embeddings" in README.read_text()
 
 
-def test_readme_python_api_prefill_then_decode(master):
-    engine = minirt.load(master, device="cpu")
+def test_readme_python_api_prefill_then_decode(tiny_master):
+    engine = minirt.load(tiny_master, device="cpu")
     logits = engine.prefill([[1, 2, 3, 4], [5, 6]])
     assert engine.decode(logits.argmax(-1)).shape == (2, engine.cfg.vocab_size)
 
@@ -305,14 +293,14 @@ def test_readme_python_api_prefill_then_decode(master):
 
 
 @NO_CUDA
-def test_cuda_without_gpu_is_a_device_error(master, tmp_path):
+def test_cuda_without_gpu_is_a_device_error(tiny_master, tmp_path):
     with pytest.raises(DeviceError, match="CUDA is not available"):
-        minirt.load(master, device="cuda")
+        minirt.load(tiny_master, device="cuda")
     with pytest.raises(DeviceError, match="CUDA is not available"):
         write_synthetic_checkpoint(tmp_path / "ckpt", device="cuda")
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(InputError, match="not a torch device: 'gpu'"):
-        minirt.load(master, device="gpu")
+        minirt.load(tiny_master, device="gpu")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -476,13 +464,13 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("damage, argv, library_call", CLI_CASES.values(), ids=CLI_CASES)
-def test_cli_bad_input_is_one_line_exit_2(broken, damage, argv, library_call):
-    must_hold = str(damage(broken))
-    result = runner.invoke(app, [a.format(ckpt=broken) for a in argv])
+def test_cli_bad_input_is_one_line_exit_2(tiny, damage, argv, library_call):
+    must_hold = str(damage(tiny))
+    result = runner.invoke(app, [a.format(ckpt=tiny) for a in argv])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and result.stdout == ""
     with pytest.raises(MinirtError) as library:
-        library_call(broken)
+        library_call(tiny)
     assert result.stderr.splitlines() == [f"minirt: error: {library.value}"]
     assert must_hold in str(library.value)
 
