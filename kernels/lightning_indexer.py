@@ -254,8 +254,8 @@ def lightning_indexer_scores(
         out: [T, S] or [B, T, S], float32. Products of 16-bit inputs are exact and all sums are
             fp32, so the result differs from an exact evaluation only by fp32 rounding of the sums.
             float32 inputs are multiplied as three tf32 products (tf32x3: about 2^-21 relative
-            error per product, far below the fp32 rounding of a 128-term sum's magnitude bound). Masked entries are exactly -inf,
-            valid ones finite for finite inputs.
+            error per product, far below the fp32 rounding of a 128-term sum's magnitude bound).
+            Masked entries are exactly -inf, valid ones finite for finite inputs.
 
     Raises:
         minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the envelope above.
