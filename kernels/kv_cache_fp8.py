@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minirt.blockfp8 import ceil_log2
+from minirt.formats import ceil_log2
 from minirt.errors import InputError
 
 from ._common import check_device

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
+from .formats import E4M3_MAX, FP8_DTYPE, pow2_scale
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_BLOCK = (128, 128)
 
 
@@ -20,14 +19,6 @@ def block_scale_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int
     if len(shape) != 2:
         raise InputError(f"block fp8 weights are 2-D [out, in], got shape {tuple(shape)}")
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
-
-
-def ceil_log2(x: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(x)) of positive float32 values, as an int tensor (x = m·2^e with m in [0.5, 1)
-    by frexp; torch.log2 can round 2^k·(1 + 2^-23) down to k). The exponent of every power-of-two
-    fp8 scale in minirt: weights, the V32 cache tiles, the fp8 indexer."""
-    mantissa, exponent = torch.frexp(x)
-    return exponent - (mantissa == 0.5).to(exponent.dtype)
 
 
 def _mul_blocks_(t: torch.Tensor, factors: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -90,9 +81,8 @@ def quantize_block_fp8(
     rows, cols = w.shape
     padded = torch.nn.functional.pad(w.abs(), (0, col_blocks * block[1] - cols, 0, row_blocks * block[0] - rows))
     amax = padded.view(row_blocks, block[0], col_blocks, block[1]).amax(dim=(1, 3))
-    ratio = torch.clamp(amax / FP8_MAX, min=torch.finfo(torch.float32).tiny)
-    scale_inv = torch.ldexp(torch.ones_like(ratio), ceil_log2(ratio))
+    scale_inv = pow2_scale(amax, torch.finfo(torch.float32).tiny)
     # Multiplying by 2^-k rounds exactly like dividing by 2^k (both are normal powers of two).
     scaled = _mul_blocks_(w.clone(), scale_inv.reciprocal(), block)
-    w_fp8 = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    w_fp8 = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return w_fp8, scale_inv

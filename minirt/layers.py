@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blockfp8 import ceil_log2
 from .cache import LayerCache
 from .config import ModelConfig
 from .errors import InputError
+from .formats import FP8_GROUP, quantize_groups
 from .kernels import indexer_topk, lightning_indexer_scores, mla_decode_fp8, sparse_mla_prefill, write_kv_fp8
 from .rope import apply_rope_half, apply_rope_interleaved
 
@@ -125,14 +125,12 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return x @ (h * d**-0.5)
 
 
-def fp8_fake_quant(x: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """Round x [..., D] to e4m3 with one power-of-two scale per ``block`` values; returns the dequantised
-    fp32 values (what an fp8 dot with per-block scales computes, up to accumulation order)."""
-    xb = x.unflatten(-1, (-1, min(block, x.shape[-1])))
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    scale = torch.ldexp(torch.ones_like(amax), ceil_log2(amax / 448.0))
-    q = (xb / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return (q.float() * scale).flatten(-2)
+def fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Round x [..., D] to e4m3 with one power-of-two scale per 128 values (``formats.quantize_groups``);
+    returns the dequantised fp32 values (what an fp8 dot with per-group scales computes, up to
+    accumulation order)."""
+    values, scale = quantize_groups(x)
+    return (values.float().unflatten(-1, (-1, FP8_GROUP)) * scale[..., None]).flatten(-2)
 
 
 class MLAAttention(nn.Module):
