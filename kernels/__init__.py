@@ -15,14 +15,11 @@ On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_ml
 software pipeline; everywhere else the portable Triton kernels run.
 
 Without a GPU the kernels run under the Triton interpreter; it must be chosen before any kernel is
-defined, hence the variable is set here, first.
+defined, hence it is chosen here, first (``interpreter``: also when triton was imported before minirt).
 """
-import os
+from .interpreter import choose_interpreter_without_gpu
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+choose_interpreter_without_gpu()
 
 from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, quantize_kv_fp8, write_kv_fp8  # noqa: E402
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402

@@ -46,7 +46,7 @@ def default_checkpoint(progress=None) -> Path:
 
 def load(path: str | Path | None = None, layers: int | None = None, device: str | None = None,
          backend: str = "triton", dtype: torch.dtype | None = None, indexer_precision: str = "exact",
-         progress=None):
+         prefill_chunk: int | None = None, progress=None):
     """Load the first ``layers`` dense layers of a checkpoint (None: all dense layers) for inference.
 
     path: HF checkpoint directory; None uses the tiny synthetic default (created once).
@@ -56,19 +56,28 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     dtype: weights/activations of the triton backend; default bf16 on cuda, fp32 on cpu.
     indexer_precision: "exact" (fp32 scores, default: what the reference computes, so verify can
     compare top-k sets) or "fp8" (the official Hadamard + fp8 path; near-ties may flip).
-    Returns an object with ``prefill(prompts)`` and ``decode(tokens)`` (see ``minirt.engine.Engine``).
+    prefill_chunk: prompt tokens per prefill step of the triton backend (default
+    ``engine.DEFAULT_PREFILL_CHUNK``); it bounds prefill's transient memory, not the results.
+    Returns a ``minirt.backend.Backend``: ``prefill(prompts)`` and ``decode(tokens)`` (see
+    ``minirt.engine.Engine`` and ``minirt.reference.ReferenceEngine``).
     """
     from .checkpoint import load_checkpoint, resolve_device
-    from .engine import ReferenceEngine, build_engine
-    from .reference import ReferenceModel
 
     if backend not in ("triton", "reference"):
         raise InputError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if backend == "triton":
+        from .engine import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
+
+        prefill_chunk = check_prefill_chunk(DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     path = Path(path) if path is not None else default_checkpoint(progress)
     if backend == "reference":
+        from .reference import ReferenceEngine, ReferenceModel
+
         cfg, weights = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModel(cfg, weights, layers, torch.float32, dev))
+    from .engine import build_engine
+
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     cfg, weights = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress)
-    return build_engine(cfg, weights, layers or cfg.num_dense_layers, dev, dtype, indexer_precision)
+    return build_engine(cfg, weights, layers or cfg.num_dense_layers, dev, dtype, indexer_precision, prefill_chunk)

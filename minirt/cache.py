@@ -8,6 +8,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import InputError
+from .formats import CACHE_BLOCK_SIZE
 from .kernels import new_kv_cache
 
 
@@ -29,7 +30,7 @@ class PagedCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_seq_len: int,
-                 block_size: int = 64, device: torch.device | str = "cpu"):
+                 block_size: int = CACHE_BLOCK_SIZE, device: torch.device | str = "cpu"):
         if max_batch < 1 or max_seq_len < 1:
             raise InputError(f"cache needs max_batch >= 1 and max_seq_len >= 1, got {max_batch}, {max_seq_len}")
         self.block_size, self.max_batch, self.max_seq_len = block_size, max_batch, max_seq_len
@@ -45,10 +46,19 @@ class PagedCache:
             for _ in range(num_layers)
         ]
 
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence can hold (whole blocks: at least max_seq_len)."""
+        return self.block_table.shape[1] * self.block_size
+
     def slots(self, batch_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Slot ids [N] int64 of tokens at ``positions`` [N] of sequences ``batch_index`` [N]."""
+        """Slot ids int64 of tokens at ``positions`` of sequences ``batch_index`` (any broadcastable
+        shapes): the one place that maps (sequence, position) to a cache slot."""
         block = self.block_table[batch_index, positions // self.block_size].long()
         return block * self.block_size + positions % self.block_size
+
+    def has_room(self, lengths: list[int]) -> bool:
+        return len(lengths) <= self.max_batch and max(lengths) <= self.max_seq_len
 
     def check_room(self, lengths: list[int]) -> None:
         if len(lengths) > self.max_batch:

@@ -112,7 +112,7 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
         ("q_lora / kv_lora", f"{cfg.q_lora_rank} / {cfg.kv_lora_rank}"),
         ("qk nope / rope / v", f"{cfg.qk_nope_head_dim} / {cfg.qk_rope_head_dim} / {cfg.v_head_dim}"),
         ("indexer heads × dim, top-k", f"{cfg.index_n_heads} × {cfg.index_head_dim}, {cfg.index_topk}" if cfg.is_v32 else "none (V3)"),
-        ("softmax scale", f"{cfg.softmax_scale:.6f}"),
+        ("softmax scale", f"{cfg.sm_scale:.6f}"),
         ("quantization", f"fp8 e4m3, blocks {cfg.quantization.weight_block_size}" if cfg.quantization else "none"),
         ("layers to load", str(plan.num_layers)),
         ("shards to open", ", ".join(f.name for f in plan.shard_files)),
@@ -189,7 +189,7 @@ def generate(
     out.print()
     console.print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:,.1f} tok/s | "
                   f"decode: {result.decode_steps} steps × {batch}, {result.decode_tokens_per_s:,.1f} tok/s "
-                  f"({engine.backend}, {getattr(engine, 'device', 'cpu')})")
+                  f"({engine.backend}, {engine.device})")
 
 
 @app.command()
@@ -206,23 +206,16 @@ def verify(
     """Run the kernel runtime and the eager reference on the same tokens and compare them.
 
     Exit 0 when every row is within its tolerance (README: "verify tolerances"), 1 otherwise."""
-    import torch
-
     from . import default_checkpoint
-    from .checkpoint import load_checkpoint
-    from .reference import ReferenceModel
     from .verify import run_verify
 
     path = weights or default_checkpoint()
     engine = _load(path, layers, device, "triton")
+    oracle = _load(path, engine.num_layers, str(engine.device), "reference")
     cfg = engine.cfg
-    with _ProgressBar("loading reference") as bar:
-        _, ref_weights = load_checkpoint(path, engine.num_layers, device=engine.device, dtype=torch.float32, progress=bar)
-    reference = ReferenceModel(cfg, ref_weights, engine.num_layers, torch.float32, engine.device)
-    del ref_weights
     if prompt_len is None:
         prompt_len = 2 * (cfg.index_topk or 32) + 8
-    report = run_verify(engine, reference, prompt_len, decode_steps, seed)
+    report = run_verify(engine, oracle, prompt_len, decode_steps, seed)
     if as_json:
         print(report.to_json())
     else:

@@ -68,7 +68,7 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def softmax_scale(self) -> float:
+    def sm_scale(self) -> float:
         """(nope + rope)^-0.5, times mscale² under YaRN (mscale = 0.1·mscale_all_dim·ln(factor) + 1)."""
         scale = self.qk_head_dim**-0.5
         y = self.rope_scaling

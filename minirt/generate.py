@@ -50,7 +50,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
     if longest + max_new_tokens > engine.cfg.max_position_embeddings:
         raise InputError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_position_embeddings ({engine.cfg.max_position_embeddings})")
-    device = getattr(engine, "device", "cpu")
+    device = engine.device
     generator = torch.Generator().manual_seed(sampling.seed)
     engine.setup_cache(len(prompts), longest + max_new_tokens)
     _sync(device)

@@ -7,9 +7,11 @@ project can build a layer from a ``ModelConfig`` and load it straight from a Dee
     layer.load_state_dict({k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
                            if k.startswith(f"model.layers.{i}.")})
 
-The attention runs in the absorbed (MQA) form over the 576-wide latent (512 normalised latent + 64
-roped key), the form the sparse kernels take: prefill through ``sparse_mla_prefill`` on bf16 latents,
-decode through ``mla_decode_fp8`` on the fp8 paged cache.
+Every module runs ``forward(x, ctx)`` with a :class:`minirt.context.StepContext` (positions, rope,
+caches, the prefill's segments or a decode step's block table). The attention runs in the absorbed
+(MQA) form over the 576-wide latent (512 normalised latent + 64 roped key), the form the sparse kernels
+take: prefill through ``sparse_mla_prefill`` on the bf16 latents of the prompt so far, decode through
+``mla_decode_fp8`` on the fp8 paged cache.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import LayerCache
 from .config import ModelConfig
+from .context import StepContext
 from .errors import InputError
 from .formats import FP8_GROUP, quantize_groups
 from .kernels import indexer_topk, lightning_indexer_scores, mla_decode_fp8, sparse_mla_prefill, write_kv_fp8
@@ -85,12 +87,6 @@ class LightningIndexer(nn.Module):
         w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q, w
 
-    def prefill_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """One prompt's causal top-k through the Triton scores kernel: q [n, H, D], w [n, H], k [n, D]
-        (fp32, from ``queries`` / ``keys``) -> key positions [n, index_topk] int32, −1 padded."""
-        scores = lightning_indexer_scores(q, k, w, torch.arange(k.shape[0], device=k.device))
-        return indexer_topk(scores, self.topk)
-
     @staticmethod
     def scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """q [..., T, H, D], w [..., T, H], k [..., S, D] -> scores [..., T, S] fp32 (torch: the decode
@@ -139,15 +135,17 @@ class MLAAttention(nn.Module):
     ``project`` gives the absorbed query [T, H, kv_lora_rank + rope] and the latent cache entry
     (normalised latent [T, kv_lora_rank], roped k_rope [T, rope]); ``output`` maps the attention
     output over the latent [T, H, kv_lora_rank] back to the hidden size. MLA rope is interleaved on the
-    last ``qk_rope_head_dim`` dims of each head.
+    last ``qk_rope_head_dim`` dims of each head. ``layer_index`` picks this layer's cache, stash and
+    top-k override out of the step context.
     """
 
-    def __init__(self, cfg: ModelConfig, indexer_precision: str = "exact"):
+    def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact"):
         super().__init__()
+        self.layer_index = layer_index
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
-        self.softmax_scale = cfg.softmax_scale
+        self.sm_scale = cfg.sm_scale
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = _linear(cfg.q_lora_rank, self.n_heads * (self.nope + self.rope))
@@ -176,76 +174,80 @@ class MLAAttention(nn.Module):
         o = torch.einsum("thc,hvc->thv", o_latent.to(self.kv_b_proj.weight.dtype), self._kv_b()[:, self.nope :])
         return self.o_proj(o.flatten(1))
 
-    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int],
-                cache: LayerCache | None = None, slots: torch.Tensor | None = None,
-                topk_override: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal sparse attention over packed prompts.
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x [N, hidden] (the normed layer input) -> attention output [N, hidden].
 
-        x [N, hidden] (the normed layer input) holds ``len(seq_lens)`` prompts back to back, N =
-        sum(seq_lens); cos/sin [N, rope/2] at each token's position within its prompt. With ``cache``,
-        the tokens' latents go to ``slots`` [N] of the fp8 cache and their indexer keys likewise.
-        topk_override [N, k] (positions within each prompt, −1 = none) replaces the indexer's choice.
-        Returns (out [N, hidden], topk [N, k] int32 positions within each prompt, −1 padded).
+        The new tokens' latents go to ``ctx.slots`` of this layer's fp8 cache and their indexer keys to
+        the key cache (when ``ctx.cache`` is set). Prefill: causal sparse attention of each segment's
+        tokens over its sequence so far (bf16 latents of ``ctx.stash``). Decode: one token per
+        sequence over the fp8 paged cache. The top-k positions come from ``ctx.topk_override`` for
+        this layer when given, else from the indexer (V3.2) or every earlier position (V3).
         """
-        q_abs, latent, k_rope, qr = self.project(x, cos, sin)
+        q_abs, latent, k_rope, qr = self.project(x, ctx.cos, ctx.sin)
+        cache = ctx.cache.layers[self.layer_index] if ctx.cache is not None else None
         if cache is not None:
-            write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), slots)
-        if self.indexer is not None:
-            index_keys = self.indexer.keys(x, cos, sin)
-            index_q, index_w = self.indexer.queries(x, qr, cos, sin)
-            if cache is not None:
-                cache.index_keys[slots] = index_keys
-        topk, start = [], 0
-        for n in seq_lens:
-            rows = slice(start, start + n)
-            if topk_override is not None:
-                topk.append(topk_override[rows].to(torch.int32))
-            elif self.indexer is not None:
-                topk.append(self.indexer.prefill_topk(index_q[rows], index_w[rows], index_keys[rows]))
-            else:  # V3: dense causal attention is top-k over every earlier position
-                pos = torch.arange(n, device=x.device, dtype=torch.int32)
-                topk.append(torch.where(pos[None, :] <= pos[:, None], pos, -1))
-            start += n
-        width = max(t.shape[-1] for t in topk)
-        topk = torch.cat([F.pad(t, (0, width - t.shape[-1]), value=-1) for t in topk])
-        # The kernel indexes the packed kv rows: shift each prompt's positions by its start.
-        starts = torch.repeat_interleave(
-            torch.tensor([0, *seq_lens[:-1]], device=x.device).cumsum(0), torch.tensor(seq_lens, device=x.device))
-        rows = torch.where(topk >= 0, topk + starts[:, None].to(torch.int32), -1)
-        kv = torch.cat([latent, k_rope], dim=-1)[:, None].to(torch.bfloat16)
-        o_latent, _, _ = sparse_mla_prefill(q_abs.to(torch.bfloat16), kv, rows[:, None], self.softmax_scale,
-                                            d_v=self.kv_lora_rank)
-        return self.output(o_latent), topk
-
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-               cache: LayerCache, block_table: torch.Tensor, slots: torch.Tensor, block_size: int,
-               topk_override: torch.Tensor | None = None) -> torch.Tensor:
-        """One new token per sequence over the fp8 paged cache.
-
-        x [b, hidden] (normed), cos/sin [b, rope/2] at ``positions`` [b]; the new tokens are written
-        to ``slots`` [b] first, so each attends to itself. block_table [b, max_blocks] int32.
-        topk_override [b, k] (positions, −1 = none) replaces the indexer's choice. Returns out [b, hidden].
-        The indexer scores every position the block table can hold (masked past ``positions``): shapes
-        stay static and nothing waits on the GPU, so a whole decode step can be captured in a CUDA graph.
-        """
-        q_abs, latent, k_rope, qr = self.project(x, cos, sin)
-        write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), slots)
-        b = x.shape[0]
-        pos = torch.arange(block_table.shape[1] * block_size, device=x.device)
-        if self.indexer is not None:
-            cache.index_keys[slots] = self.indexer.keys(x, cos, sin)
-        if topk_override is not None:
-            topk = topk_override.to(torch.int32)[:, None]
-        elif self.indexer is not None:
-            index_q, index_w = self.indexer.queries(x, qr, cos, sin)
-            key_slots = block_table[:, pos // block_size].long() * block_size + pos % block_size
-            scores = self.indexer.scores(index_q[:, None], index_w[:, None], cache.index_keys[key_slots])
-            topk = self.indexer.select(scores, (pos <= positions[:, None])[:, None])
+            write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), ctx.slots)
+            if self.indexer is not None:
+                cache.index_keys[ctx.slots] = self.indexer.keys(x, ctx.cos, ctx.sin)
+        override = ctx.topk_override[self.layer_index] if ctx.topk_override is not None else None
+        if ctx.is_prefill:
+            o_latent = self._prefill(q_abs, latent, k_rope, x, qr, ctx, override)
         else:
-            topk = torch.where(pos <= positions[:, None], pos, -1).to(torch.int32)[:, None]
-        o_latent, _ = mla_decode_fp8(q_abs[:, None].to(torch.bfloat16), cache.kv, block_table, topk,
-                                     self.softmax_scale, d_v=self.kv_lora_rank)
-        return self.output(o_latent.view(b, self.n_heads, self.kv_lora_rank))
+            o_latent = self._decode(q_abs, x, qr, ctx, override)
+        return self.output(o_latent)
+
+    def _prefill(self, q_abs, latent, k_rope, x, qr, ctx: StepContext, override) -> torch.Tensor:
+        stash = ctx.stash.layer(self.layer_index, self.kv_lora_rank + self.rope)
+        stash[ctx.stash_rows, 0] = torch.cat([latent, k_rope], dim=-1).to(torch.bfloat16)
+        if override is not None:
+            topk = override.to(device=x.device, dtype=torch.int32)
+        else:
+            topk = self._prefill_topk(x, qr, ctx)
+        if ctx.trace is not None:
+            ctx.trace.record("topk", self.layer_index, topk)
+        # The kernel indexes stash rows: shift each token's positions by its sequence's first row.
+        first_row = (ctx.stash_rows - ctx.positions).to(torch.int32)
+        rows = torch.where(topk >= 0, topk + first_row[:, None], -1)
+        o_latent, _, _ = sparse_mla_prefill(q_abs.to(torch.bfloat16), stash, rows[:, None], self.sm_scale,
+                                            d_v=self.kv_lora_rank)
+        return o_latent
+
+    def _prefill_topk(self, x, qr, ctx: StepContext) -> torch.Tensor:
+        """Top-k positions [N, k] of a prefill step, segment by segment, −1 padded."""
+        if self.indexer is None:  # V3: dense causal attention is top-k over every earlier position
+            pos = torch.arange(max(s.end for s in ctx.segments), device=x.device, dtype=torch.int32)
+            return torch.where(pos <= ctx.positions[:, None], pos, -1)
+        if ctx.cache is None:
+            raise InputError("the indexer scores the keys in the cache: build the context with a cache, "
+                             "or give topk_override")
+        index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin)
+        keys = ctx.cache.layers[self.layer_index].index_keys
+        topk = []
+        for seg in ctx.segments:
+            rows = slice(seg.offset, seg.offset + seg.length)
+            key_slots = ctx.cache.slots(torch.tensor(seg.seq, device=x.device), torch.arange(seg.end, device=x.device))
+            scores = lightning_indexer_scores(index_q[rows], keys[key_slots], index_w[rows], ctx.positions[rows])
+            topk.append(indexer_topk(scores, self.indexer.topk))
+        return torch.cat(topk)
+
+    def _decode(self, q_abs, x, qr, ctx: StepContext, override) -> torch.Tensor:
+        """One query token per sequence of ``ctx.block_table``. The indexer scores every position the
+        block table can hold (masked past each sequence's length): shapes stay static and nothing waits
+        on the GPU, so a whole decode step can be captured in a CUDA graph."""
+        b, cache = x.shape[0], ctx.cache.layers[self.layer_index]
+        pos = torch.arange(ctx.block_table.shape[1] * ctx.cache.block_size, device=x.device)
+        if override is not None:
+            topk = override.to(torch.int32)[:, None]
+        elif self.indexer is not None:
+            index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin)
+            key_slots = ctx.cache.slots(torch.arange(b, device=x.device)[:, None], pos[None, :])
+            scores = self.indexer.scores(index_q[:, None], index_w[:, None], cache.index_keys[key_slots])
+            topk = self.indexer.select(scores, (pos <= ctx.positions[:, None])[:, None])
+        else:
+            topk = torch.where(pos <= ctx.positions[:, None], pos, -1).to(torch.int32)[:, None]
+        o_latent, _ = mla_decode_fp8(q_abs[:, None].to(torch.bfloat16), cache.kv, ctx.block_table, topk,
+                                     self.sm_scale, d_v=self.kv_lora_rank)
+        return o_latent.view(b, self.n_heads, self.kv_lora_rank)
 
 
 class DenseMLP(nn.Module):
@@ -260,12 +262,42 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(·)). The attention call itself lives in the engine, which
-    owns the caches; see ``minirt.engine``."""
+    """One dense decoder layer: x + attn(norm(x)), then + mlp(norm(·)). ``layer_index`` is its place
+    in the model (which cache, stash and top-k override of the step context it uses)."""
 
-    def __init__(self, cfg: ModelConfig, indexer_precision: str = "exact"):
+    def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact"):
         super().__init__()
+        self.layer_index = layer_index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, indexer_precision)
+        self.self_attn = MLAAttention(cfg, layer_index, indexer_precision)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DenseMLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Embedding → decoder layers → norm → lm_head; parameter names are the checkpoint's names."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact"):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i, indexer_precision) for i in range(num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """tokens [N] -> the last layer's residual stream [N, hidden]."""
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            h = layer(h, ctx)
+            if ctx.trace is not None:
+                ctx.trace.record("hidden", layer.layer_index, h.float())
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Residual stream [N, hidden] -> next-token logits [N, vocab] fp32."""
+        return self.lm_head(self.model.norm(h)).float()

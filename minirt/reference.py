@@ -9,7 +9,7 @@ attention with explicit boolean masks. Read next to DeepSeek's published math:
 
 MLA (:func:`mla_projections`, :func:`mla_attention`): per head ``q = [q_nope | q_rope]``, a shared
 latent ``c`` (the KV cache) and a shared ``k_rope``; ``k_nope, v = kv_b_proj(c)``;
-``score = softmax_scale · (q_nope·k_nope + q_rope·k_rope)``, masked causal AND (V3.2) to the lightning
+``score = sm_scale · (q_nope·k_nope + q_rope·k_rope)``, masked causal AND (V3.2) to the lightning
 indexer's top-k keys (:func:`lightning_indexer`, :func:`select_topk`).
 
 Exact math: the indexer's Hadamard rotation (a no-op on dot products) and the fp8 rounding of the
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backend import check_prompts, check_tokens
 from .checkpoint import tensor_specs
 from .config import ModelConfig
 from .errors import CheckpointError, InputError
@@ -161,7 +162,7 @@ def mla_attention(
     ``absorbed=False``: expand the latent into per-head ``k_nope, v = kv_b_proj(kv_latent)``.
     ``absorbed=True`` (MQA form of decode kernels): fold ``W_k = W[:, :nope]`` into the query
     (``q_lat = q_nope · W_k``, ``[T, H, kv_lora_rank]``), attend over ``[kv_latent | k_rope]``, then
-    apply ``W_v = W[:, nope:]`` to the attended latent. Same scale in both: ``cfg.softmax_scale``.
+    apply ``W_v = W[:, nope:]`` to the attended latent. Same scale in both: ``cfg.sm_scale``.
     A query with no allowed key gets a zero output (as the sparse kernels do).
     """
     T, H = p.q_nope.shape[:2]
@@ -175,7 +176,7 @@ def mla_attention(
     else:
         k_nope = torch.einsum("sc,hnc->shn", p.kv_latent, w_k)
         scores = torch.einsum("thn,shn->hts", p.q_nope, k_nope) + rope_scores
-    scores = (scores * cfg.softmax_scale).masked_fill(~mask, float("-inf"))
+    scores = (scores * cfg.sm_scale).masked_fill(~mask, float("-inf"))
     probs = torch.where(mask.any(-1, keepdim=True), scores.softmax(-1), 0.0)
     if absorbed:
         o_lat = torch.einsum("hts,sc->thc", probs, p.kv_latent)
@@ -285,3 +286,30 @@ class ReferenceModel:
 
         logits = F.linear(rmsnorm(h, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.weights["lm_head.weight"])
         return ReferenceOutput(logits, hidden_states, topk_indices, attn_outputs, index_scores)
+
+
+class ReferenceEngine:
+    """The eager oracle behind the kernel Engine's calls (``minirt.load(backend="reference")``): every
+    step recomputes whole sequences densely with :class:`ReferenceModel`; ``model`` is that model."""
+
+    backend = "reference"
+
+    def __init__(self, model: ReferenceModel):
+        self.model, self.cfg, self.device, self.num_layers = model, model.cfg, model.device, model.num_layers
+        self.sequences: list[list[int]] = []
+
+    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
+        """No cache: kept so callers can treat both backends alike."""
+
+    def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False) -> Tensor:
+        self.sequences = check_prompts(prompts, self.cfg.vocab_size)
+        outs = [self.model.forward(torch.tensor(p)).logits.float() for p in self.sequences]
+        return torch.cat(outs) if all_logits else torch.stack([o[-1] for o in outs])
+
+    def decode(self, tokens: Tensor) -> Tensor:
+        tokens = check_tokens(tokens, self.cfg.vocab_size, "decode")
+        if not self.sequences or len(tokens) != len(self.sequences):
+            raise InputError(f"decode needs one token per prefilled sequence ({len(self.sequences)}), got {len(tokens)}")
+        for seq, t in zip(self.sequences, tokens):
+            seq.append(t)
+        return torch.stack([self.model.forward(torch.tensor(s)).logits[-1].float() for s in self.sequences])

@@ -75,7 +75,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
     ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else
     ``mscale(factor)``. DeepSeek-V3/V3.2 set ``mscale == mscale_all_dim == 1``, so this is 1 and the
-    YaRN correction lives entirely in the softmax scale (``ModelConfig.softmax_scale``).
+    YaRN correction lives entirely in the softmax scale (``ModelConfig.sm_scale``).
     """
     yarn = cfg.rope_scaling
     if yarn is None:

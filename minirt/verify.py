@@ -12,9 +12,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .engine import Engine, PrefillTrace
+from collections.abc import Callable
+
+from .context import PrefillTrace, prefill_context
+from .engine import Engine
 from .errors import InputError
-from .reference import ReferenceModel
+from .reference import ReferenceEngine
 
 # name → (limit, "max" = error must stay at or below, "min" = agreement must reach).
 TOLERANCES = {
@@ -76,20 +79,24 @@ def _check(name: str, value: float) -> Check:
     return Check(name, value, limit, kind)
 
 
-def run_verify(engine: Engine, reference: ReferenceModel, prompt_len: int, decode_steps: int, seed: int = 0) -> VerifyReport:
+def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_steps: int, seed: int = 0,
+               progress: Callable[[str], None] | None = None) -> VerifyReport:
     """Random tokens (seeded): prefill ``prompt_len`` of them, then decode ``decode_steps`` more one by
-    one, on both backends.
+    one, on the kernel engine and the eager oracle (``minirt.load(..., backend="reference")``).
 
     The runtime runs twice. Once attending exactly the reference's top-k in every layer (prefill and
     decode): the error rows (hidden states, logits) then measure numerics, not the near-tie flips a
     top-k choice amplifies. Once free, with its own indexer: top-k overlap and top-1 agreement. Per
     layer, ``attention_same_topk`` runs one attention on the reference's own input (the kernels alone).
+    ``progress(stage)`` is called as each stage starts.
     """
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need prompt_len >= 1 and decode_steps >= 0, got {prompt_len}, {decode_steps}")
-    cfg = engine.cfg
+    say = progress or (lambda stage: None)
+    cfg, reference = engine.cfg, oracle.model
     total = prompt_len + decode_steps
     tokens = torch.randint(0, cfg.vocab_size, (total,), generator=torch.Generator().manual_seed(seed))
+    say(f"eager reference over {total} tokens")
     ref = reference.forward(tokens)
     P, layers = prompt_len, range(engine.num_layers)
     ref_topk = ref.topk_indices
@@ -105,7 +112,10 @@ def run_verify(engine: Engine, reference: ReferenceModel, prompt_len: int, decod
 
     dense = ref_topk[0] is None
     forced_trace, free_trace = PrefillTrace(), PrefillTrace()
+    say("runtime on the reference's top-k")
     forced_logits = run(forced=not dense, trace=forced_trace)
+    if not dense:
+        say("runtime with its own indexer")
     free_logits = run(forced=False, trace=free_trace) if not dense else forced_logits
 
     checks = []
@@ -113,8 +123,9 @@ def run_verify(engine: Engine, reference: ReferenceModel, prompt_len: int, decod
     for i in layers:
         checks.append(_check(f"hidden[{i}]", rel_err(forced_trace.hidden_states[i], ref.hidden_states[i][:P])))
         if not dense:
+            say(f"layer {i} attention on the reference's input and top-k")
             checks.append(_check(f"topk_overlap[{i}]", topk_overlap(free_trace.topk[i], ref_topk[i][:P])))
-            attn = engine.attention_with_topk(i, layer_input[:P], ref_topk[i][:P])
+            attn = _attention_same_topk(engine, i, layer_input[:P], ref_topk[i][:P])
             checks.append(_check(f"attention_same_topk[{i}]", rel_err(attn, ref.attn_outputs[i][:P])))
         layer_input = ref.hidden_states[i]
     checks.append(_check("prefill_logits", rel_err(forced_logits[:P], ref.logits[:P])))
@@ -123,3 +134,14 @@ def run_verify(engine: Engine, reference: ReferenceModel, prompt_len: int, decod
     agree = (free_logits.argmax(-1).cpu() == ref.logits.argmax(-1).cpu()).float().mean()
     checks.append(_check("top1_agreement", float(agree)))
     return VerifyReport(checks, prompt_len, decode_steps)
+
+
+@torch.inference_mode()
+def _attention_same_topk(engine: Engine, layer_index: int, layer_input: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer_index``'s attention output [T, hidden] fp32 for one sequence's residual input
+    [T, hidden], attending exactly the given top-k positions [T, k] (no cache)."""
+    layer = engine.model.model.layers[layer_index]
+    x = layer.input_layernorm(layer_input.to(engine.device, engine.dtype))
+    ctx = prefill_context(engine.cfg, [x.shape[0]], topk_override={layer_index: topk.to(engine.device)},
+                          device=engine.device)
+    return layer.self_attn(x, ctx).float()

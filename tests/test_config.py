@@ -100,8 +100,8 @@ def test_real_v32_config_parses(tmp_path):
         40.0, 4096, 32.0, 1.0, 1.0, 1.0)
     assert cfg.quantization.weight_block_size == (128, 128) and cfg.quantization.scale_fmt == "ue8m0"
     # 0.135234 is the value quoted for V3.2; the formula is DeepSeek's YaRN mscale².
-    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)
-    assert cfg.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2, rel=1e-12)
+    assert cfg.sm_scale == pytest.approx(0.135234, abs=1e-6)
+    assert cfg.sm_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2, rel=1e-12)
 
 
 def test_v3_config_without_indexer_or_yarn():
@@ -112,7 +112,7 @@ def test_v3_config_without_indexer_or_yarn():
     cfg = ModelConfig.from_dict(raw)
     assert not cfg.is_v32 and cfg.index_topk is None
     assert cfg.rope_scaling is None and cfg.quantization is None
-    assert cfg.softmax_scale == pytest.approx(192**-0.5)
+    assert cfg.sm_scale == pytest.approx(192**-0.5)
 
 
 @pytest.mark.parametrize("type_key", ["type", "rope_type"])

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import minirt
-from minirt.engine import PrefillTrace
+from minirt.context import PrefillTrace
 from minirt.layers import fp8_fake_quant, hadamard_rotate
 from minirt.synthetic import write_synthetic_checkpoint
 from minirt.verify import topk_overlap

@@ -225,10 +225,10 @@ def test_yarn_inv_freq_matches_closed_form(dim, original, ramp_range):
     assert rel_err(cos, angles.cos()) < 1e-12 and rel_err(sin, angles.sin()) < 1e-12
 
 
-def test_softmax_scale_v32():
+def test_sm_scale_v32():
     yarn = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
     cfg = small_config(qk_nope_head_dim=128, qk_rope_head_dim=64, rope_scaling=yarn)
-    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)
+    assert cfg.sm_scale == pytest.approx(0.135234, abs=1e-6)
 
 
 def test_rope_attention_factor_scales_cos_sin():

@@ -40,7 +40,7 @@ def test_v32_preset_has_the_real_dims():
     assert (cfg.intermediate_size, cfg.vocab_size) == (18432, 129280)
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 2048)
     assert cfg.num_hidden_layers == cfg.first_k_dense_replace == 3
-    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)
+    assert cfg.sm_scale == pytest.approx(0.135234, abs=1e-6)
     one = preset_config("v32", num_layers=1)
     assert one.num_hidden_layers == one.first_k_dense_replace == 1
     assert not PRESETS["v32"].tokenizer and PRESETS["tiny"].tokenizer
@@ -190,7 +190,7 @@ def test_activations_stay_in_a_realistic_range(tiny):
     latent = rms_norm(kv[:, : cfg.kv_lora_rank], w[p + "self_attn.kv_a_layernorm.weight"], cfg.rms_norm_eps)
     kv_b = (latent @ w[p + "self_attn.kv_b_proj.weight"].T).view(T, H, nope + v)
     k = torch.cat([kv_b[..., :nope], kv[:, None, cfg.kv_lora_rank:].expand(T, H, rope)], dim=-1)
-    scores = torch.einsum("thd,shd->hts", q, k) * cfg.softmax_scale
+    scores = torch.einsum("thd,shd->hts", q, k) * cfg.sm_scale
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)[:, T // 2:]  # rows with ≥ 32 keys
     top = probs.max(-1).values
