@@ -8,8 +8,15 @@ import torch
 
 from .config import ModelConfig
 from .errors import InputError
-from .formats import CACHE_BLOCK_SIZE
+from .formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
 from .kernels import new_kv_cache
+
+
+def cache_bytes_per_token(cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact") -> int:
+    """Cache bytes one token takes in ``num_layers`` layers: the 656-byte fp8 latent, plus (V3.2) its
+    indexer key: 132 bytes in the fp8 indexer mode, fp32 (4 · index_head_dim) in the exact mode."""
+    index_key = 0 if not cfg.is_v32 else INDEX_KEY_BYTES if indexer_precision == "fp8" else 4 * cfg.index_head_dim
+    return num_layers * (KV_TOKEN_BYTES + index_key)
 
 
 @dataclass
