@@ -8,13 +8,12 @@ from minirt.context import PrefillTrace
 from minirt.errors import InputError
 from minirt.generate import generate
 from minirt.sampling import SamplingParams
-from minirt.synthetic import write_synthetic_checkpoint
 from minirt.verify import TOLERANCES, rel_err, run_verify
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", preset="tiny", seed=1)
+def tiny(tiny_master):
+    return tiny_master
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import torch
 import minirt
 from minirt.context import PrefillTrace
 from minirt.layers import fp8_fake_quant, hadamard_rotate
-from minirt.synthetic import write_synthetic_checkpoint
 from minirt.verify import topk_overlap
 
 
@@ -30,16 +29,11 @@ def test_fp8_fake_quant_rounds_to_e4m3_with_power_of_two_block_scales():
     assert ((q - x).abs() <= torch.maximum(x.abs() * 2**-4, (scale * 2**-10).repeat_interleave(128, -1).flatten(-2))).all()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("fp8idx") / "tiny", preset="tiny", seed=4)
-
-
-def test_fp8_indexer_selects_nearly_the_exact_top_k(tiny):
+def test_fp8_indexer_selects_nearly_the_exact_top_k(tiny_master):
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     traces = {}
     for precision in ("exact", "fp8"):
-        engine = minirt.load(tiny, indexer_precision=precision)
+        engine = minirt.load(tiny_master, indexer_precision=precision)
         traces[precision] = PrefillTrace()
         engine.prefill([prompt], trace=traces[precision])
     overlaps = [topk_overlap(f, e) for f, e in zip(traces["fp8"].topk, traces["exact"].topk)]
