@@ -34,7 +34,8 @@ from .kv_cache_fp8 import _e4m3_bits
 # One k block of the product = one activation group = one weight block column (all 128 wide).
 BLOCK_K = FP8_GROUP
 assert DEFAULT_BLOCK == (BLOCK_K, BLOCK_K)
-# The exponent of the smallest activation scale: the ACT_MIN_SCALE rule clamps every scale to 2^this.
+# The exponent of the smallest activation scale: ceil(log2(max(r, ACT_MIN_SCALE))) is
+# max(ceil(log2(r)), ACT_MIN_EXPONENT), so the kernels clamp the exponent instead of the ratio.
 ACT_MIN_EXPONENT = int(ceil_log2(torch.tensor(ACT_MIN_SCALE, dtype=torch.float32)))
 # E4M3_MAX = 1.m * 2^(E - 127) as float32 fields; amax / E4M3_MAX needs both for an exact ceil(log2).
 _E4M3_MAX_BITS = struct.unpack("<I", struct.pack("<f", E4M3_MAX))[0]
@@ -124,13 +125,14 @@ class Fp8GemmConfig:
     swap_ab: the MMA runs as b . a^T, so the weight rows fill the MMA's 64-row side and a few tokens
     its narrow side (decode: M = 1..128). split_k: programs per output tile, each over a contiguous
     range of k blocks, summed afterwards in fp32; None picks enough to fill the GPU's SMs when the
-    output tiles do not. group_m: tile rows per L2 swizzle group.
+    output tiles do not (e.g. the indexer's 128-row wk), 1 never splits. group_m: tile rows per L2
+    swizzle group.
     """
 
     block_m: int = 128
     block_n: int = 128
     swap_ab: bool = False
-    split_k: Optional[int] = 1
+    split_k: Optional[int] = None
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
@@ -147,7 +149,7 @@ def decode_config(m: int) -> Fp8GemmConfig:
     if not 1 <= m <= 128:
         raise InputError(f"decode_config is for M in [1, 128], got {m}")
     return Fp8GemmConfig(block_m=max(16, triton.next_power_of_2(m)), block_n=64, swap_ab=True,
-                         split_k=None, group_m=1, num_warps=4, num_stages=6)
+                         group_m=1, num_warps=4, num_stages=6)
 
 
 def default_config(m: int) -> Fp8GemmConfig:
@@ -283,8 +285,9 @@ def fp8_gemm(
             element is overwritten.
 
     a and b need unit stride along K and 16-byte aligned rows; otherwise they are copied first.
-    With split-K (decode_config, or config.split_k > 1) the per-split fp32 partial products are
-    summed in a [splits, M, N] float32 workspace, in a fixed order (deterministic).
+    When the output tiles are fewer than the SMs (decode; few output columns) or config.split_k > 1,
+    K is split over programs and their fp32 partial products are summed in a [splits, M, N] float32
+    workspace, in a fixed order (deterministic).
 
     Returns:
         [M, N] tensor of out_dtype (``out`` when given). M = 0 or N = 0 gives an empty result.

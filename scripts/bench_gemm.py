@@ -98,8 +98,8 @@ def parse_variant(text: str) -> Fp8GemmConfig:
     parts = text.split(",")
     block_m, block_n, num_warps, num_stages = (int(x) for x in parts[:4])
     swap = parts[4:] == ["swap"]
-    return Fp8GemmConfig(block_m=block_m, block_n=block_n, swap_ab=swap, split_k=None if swap else 1,
-                         group_m=1 if swap else 8, num_warps=num_warps, num_stages=num_stages)
+    return Fp8GemmConfig(block_m=block_m, block_n=block_n, swap_ab=swap, group_m=1 if swap else 8,
+                         num_warps=num_warps, num_stages=num_stages)
 
 
 def timed(flops, fn, check=None):
@@ -209,7 +209,7 @@ def main():
     parser.add_argument("--out", default="-", help="markdown report destination (default stdout)")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="extra fp8_gemm launches block_m,block_n,num_warps,num_stages[,swap] (swap: "
-                             "b . a^T with auto split-K), one column each")
+                             "b . a^T; split-K is automatic), one column each")
     args = parser.parse_args()
     for v in args.variants:
         parse_variant(v)

@@ -173,12 +173,12 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config, m", [(c, m) for m in (1, 3, 64, 300) for c in CONFIGS
-                                       if c != "decode" or m <= 128])
-@pytest.mark.parametrize("n, k", [(576, 384), (200, 320)])
+@pytest.mark.parametrize("config, m, n, k", [
+    (c, m, n, k) for m in (1, 3, 64, 300) for c in CONFIGS for n, k in ((576, 384), (200, 320))
+    if (c != "decode" or m <= 128) and (m < 300 or n == 200)])
 def test_fp8_gemm_matches_dequantised_product(config, m, n, k):
     """Ragged N (576 rows = 5 weight blocks, 200 = 2), K = 320: two and a half k blocks. The decode
-    launch is for M <= 128."""
+    launch is for M <= 128; M = 300 (3 tiles, the last ragged) runs on the smaller shape (CPU time)."""
     gen = generator(m * 1000 + n + k)
     a_fp8, a_scales = random_activations(gen, m, k)
     w_fp8, w_scales = random_weight(gen, n, k)
