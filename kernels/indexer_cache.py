@@ -36,6 +36,7 @@ from minirt.formats import (ACT_MIN_SCALE, CACHE_BLOCK_SIZE, E4M3_MAX, FP8_DTYPE
                             INDEX_KEY_DIM, ceil_log2, quantize_groups)
 
 from ._common import INTERPRET, check_device
+from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, program_tile, query_tile
 from .kv_cache_fp8 import CacheGeometry, _e4m3_bits
 from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, _block_h, _num_programs_target, default_config
 
@@ -274,53 +275,22 @@ def _paged_scores_kernel(
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
-    # One program: BLOCK_T query rows of one sequence x one chunk of tiles_per_chunk tiles of BLOCK_S
-    # logical key positions. The chunks of a query tile are adjacent programs; query tiles run
-    # last-first (under a causal limit the last rows have the most keys).
-    pid = tl.program_id(0)
-    chunk = pid % n_chunks
-    rest = pid // n_chunks
-    t_tile = n_t_tiles - 1 - rest % n_t_tiles
-    batch = (rest // n_t_tiles).to(tl.int64)
-
-    # Column j of the dot is (query row j // BLOCK_H, head j % BLOCK_H): one [BLOCK_S, D] x
-    # [D, BLOCK_T * BLOCK_H] product per key tile, q loaded once for the whole key loop.
-    offs_j = tl.arange(0, BLOCK_T * BLOCK_H)
-    row_j = t_tile * BLOCK_T + offs_j // BLOCK_H
-    head_j = offs_j % BLOCK_H
-    mask_j = (row_j < n_queries) & (head_j < n_heads)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_t = tl.load(q_ptr + batch * stride_qb + row_j.to(tl.int64)[None, :] * stride_qt
-                  + head_j[None, :] * stride_qh + offs_d[:, None] * stride_qd,
-                  mask=mask_j[None, :], other=0.0)
-    if INTERPRETED:
-        q_t = q_t.to(tl.float32)
-    # Padded (row, head) columns get weight 0, so their relu(0) * 0 adds nothing.
-    w = tl.load(w_ptr + batch * stride_wb + row_j.to(tl.int64) * stride_wt + head_j * stride_wh,
-                mask=mask_j, other=0.0)
-
-    offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < n_queries
-    # last_key[t]: the last position row t may see, clamped to [-1, n_keys - 1] (limit may be int64).
-    limit = tl.load(limit_ptr + batch * stride_lb + offs_t.to(tl.int64) * stride_lt, mask=t_mask, other=-1)
-    last_key = tl.minimum(tl.maximum(limit, -1), n_keys - 1).to(tl.int32)
+    batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
+    q_t, w, offs_t, t_mask, last_key = query_tile(
+        q_ptr, w_ptr, limit_ptr, batch, t_tile, n_queries, n_heads, n_keys,
+        stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_lb, stride_lt,
+        HEAD_DIM, BLOCK_T, BLOCK_H, True, INTERPRETED)
     tile_last = tl.max(last_key)
-
-    chunk_start = chunk * tiles_per_chunk * BLOCK_S
-    chunk_end = tl.minimum(chunk_start + tiles_per_chunk * BLOCK_S, n_keys)
-    n_tiles = tl.cdiv(chunk_end - chunk_start, BLOCK_S)
-    # Tiles past every row's limit are not computed, only filled with -inf: the cost of a row follows
-    # its sequence's length, not the static width n_keys.
-    n_computed = tl.minimum(tl.cdiv(tl.maximum(tile_last + 1 - chunk_start, 0), BLOCK_S), n_tiles)
+    chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
     table_row = table_ptr + batch * stride_tb
     out_rows = out_ptr + batch * stride_ob + offs_t.to(tl.int64) * stride_ot
-    offs_s_tile = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
     # The Triton 3.6 interpreter cannot use a runtime scalar as a loop bound (numpy >= 2.4), so
-    # interpreted runs take both loops over all tiles of the chunk and let the store masks split them
+    # interpreted runs take the loops over all tiles of the chunk and let the store masks split them
     # at n_computed; compiled, the masks `i < n_computed` / `i >= n_computed` are always true.
     for i in range(0, INTERPRETED_TILES if INTERPRETED else n_computed):
-        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
+        offs_s = chunk_start + i * BLOCK_S + tl.arange(0, BLOCK_S)
         # Keys past the tile's largest limit, and pages that are unallocated (-1) or outside the
         # cache, are never read: masked loads, so NaN bytes there cannot reach the dot.
         needed = (offs_s <= tile_last) & (offs_s < chunk_end)
@@ -340,20 +310,15 @@ def _paged_scores_kernel(
                         + in_page[:, None] * HEAD_DIM + offs_d[None, :], mask=has_key[:, None], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        logits = tl.dot(k, q_t, input_precision=DOT_PRECISION)
-        weighted = tl.maximum(logits, 0.0) * w[None, :]
-        scores = tl.sum(tl.reshape(weighted, [BLOCK_S, BLOCK_T, BLOCK_H]), axis=2)
+        scores = head_sum(tl.dot(k, q_t, input_precision=DOT_PRECISION), w, BLOCK_S, BLOCK_T, BLOCK_H)
         if FP8:
             # relu(q . k_fp8 * s) = relu(q . k_fp8) * s for the positive scale s: one multiply per key.
             scores = scores * k_scale[:, None]
         scores = tl.where(has_key[:, None] & (offs_s[:, None] <= last_key[None, :]), scores, float("-inf"))
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
                  mask=(offs_s < chunk_end)[:, None] & t_mask[None, :] & (i < n_computed))
-    for i in range(0 if INTERPRETED else n_computed, INTERPRETED_TILES if INTERPRETED else n_tiles):
-        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
-        tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os,
-                 tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32),
-                 mask=(offs_s < chunk_end)[:, None] & t_mask[None, :] & (i >= n_computed))
+    fill_uncomputed(out_rows, stride_os, t_mask, chunk_start, chunk_end, n_computed, n_tiles,
+                     BLOCK_S, BLOCK_T, INTERPRETED, INTERPRETED_TILES)
 
 
 def _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out):
@@ -361,7 +326,11 @@ def _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out):
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise InputError(f"q must be a tensor [b, t, H, D], got {tuple(getattr(q, 'shape', ()))}")
     n_batch, n_queries, n_heads, head_dim = q.shape
-    fp8 = isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8
+    if not isinstance(cache, torch.Tensor) or cache.dtype not in (torch.uint8, torch.float32):
+        raise InputError(f"cache must be an fp8 index cache (uint8 [num_blocks, block_size, 1, {INDEX_KEY_BYTES}]) "
+                         f"or exact index keys (float32 [num_blocks, block_size, D]), got "
+                         f"{getattr(cache, 'dtype', type(cache).__name__)}")
+    fp8 = cache.dtype == torch.uint8
     geometry = _fp8_cache_geometry(cache) if fp8 else _exact_cache_geometry(cache)
     cache_dim = INDEX_KEY_DIM if fp8 else cache.shape[2]
     want = FP8_DTYPE if fp8 else torch.float32
@@ -475,9 +444,10 @@ def paged_indexer_scores(
 
     Returns:
         out: [b, t, S] float32. Masked entries are exactly -inf, valid ones finite for finite
-            inputs. fp8: products of e4m3 values are exact, sums fp32 (on Hopper the fp8 tensor-core
-            accumulation keeps fewer bits, about 2^-10 of the terms' magnitude). exact: float32
-            products as three tf32 products (about 2^-21 relative each), fp32 sums.
+            inputs. fp8: products of e4m3 values are exact, sums fp32 when interpreted; Hopper's fp8
+            tensor cores accumulate with fewer bits than fp32 (the tests allow 2^-8 of the terms'
+            magnitude sum_h |w| sum_d |q k|). exact: float32 products as three tf32 products (about
+            2^-21 relative each), fp32 sums.
 
     Raises:
         minirt.errors.InputError: wrong type, dtype, shape, alignment or device; q not matching the

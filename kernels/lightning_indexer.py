@@ -284,68 +284,73 @@ def _key_indices(keys: torch.Tensor) -> torch.Tensor:
     return (keys & 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
-# Selection entries per step of the tie kernel (one program holds this many values and indices).
+# Selection entries per step of the tie kernel.
 _TIE_CHUNK = 4096
 # Scores per step of a tied row's scan.
 _TIE_ROW_BLOCK = 1024
+# Rows per program of the tie kernel when interpreted (compiled: one): the interpreter's cost is per
+# operation, not per element.
+_TIE_INTERPRETED_ROWS = 256
 
 
-@triton.jit(do_not_specialize=["n_keys", "stride_scores", "stride_values", "stride_indices"])
-def _boundary_ties_kernel(scores_ptr, values_ptr, indices_ptr, n_keys, stride_scores, stride_values,
+@triton.jit(do_not_specialize=["n_rows", "n_keys", "stride_scores", "stride_values", "stride_indices"])
+def _boundary_ties_kernel(scores_ptr, values_ptr, indices_ptr, n_rows, n_keys, stride_scores, stride_values,
                           stride_indices, N_SELECTED: tl.constexpr, CHUNK: tl.constexpr,
-                          ROW_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                          ROW_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRETED: tl.constexpr,
                           INTERPRETED_KEYS: tl.constexpr):
-    # One program per row of the torch.topk selection (N_SELECTED = topk + 1 entries, unordered).
-    row = tl.program_id(0).to(tl.int64)
-    values = values_ptr + row * stride_values
-    indices = indices_ptr + row * stride_indices
-    offs = tl.arange(0, CHUNK)
+    # BLOCK_R rows of the torch.topk selection (N_SELECTED = topk + 1 entries per row, unordered).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    values = values_ptr + rows.to(tl.int64)[:, None] * stride_values
+    indices = indices_ptr + rows.to(tl.int64)[:, None] * stride_indices
+    offs = tl.arange(0, CHUNK)[None, :]
 
     # The boundary (the smallest selected value) and how many selected entries hold it, in one pass.
-    boundary = tl.full([], float("inf"), tl.float32)
-    n_tied = tl.full([], 0, tl.int32)
+    boundary = tl.full([BLOCK_R], float("inf"), tl.float32)
+    n_tied = tl.zeros([BLOCK_R], tl.int32)
     for start in range(0, N_SELECTED, CHUNK):
-        in_selection = start + offs < N_SELECTED
+        in_selection = row_ok[:, None] & (start + offs < N_SELECTED)
         v = tl.load(values + start + offs, mask=in_selection, other=float("inf"))
-        chunk_min = tl.min(v)
-        chunk_count = tl.sum(((v == chunk_min) & in_selection).to(tl.int32))
+        chunk_min = tl.min(v, 1)
+        chunk_count = tl.sum(((v == chunk_min[:, None]) & in_selection).to(tl.int32), 1)
         n_tied = tl.where(chunk_min < boundary, chunk_count,
                           n_tied + tl.where(chunk_min == boundary, chunk_count, 0))
         boundary = tl.minimum(boundary, chunk_min)
     # The topk-th and (topk + 1)-th values tie: torch.topk kept an arbitrary n_tied of the keys
     # scoring `boundary`. -inf ties need no fix (every selected -inf becomes -1).
-    tie = (n_tied >= 2) & (boundary > float("-inf"))
+    tie = row_ok & (n_tied >= 2) & (boundary > float("-inf"))
     # The interpreter cannot branch on a tensor: there, every row runs on and the stores are masked.
     if not INTERPRETED:
-        if not tie:
+        if tl.max(tie.to(tl.int32), 0) == 0:
             return
 
-    # Rewrite the row in place: the entries above the boundary first (each chunk is loaded before
+    # Rewrite tied rows in place: the entries above the boundary first (each chunk is loaded before
     # any of its positions is overwritten: the barrier), ...
-    n_above = tl.full([], 0, tl.int32)
+    n_above = tl.zeros([BLOCK_R], tl.int32)
     for start in range(0, N_SELECTED, CHUNK):
-        in_selection = start + offs < N_SELECTED
+        in_selection = tie[:, None] & (start + offs < N_SELECTED)
         v = tl.load(values + start + offs, mask=in_selection, other=0.0)
         i = tl.load(indices + start + offs, mask=in_selection, other=0)
-        above = in_selection & (v != boundary)
-        position = n_above + tl.cumsum(above.to(tl.int32), 0) - 1
+        above = in_selection & (v != boundary[:, None])
+        position = n_above[:, None] + tl.cumsum(above.to(tl.int32), 1) - 1
         tl.debug_barrier()
-        tl.store(values + position, v, mask=above & tie)
-        tl.store(indices + position, i, mask=above & tie)
-        n_above += tl.sum(above.to(tl.int32))
+        tl.store(values + position, v, mask=above)
+        tl.store(indices + position, i, mask=above)
+        n_above += tl.sum(above.to(tl.int32), 1)
     # ... then the n_tied lowest key indices scoring `boundary`, found by scanning the row in order.
-    row_scores = scores_ptr + row * stride_scores
-    offs_row = tl.arange(0, ROW_BLOCK)
-    n_seen = tl.full([], 0, tl.int32)
+    row_scores = scores_ptr + rows.to(tl.int64)[:, None] * stride_scores
+    offs_row = tl.arange(0, ROW_BLOCK)[None, :]
+    n_seen = tl.zeros([BLOCK_R], tl.int32)
     for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, ROW_BLOCK):
         cols = start + offs_row
-        x = tl.load(row_scores + cols, mask=cols < n_keys, other=0.0)
-        tied = (cols < n_keys) & (x == boundary)
-        position = n_seen + tl.cumsum(tied.to(tl.int32), 0) - 1
-        take = tied & (position < n_tied) & tie
-        tl.store(values + n_above + position, x, mask=take)
-        tl.store(indices + n_above + position, cols.to(tl.int64), mask=take)
-        n_seen += tl.sum(tied.to(tl.int32))
+        in_row = tie[:, None] & (cols < n_keys)
+        x = tl.load(row_scores + cols, mask=in_row, other=0.0)
+        tied = in_row & (x == boundary[:, None])
+        position = n_seen[:, None] + tl.cumsum(tied.to(tl.int32), 1) - 1
+        take = tied & (position < n_tied[:, None])
+        tl.store(values + n_above[:, None] + position, x, mask=take)
+        tl.store(indices + n_above[:, None] + position, cols.to(tl.int64), mask=take)
+        n_seen += tl.sum(tied.to(tl.int32), 1)
 
 
 def _resolve_boundary_ties(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
@@ -357,11 +362,13 @@ def _resolve_boundary_ties(scores: torch.Tensor, values: torch.Tensor, indices: 
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     values2, indices2 = values.view(-1, n_selected), indices.view(-1, n_selected)
-    _boundary_ties_kernel[(rows.shape[0],)](
-        rows, values2, indices2, n_keys, rows.stride(0), values2.stride(0), indices2.stride(0),
+    n_rows = rows.shape[0]
+    block_r = min(triton.next_power_of_2(n_rows), _TIE_INTERPRETED_ROWS) if INTERPRET else 1
+    _boundary_ties_kernel[(triton.cdiv(n_rows, block_r),)](
+        rows, values2, indices2, n_rows, n_keys, rows.stride(0), values2.stride(0), indices2.stride(0),
         N_SELECTED=n_selected, CHUNK=min(triton.next_power_of_2(n_selected), _TIE_CHUNK),
-        ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
-        num_warps=8)
+        ROW_BLOCK=_TIE_ROW_BLOCK, BLOCK_R=block_r, INTERPRETED=INTERPRET,
+        INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
 
 
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:

@@ -311,11 +311,14 @@ def test_topk_on_indexer_scores():
     torch.testing.assert_close(indexer_topk(scores, 100), stable_topk_reference(scores, 100), rtol=0, atol=0)
 
 
-def test_topk_tie_kernel_repairs_any_selection():
+@pytest.mark.parametrize("rows_per_program", [1, 4, 256])
+def test_topk_tie_kernel_repairs_any_selection(monkeypatch, rows_per_program):
     """The tie kernel on selections torch.topk could have returned: rows whose topk-th and (topk + 1)-th
     values tie hold the tied keys with the highest indices (the worst arbitrary choice, which CPU
     torch.topk never makes); after the repair they hold the lowest ones. Rows without such a tie, and
-    rows whose tie is at -inf, are left as they were."""
+    rows whose tie is at -inf, are left as they were. Interpreted, programs take several rows (one
+    when compiled): each count of rows per program is tried."""
+    monkeypatch.setattr(li, "_TIE_INTERPRETED_ROWS", rows_per_program)
     gen = torch.Generator(DEVICE).manual_seed(32)
     n_rows, n_keys, topk = 6, 400, 60
     scores = torch.randn((n_rows, n_keys), generator=gen, device=DEVICE)
