@@ -357,10 +357,14 @@ def test_topk_tie_kernel_repairs_any_selection(monkeypatch, rows_per_program):
 @pytest.mark.skipif(not ON_GPU, reason="host synchronisation and CUDA graphs need a GPU")
 def test_topk_is_sync_free_and_graph_capturable():
     """indexer_topk on rows with boundary ties raises no host synchronisation (sync debug mode
-    "error"), and a captured graph replays it on new scores to the stable-sort reference."""
+    "error"), and a captured graph replays it on new scores to the stable-sort reference. CPU
+    tensors are rejected when compiled (the tie kernel runs on the GPU)."""
     gen = torch.Generator(DEVICE).manual_seed(33)
     shape, topk = (16, 5000), 2048
     scores = tied_scores(gen, shape)
+    with pytest.raises(InputError, match="CUDA"):
+        indexer_topk(scores.cpu(), topk)
+    indexer_topk(scores, topk)                 # compile first: the check is about the steady state
     torch.cuda.set_sync_debug_mode("error")
     try:
         indexer_topk(scores, topk)
