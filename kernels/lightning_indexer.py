@@ -284,6 +284,93 @@ def _key_indices(keys: torch.Tensor) -> torch.Tensor:
     return (keys & 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
+# Selection entries per step of the tie kernel.
+_TIE_CHUNK = 4096
+# Scores per step of a tied row's scan.
+_TIE_ROW_BLOCK = 1024
+# Rows per program of the tie kernel when interpreted (compiled: one): the interpreter's cost is per
+# operation, not per element.
+_TIE_INTERPRETED_ROWS = 256
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_keys", "stride_scores", "stride_values", "stride_indices"])
+def _boundary_ties_kernel(scores_ptr, values_ptr, indices_ptr, n_rows, n_keys, stride_scores, stride_values,
+                          stride_indices, N_SELECTED: tl.constexpr, CHUNK: tl.constexpr,
+                          ROW_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRETED: tl.constexpr,
+                          INTERPRETED_KEYS: tl.constexpr):
+    # BLOCK_R rows of the torch.topk selection (N_SELECTED = topk + 1 entries per row, unordered).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    values = values_ptr + rows.to(tl.int64)[:, None] * stride_values
+    indices = indices_ptr + rows.to(tl.int64)[:, None] * stride_indices
+    offs = tl.arange(0, CHUNK)[None, :]
+
+    # The boundary (the smallest selected value) and how many selected entries hold it, in one pass.
+    boundary = tl.full([BLOCK_R], float("inf"), tl.float32)
+    n_tied = tl.zeros([BLOCK_R], tl.int32)
+    for start in range(0, N_SELECTED, CHUNK):
+        in_selection = row_ok[:, None] & (start + offs < N_SELECTED)
+        v = tl.load(values + start + offs, mask=in_selection, other=float("inf"))
+        chunk_min = tl.min(v, 1)
+        chunk_count = tl.sum(((v == chunk_min[:, None]) & in_selection).to(tl.int32), 1)
+        n_tied = tl.where(chunk_min < boundary, chunk_count,
+                          n_tied + tl.where(chunk_min == boundary, chunk_count, 0))
+        boundary = tl.minimum(boundary, chunk_min)
+    # The topk-th and (topk + 1)-th values tie: torch.topk kept an arbitrary n_tied of the keys
+    # scoring `boundary`. -inf ties need no fix (every selected -inf becomes -1).
+    tie = row_ok & (n_tied >= 2) & (boundary > float("-inf"))
+    # The interpreter cannot branch on a tensor: there, every row runs on and the stores are masked.
+    if not INTERPRETED:
+        if tl.max(tie.to(tl.int32), 0) == 0:
+            return
+
+    # Rewrite tied rows in place: the entries above the boundary first (each chunk is loaded before
+    # any of its positions is overwritten: the barrier), ...
+    n_above = tl.zeros([BLOCK_R], tl.int32)
+    for start in range(0, N_SELECTED, CHUNK):
+        in_selection = tie[:, None] & (start + offs < N_SELECTED)
+        v = tl.load(values + start + offs, mask=in_selection, other=0.0)
+        i = tl.load(indices + start + offs, mask=in_selection, other=0)
+        above = in_selection & (v != boundary[:, None])
+        position = n_above[:, None] + tl.cumsum(above.to(tl.int32), 1) - 1
+        tl.debug_barrier()
+        tl.store(values + position, v, mask=above)
+        tl.store(indices + position, i, mask=above)
+        n_above += tl.sum(above.to(tl.int32), 1)
+    # ... then the n_tied lowest key indices scoring `boundary`, found by scanning the row in order.
+    row_scores = scores_ptr + rows.to(tl.int64)[:, None] * stride_scores
+    offs_row = tl.arange(0, ROW_BLOCK)[None, :]
+    n_seen = tl.zeros([BLOCK_R], tl.int32)
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, ROW_BLOCK):
+        cols = start + offs_row
+        in_row = tie[:, None] & (cols < n_keys)
+        x = tl.load(row_scores + cols, mask=in_row, other=0.0)
+        tied = in_row & (x == boundary[:, None])
+        position = n_seen[:, None] + tl.cumsum(tied.to(tl.int32), 1) - 1
+        take = tied & (position < n_tied[:, None])
+        tl.store(values + n_above[:, None] + position, x, mask=take)
+        tl.store(indices + n_above[:, None] + position, cols.to(tl.int64), mask=take)
+        n_seen += tl.sum(tied.to(tl.int32), 1)
+
+
+def _resolve_boundary_ties(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
+    """Make a torch.topk selection of topk + 1 entries per row exact under the tie rule, in place, on
+    the device: rows whose two smallest selected values are equal (and finite) get the lowest key
+    indices of that value. One launch, no host synchronisation; untied rows return at once."""
+    n_keys, n_selected = scores.shape[-1], values.shape[-1]
+    rows = scores.reshape(-1, n_keys)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    values2, indices2 = values.view(-1, n_selected), indices.view(-1, n_selected)
+    n_rows = rows.shape[0]
+    block_r = min(triton.next_power_of_2(n_rows), _TIE_INTERPRETED_ROWS) if INTERPRET else 1
+    _boundary_ties_kernel[(triton.cdiv(n_rows, block_r),)](
+        rows, values2, indices2, n_rows, n_keys, rows.stride(0), values2.stride(0), indices2.stride(0),
+        N_SELECTED=n_selected, CHUNK=min(triton.next_power_of_2(n_selected), _TIE_CHUNK),
+        ROW_BLOCK=_TIE_ROW_BLOCK, BLOCK_R=block_r, INTERPRETED=INTERPRET,
+        INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
+
+
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """
     Per row, the key indices of the topk largest scores, best first, equal scores in ascending key
@@ -291,22 +378,30 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     and rows are padded with -1 when S < topk.
 
     Args:
-        scores: [..., S] float32 (lightning_indexer_scores output), any device. NaN is unsupported.
+        scores: [..., S] float32 (lightning_indexer_scores / paged scores output), on a CUDA device
+            (or the CPU under TRITON_INTERPRET=1). NaN is unsupported.
         topk: int >= 1 (V3.2: 2048); may exceed S.
 
     Returns:
         [..., topk] int32 key indices in [0, S) or -1.
 
-    No full sort of the rows. A float32 torch.topk selects topk + 1 (ties broken arbitrarily); the
-    selection, less its last element, is sorted by unique int64 keys (value, then lower index:
-    _order_keys). The arbitrary tie-breaking only changes the selected set when the topk-th and
-    (topk + 1)-th values are equal and finite: such rows (found with one device synchronisation) are
-    selected again exactly, by torch.topk on the int64 keys of the whole row.
+    No full sort of the rows and no host synchronisation (CUDA-graph capturable; prefill and decode
+    select through this one function). A float32 torch.topk selects topk + 1 (ties broken
+    arbitrarily); that only changes the selected set when the topk-th and (topk + 1)-th values are
+    equal and finite, and in those rows a Triton kernel replaces the selected entries of that value
+    by the lowest key indices holding it (a scan of the row; other rows cost one read of their
+    selection). The selection, less its smallest element, is then sorted by unique int64 keys
+    (value, then lower index: _order_keys).
+
+    Raises:
+        minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
+            the kernel cannot run on.
     """
     if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
         raise InputError("scores must be a float32 tensor [..., S]")
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise InputError(f"topk must be a positive int, got {topk!r}")
+    check_device({"scores": scores})
     n_keys = scores.shape[-1]
     k = min(topk, n_keys)
     result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
@@ -315,16 +410,7 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     n_selected = min(topk + 1, n_keys)
     values, indices = torch.topk(scores, n_selected, dim=-1, sorted=False)
     if n_selected > k:
-        last_two = torch.topk(values, 2, dim=-1, largest=False, sorted=True).values
-        # -inf ties need no fix: every selected -inf becomes -1.
-        boundary_tie = (last_two[..., 0] == last_two[..., 1]) & (last_two[..., 0] > float("-inf"))
-        rows = boundary_tie.nonzero(as_tuple=True)
-        if rows[0].numel():
-            row_scores = scores[rows]
-            all_keys = torch.arange(n_keys, device=scores.device).expand_as(row_scores)
-            exact = torch.topk(_order_keys(row_scores, all_keys), n_selected, dim=-1, sorted=False).values
-            indices[rows] = _key_indices(exact)
-            values[rows] = row_scores.gather(-1, indices[rows])
+        _resolve_boundary_ties(scores, values, indices)
     keys = _order_keys(values, indices)
     if n_selected > k:
         # Drop the (k+1)-th (the unique smallest key) by moving the last key into its slot: sorting
