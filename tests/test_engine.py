@@ -8,7 +8,7 @@ from minirt.context import PrefillTrace
 from minirt.errors import InputError
 from minirt.generate import generate
 from minirt.sampling import SamplingParams
-from minirt.verify import TOLERANCES, rel_err, run_verify
+from minirt.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, rel_err, run_verify
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +212,17 @@ def test_a_cache_the_engine_sized_grows_for_a_longer_prompt(tiny):
     engine.setup_cache(1, 8)  # a capacity the user set is a limit
     with pytest.raises(InputError, match="holds 8"):
         engine.prefill([long_prompt])
+
+
+def test_verify_passes_with_fp8_weights_kept_as_stored(tiny, oracle):
+    engine = minirt.load(tiny, device=DEVICE, weights="fp8")
+    linears = [m for m in engine.model.modules() if hasattr(m, "weight_scale_inv")]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    report = run_verify(engine, oracle, prompt_len=2 * engine.cfg.index_topk + 5, decode_steps=3, seed=3)
+    assert report.ok, report.to_json()
+    assert report.checks[0].name == "hidden[0]" and report.checks[0].limit == FP8_WEIGHTS_TOLERANCES["hidden"][0]
+
+
+def test_unknown_weights_mode_is_refused(tiny):
+    with pytest.raises(InputError, match="weights must be"):
+        minirt.load(tiny, device=DEVICE, weights="int4")
