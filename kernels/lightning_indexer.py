@@ -11,7 +11,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import INTERPRET, check_device
+from ._common import INTERPRET, check_config, check_device, check_tensor, check_tensors
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -136,10 +136,9 @@ def _num_programs_target(device: torch.device) -> int:
     return 4
 
 
-def _check_inputs(q, k, weights, limit, out) -> None:
-    for name, t in (("q", q), ("k", k), ("weights", weights)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_inputs(q, k, weights, limit, out, config) -> None:
+    tensors = {"q": q, "k": k, "weights": weights}
+    check_tensors(tensors)
     if q.dim() not in (3, 4):
         raise InputError(f"q must be [T, H, D] or [B, T, H, D], got shape {tuple(q.shape)}")
     batched = q.dim() == 4
@@ -164,22 +163,14 @@ def _check_inputs(q, k, weights, limit, out) -> None:
     if weights.dtype != torch.float32 or tuple(weights.shape) != (*lead, n_heads):
         raise InputError(f"weights must be a float32 tensor of shape {[*lead, n_heads]}, got "
                          f"{weights.dtype} {list(weights.shape)}")
-    tensors = {"q": q, "k": k, "weights": weights}
-    if limit is not None:
-        if not isinstance(limit, torch.Tensor) or limit.dtype not in (torch.int32, torch.int64) \
-                or tuple(limit.shape) != tuple(lead):
-            raise InputError(f"limit must be an int32 or int64 tensor of shape {list(lead)}")
-        tensors["limit"] = limit
-    if out is not None:
-        expected = (*lead, k.shape[-2])
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != expected:
-            raise InputError(f"preallocated out must be a float32 tensor of shape {list(expected)}")
-        tensors["out"] = out
+    check_tensor(tensors, "limit", limit, (torch.int32, torch.int64), lead, optional=True)
+    check_tensor(tensors, "preallocated out", out, torch.float32, (*lead, k.shape[-2]), optional=True)
+    check_config(config, IndexerConfig)
     check_device(tensors)
 
 
 def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
-    """Scores with an explicit launch shape (the benchmark's variants); inputs already checked."""
+    """Run the kernel on inputs checked by lightning_indexer_scores with launch shape config."""
     batched = q.dim() == 4
     if out is None:
         out = torch.empty((*q.shape[:-2], k.shape[-2]), dtype=torch.float32, device=q.device)
@@ -225,6 +216,7 @@ def lightning_indexer_scores(
     limit: Optional[torch.Tensor] = None,
     *,
     out: Optional[torch.Tensor] = None,
+    config: Optional[IndexerConfig] = None,
 ) -> torch.Tensor:
     """
     DeepSeek-V3.2 lightning indexer scores, exact mode (no Hadamard rotation, no fp8):
@@ -246,6 +238,8 @@ def lightning_indexer_scores(
             key is valid. Key tiles beyond a query tile's largest limit are not computed.
         out: keyword-only, optional preallocated float32 [T, S] / [B, T, S] (any strides); every
             element is overwritten.
+        config: keyword-only, optional IndexerConfig: the launch shape (the benchmark's variants).
+            Default: default_config(T, H, D, itemsize).
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
     are honoured, nothing is copied; element offsets are 64-bit (T * S may exceed 2^31).
@@ -258,10 +252,11 @@ def lightning_indexer_scores(
             Masked entries are exactly -inf, valid ones finite for finite inputs.
 
     Raises:
-        minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the envelope above.
+        minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the envelope above;
+            config not an IndexerConfig.
     """
-    _check_inputs(q, k, weights, limit, out)
-    return _launch(q, k, weights, limit, out, default_config(*q.shape[-3:], q.element_size()))
+    _check_inputs(q, k, weights, limit, out, config)
+    return _launch(q, k, weights, limit, out, config or default_config(*q.shape[-3:], q.element_size()))
 
 
 # Order-preserving int32 image of the fp32 score -inf (see _order_keys).

@@ -188,7 +188,7 @@ def test_launch_shapes(monkeypatch, programs, config):
     q, k, weights = random_inputs(gen, (n_queries,), n_keys, 64, 128, torch.bfloat16)
     limit = torch.tensor([5, 70, 0, 200, 31, 64], device=DEVICE)
     out = poisoned((n_queries, n_keys))
-    assert li._launch(q, k, weights, limit, out, config) is out
+    assert lightning_indexer_scores(q, k, weights, limit, out=out, config=config) is out
     check(out, q, k, weights, limit)
 
 
@@ -405,6 +405,7 @@ def _valid_args():
     (lambda q, k, w: (q, k.to("meta"), w, {}), "one device"),
     (lambda q, k, w: (q.to("meta"), k.to("meta"), w.to("meta"), {}), "meta"),
     (lambda q, k, w: ("q", k, w, {}), "torch.Tensor"),
+    (lambda q, k, w: (q, k, w, {"config": (4, 64, 8, 3)}), "IndexerConfig"),
 ])
 def test_bad_input_raises_input_error(mutate, message):
     q, k, weights, kwargs = mutate(*_valid_args())
