@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import minirt
+from conftest import DEVICE
 from minirt.context import PrefillTrace
 from minirt.layers import hadamard_rotate
 from minirt.rope import rope_cos_sin
@@ -21,12 +22,12 @@ def test_hadamard_rotation_is_orthonormal():
 def test_fp8_indexer_queries_are_e4m3_with_head_scales_folded_into_the_weights(tiny_master):
     """fp8 mode: q is the Hadamard-rotated exact q rounded to e4m3 with one power-of-two scale per head,
     and that scale multiplies the head weight, so q_fp8 · scale = w_fp8 / w_exact · q_fp8 ≈ H(q)."""
-    engines = {p: minirt.load(tiny_master, device="cpu", indexer_precision=p) for p in ("exact", "fp8")}
-    x = torch.randn(6, engines["exact"].cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    engines = {p: minirt.load(tiny_master, device=DEVICE, indexer_precision=p) for p in ("exact", "fp8")}
+    x = torch.randn(6, engines["exact"].cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE, engines["exact"].dtype)
     outs = {}
     for precision, engine in engines.items():
         attn = engine.model.model.layers[0].self_attn
-        cos, sin = rope_cos_sin(engine.cfg, torch.arange(6), engine.cfg.qk_rope_head_dim)
+        cos, sin = rope_cos_sin(engine.cfg, torch.arange(6, device=DEVICE), engine.cfg.qk_rope_head_dim)
         qr = attn.q_a_layernorm(attn.q_a_proj(x))
         outs[precision] = attn.indexer.queries(x, qr, cos, sin)
     (q, w), (q8, w8) = outs["exact"], outs["fp8"]
@@ -44,7 +45,7 @@ def test_fp8_indexer_selects_nearly_the_exact_top_k(tiny_master):
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     traces = {}
     for precision in ("exact", "fp8"):
-        engine = minirt.load(tiny_master, indexer_precision=precision)
+        engine = minirt.load(tiny_master, device=DEVICE, indexer_precision=precision)
         traces[precision] = PrefillTrace()
         engine.prefill([prompt], trace=traces[precision])
     overlaps = [topk_overlap(f, e) for f, e in zip(traces["fp8"].topk, traces["exact"].topk)]
