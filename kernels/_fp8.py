@@ -1,7 +1,7 @@
 """minirt.formats' power-of-two fp8 scale rule and the e4m3 encoding as Triton helpers, for every kernel
-that quantises: the latent cache writer (kv_cache_fp8, KV rule), the activation quantiser and the MLA
-value projection (fp8_gemm, mla_head_proj_fp8) and the indexer key cache writer (indexer_cache), the
-last three with the ACT rule.
+that quantises: the latent cache writer (kv_cache_fp8, KV rule), and with the ACT rule the activation
+quantiser (fp8_gemm), the MLA value projection's fp8 output (mla_head_proj_fp8) and the indexer key
+cache writer (indexer_cache).
 
 A kernel passes the rule as the exponent of its smallest scale: ceil(log2(max(r, min_scale))) is
 max(ceil(log2(r)), ceil(log2(min_scale))), so the kernels clamp the exponent instead of the ratio.
