@@ -1,13 +1,43 @@
-"""The lightning indexer's scores tiling, as Triton helpers a scores kernel is assembled from.
+"""The lightning indexer's scores tiling: the Triton helpers a scores kernel is assembled from, and its
+launch shape (launch_shape).
 
 One program scores BLOCK_T query rows of one sequence (all heads of a row: column j of the dot is
 (row j // BLOCK_H, head j % BLOCK_H), so one [BLOCK_S, D] x [D, BLOCK_T * BLOCK_H] product per key
 tile) against one chunk of key tiles of BLOCK_S positions; tiles past the largest limit of the rows
 are not computed, only filled with -inf. What a kernel adds is how it loads a key tile
-(kernels/indexer_cache.py: through a block table, from an fp8 or fp32 paged cache).
+(lightning_indexer.py: from one dense [S, D] key tensor per batch entry; indexer_cache.py: through a
+block table, from an fp8 or fp32 paged cache).
 """
+import torch
 import triton
 import triton.language as tl
+
+from ._common import INTERPRET
+
+
+def num_programs_target(device: torch.device) -> int:
+    """Programs a launch should have to fill the GPU (decode has few query tiles: split the keys)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def launch_shape(n_batch: int, n_queries: int, n_heads: int, n_keys: int, config, device: torch.device):
+    """The launch of a scores kernel over [n_batch, n_queries] rows of n_heads heads and n_keys keys with
+    config's (an IndexerConfig's) block_t, block_s, num_warps and num_stages: (grid, (n_t_tiles, n_chunks,
+    tiles_per_chunk) the kernel's runtime sizes, the keyword arguments of the tiling's constexprs and
+    launch options). Few query tiles (decode) split the key range into chunks, so even b = 1 fills the GPU."""
+    n_t_tiles = triton.cdiv(n_queries, config.block_t)
+    n_s_tiles = triton.cdiv(n_keys, config.block_s)
+    n_chunks = min(n_s_tiles, triton.cdiv(num_programs_target(device), n_batch * n_t_tiles))
+    tiles_per_chunk = triton.cdiv(n_s_tiles, n_chunks)
+    n_chunks = triton.cdiv(n_s_tiles, tiles_per_chunk)
+    # tl.dot needs N >= 16: pad the heads when block_t * heads would be smaller.
+    block_h = max(triton.next_power_of_2(n_heads), triton.cdiv(16, config.block_t))
+    return (n_batch * n_t_tiles * n_chunks,), (n_t_tiles, n_chunks, tiles_per_chunk), dict(
+        BLOCK_T=config.block_t, BLOCK_H=block_h, BLOCK_S=config.block_s,
+        INTERPRETED=INTERPRET, INTERPRETED_TILES=tiles_per_chunk if INTERPRET else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 @triton.jit

@@ -15,7 +15,6 @@ one k block).
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,42 +25,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from minirt.errors import InputError
-from minirt.formats import ACT_MIN_SCALE, E4M3_MAX, FP8_DTYPE, FP8_GROUP, ceil_log2
+from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
-from .kv_cache_fp8 import _e4m3_bits
+from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 
 # One k block of the product = one activation group = one weight block column (all 128 wide).
 BLOCK_K = FP8_GROUP
 assert DEFAULT_BLOCK == (BLOCK_K, BLOCK_K)
-# The exponent of the smallest activation scale: ceil(log2(max(r, ACT_MIN_SCALE))) is
-# max(ceil(log2(r)), ACT_MIN_EXPONENT), so the kernels clamp the exponent instead of the ratio.
-ACT_MIN_EXPONENT = int(ceil_log2(torch.tensor(ACT_MIN_SCALE, dtype=torch.float32)))
-# E4M3_MAX = 1.m * 2^(E - 127) as float32 fields; amax / E4M3_MAX needs both for an exact ceil(log2).
-_E4M3_MAX_BITS = struct.unpack("<I", struct.pack("<f", E4M3_MAX))[0]
-_MAX_EXP_FIELD = tl.constexpr(_E4M3_MAX_BITS >> 23)
-_MAX_MANTISSA = tl.constexpr(_E4M3_MAX_BITS & 0x7FFFFF)
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
 # Activation quantiser: groups per program (a [GROUPS, 128] tile of one row).
 _QUANT_GROUPS = 8
-
-
-@triton.jit
-def _pow2_quantize_rows(x, MIN_EXPONENT: tl.constexpr):
-    """x float32 [R, G]: each row one group -> (e4m3 codes int32 [R, G], float32 scales [R]).
-
-    scale = 2^ceil(log2(max(amax / 448, 2^MIN_EXPONENT))) (formats.pow2_scale), evaluated exactly
-    from the bits of amax = 1.f * 2^(E - 127): amax / 448 = (1.f / 1.75) * 2^(E - 135), whose
-    ceil(log2) is E - 135, plus one when 1.f > 1.75. Values are clamp(x / scale, -448, 448) rounded
-    to nearest-even e4m3 (x * 2^-e equals x / 2^e exactly).
-    """
-    amax_bits = tl.max(tl.abs(x), 1).to(tl.int32, bitcast=True)
-    exponent = (amax_bits >> 23) - _MAX_EXP_FIELD + ((amax_bits & 0x7FFFFF) > _MAX_MANTISSA).to(tl.int32)
-    exponent = tl.maximum(exponent, MIN_EXPONENT)
-    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    values = tl.minimum(tl.maximum(x * inv_scale[:, None], -_E4M3_MAX), _E4M3_MAX)
-    return _e4m3_bits(values), scale
 
 
 @triton.jit(do_not_specialize=["n_groups"])
@@ -72,7 +45,7 @@ def _quantize_act_kernel(x_ptr, q_ptr, scale_ptr, n_groups, stride_xm, stride_qm
     mask = groups < n_groups
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask[:, None], other=0.0).to(tl.float32)
-    codes, scale = _pow2_quantize_rows(x, MIN_EXPONENT)
+    codes, scale = pow2_quantize_rows(x, MIN_EXPONENT)
     tl.store(q_ptr + row * stride_qm + cols, codes.to(tl.uint8), mask=mask[:, None])
     tl.store(scale_ptr + row * stride_sm + groups, scale, mask=mask)
 

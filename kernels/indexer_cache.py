@@ -32,16 +32,14 @@ import triton
 import triton.language as tl
 
 from minirt.errors import InputError
-from minirt.formats import (ACT_MIN_SCALE, CACHE_BLOCK_SIZE, E4M3_MAX, FP8_DTYPE, INDEX_KEY_BYTES,
-                            INDEX_KEY_DIM, ceil_log2, quantize_groups)
+from minirt.formats import ACT_MIN_SCALE, CACHE_BLOCK_SIZE, FP8_DTYPE, INDEX_KEY_BYTES, INDEX_KEY_DIM, quantize_groups
 
-from ._common import INTERPRET, check_device
-from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, program_tile, query_tile
-from .kv_cache_fp8 import CacheGeometry, _e4m3_bits
-from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, _block_h, _num_programs_target, default_config
+from ._common import check_device
+from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
+from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
+from .kv_cache_fp8 import CacheGeometry
+from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config
 
-# ceil(log2(ACT_MIN_SCALE)) = -22: the exponent of the scale of a key whose amax is at most 1e-4.
-MIN_SCALE_EXPONENT = int(ceil_log2(torch.tensor(ACT_MIN_SCALE, dtype=torch.float32)))
 # Every kernel index is 32-bit: key positions, slots, page offsets.
 _MAX_KEYS = 2**31 - 2**16
 
@@ -190,21 +188,9 @@ def _check_keys(k) -> None:
 # writer
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
-def _pow2_scale_exponent(amax, MIN_EXPONENT: tl.constexpr):
-    """Exact ceil(log2(amax / 448)), at least MIN_EXPONENT, of float32 amax >= 0 (int32): the
-    exponent of formats.pow2_scale.
-
-    From the bits of amax = 1.m * 2^(E - 127): amax / 448 = (1.m / 1.75) * 2^(E - 135), and
-    1.m / 1.75 lies in (0.5, 1] iff m <= 0.75 (0x600000); zero and denormal amax fall to the minimum."""
-    bits = amax.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return tl.maximum(exponent, MIN_EXPONENT)
-
-
 @triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride_16", "stride_k"])
 def _write_index_keys_kernel(cache_ptr, k_ptr, slot_ptr, block_size, num_slots, block_stride_16, stride_k,
-                             DIM: tl.constexpr, MIN_EXPONENT: tl.constexpr, FP8_MAX: tl.constexpr):
+                             DIM: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
@@ -214,11 +200,8 @@ def _write_index_keys_kernel(cache_ptr, k_ptr, slot_ptr, block_size, num_slots, 
 
     cols = tl.arange(0, DIM)
     k = tl.load(k_ptr + token * stride_k + cols).to(tl.float32)
-    exponent = _pow2_scale_exponent(tl.max(tl.abs(k), 0), MIN_EXPONENT)
-    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    values = tl.minimum(tl.maximum(k * inv_scale, -FP8_MAX), FP8_MAX)
-    tl.store(page + offset * DIM + cols, _e4m3_bits(values).to(tl.uint8), mask=valid)
+    scale, inv_scale = pow2_scale(tl.max(tl.abs(k), 0), MIN_EXPONENT)
+    tl.store(page + offset * DIM + cols, e4m3_bits(k * inv_scale).to(tl.uint8), mask=valid)
     tl.store((page + block_size * DIM).to(tl.pointer_type(tl.float32)) + offset, scale, mask=valid)
 
 
@@ -253,7 +236,7 @@ def write_index_keys(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) 
         return
     _write_index_keys_kernel[(slots.numel(),)](
         cache, k, slots, geometry.block_size, geometry.num_slots, geometry.block_stride // 16, k.stride(0),
-        DIM=INDEX_KEY_DIM, MIN_EXPONENT=MIN_SCALE_EXPONENT, FP8_MAX=E4M3_MAX, num_warps=1)
+        DIM=INDEX_KEY_DIM, MIN_EXPONENT=ACT_MIN_EXPONENT, num_warps=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,28 +355,20 @@ def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometr
         return out
     n_batch, n_queries, n_heads, head_dim = q.shape
     n_keys = out.shape[2]
-    n_t_tiles = triton.cdiv(n_queries, config.block_t)
-    n_s_tiles = triton.cdiv(n_keys, config.block_s)
-    # Few query tiles (decode): split the key range so that even b = 1 fills the GPU.
-    n_chunks = min(n_s_tiles, triton.cdiv(_num_programs_target(q.device), n_batch * n_t_tiles))
-    tiles_per_chunk = triton.cdiv(n_s_tiles, n_chunks)
-    n_chunks = triton.cdiv(n_s_tiles, tiles_per_chunk)
+    grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    _paged_scores_kernel[(n_batch * n_t_tiles * n_chunks,)](
+    _paged_scores_kernel[grid](
         q, weights, cache, table, limit, out,
-        n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
+        n_queries, n_keys, n_heads, *tiling,
         geometry.block_size, geometry.num_blocks, table.shape[1], geometry.block_stride // 16,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         weights.stride(0), weights.stride(1), weights.stride(2),
         table.stride(0), limit.stride(0), limit.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim, BLOCK_T=config.block_t, BLOCK_H=_block_h(n_heads, config.block_t),
-        BLOCK_S=config.block_s, FP8=fp8,
+        HEAD_DIM=head_dim, FP8=fp8,
         # fp8: e4m3 products are exact, sums fp32 (Hopper's fp8 MMA accumulates with fewer bits).
         # float32: three tf32 tensor-core products, as lightning_indexer_scores.
-        DOT_PRECISION="ieee" if fp8 else "tf32x3",
-        INTERPRETED=INTERPRET, INTERPRETED_TILES=tiles_per_chunk if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION="ieee" if fp8 else "tf32x3", **tile_args,
     )
     return out
 

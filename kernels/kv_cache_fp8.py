@@ -28,6 +28,7 @@ from minirt import formats
 from minirt.errors import InputError
 
 from ._common import check_device, check_tensors
+from ._fp8 import pow2_quantize_rows
 
 # The layout and the scale rule in the form @triton.jit code reads (here and in sparse_mla_decode).
 D_LAT = tl.constexpr(formats.KV_LATENT_DIM)
@@ -37,7 +38,6 @@ TILE = tl.constexpr(formats.FP8_GROUP)
 TOKEN_BYTES = tl.constexpr(formats.KV_TOKEN_BYTES)
 SCALES_AT = tl.constexpr(formats.KV_SCALES_AT)
 ROPE_AT = tl.constexpr(formats.KV_ROPE_AT)
-E4M3_MAX = tl.constexpr(formats.E4M3_MAX)
 MIN_SCALE_EXPONENT = tl.constexpr(formats.KV_MIN_SCALE_EXPONENT)
 
 
@@ -247,28 +247,6 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
 # writer
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
-def _e4m3_bits(x):
-    """Round-to-nearest-even float8_e4m3fn encoding of float32 x, |x| <= 448 (as int32 0..255).
-
-    Done with integer arithmetic because the Triton 3.6 interpreter's float8 cast is wrong
-    (it truncates and mis-handles mantissa carries); the result equals torch's float8_e4m3fn cast
-    (tests check the writer bit-exactly, interpreted and on an H200).
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    # Normal e4m3 (|x| >= 2^-6): round the 23-bit mantissa to 3 bits (ties to even, carries into
-    # the exponent), then rebias the exponent from 127 to 7.
-    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
-    normal = (rounded >> 20) - (120 << 3)
-    # Subnormal e4m3 (|x| < 2^-6, steps of 2^-9): float32 addition of 2^14 (ulp 2^-9) rounds to
-    # nearest-even; the bit distance from 2^14 is the count of 2^-9 steps (8 = smallest normal).
-    subnormal = ((magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
-                 - 0x46800000)
-    return tl.where(magnitude < 0x3C800000, subnormal, normal) | sign   # 0x3C800000 = 2^-6
-
-
 @triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride", "stride_latent", "stride_rope"])
 def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, block_size, num_slots,
                          block_stride, stride_latent, stride_rope):
@@ -281,15 +259,9 @@ def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, block_size, 
     tiles = tl.arange(0, TILES)
     cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
     latent = tl.load(latent_ptr + token * stride_latent + cols).to(tl.float32)
-    # Exact 2^ceil(log2(max(amax / 448, 1e-4))) from the bits of amax = 1.m * 2^(E - 127):
-    # amax / 448 = (1.m / 1.75) * 2^(E - 135) and 1.m / 1.75 lies in (0.5, 1] iff m <= 0.75.
-    amax_bits = tl.max(tl.abs(latent), 1).to(tl.int32, bitcast=True)
-    exponent = (amax_bits >> 23) - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    exponent = tl.maximum(exponent, MIN_SCALE_EXPONENT)
-    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    values = tl.minimum(tl.maximum(latent * inv_scale[:, None], -E4M3_MAX), E4M3_MAX)
-    tl.store(row + cols, _e4m3_bits(values).to(tl.uint8), mask=valid)
+    # One tile per row, one scale per tile (formats.quantize_groups with KV_MIN_SCALE).
+    codes, scale = pow2_quantize_rows(latent, MIN_SCALE_EXPONENT)
+    tl.store(row + cols, codes.to(tl.uint8), mask=valid)
     tl.store((row + SCALES_AT).to(tl.pointer_type(tl.float32)) + tiles, scale, mask=valid)
     rope_cols = tl.arange(0, D_ROPE)
     rope = tl.load(rope_ptr + token * stride_rope + rope_cols)

@@ -12,6 +12,7 @@ import triton.language as tl
 from minirt.errors import InputError
 
 from ._common import INTERPRET, check_config, check_device, check_tensor, check_tensors
+from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -45,71 +46,32 @@ def _indexer_scores_kernel(
     HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
-    # One program: BLOCK_T query rows (of one batch entry) x one chunk of tiles_per_chunk key tiles.
-    # The chunks of a query tile are adjacent programs; query tiles run last-first, because under a
-    # causal limit the last rows have the most keys and should not be the tail of the launch.
-    pid = tl.program_id(0)
-    chunk = pid % n_chunks
-    rest = pid // n_chunks
-    t_tile = n_t_tiles - 1 - rest % n_t_tiles
-    batch = (rest // n_t_tiles).to(tl.int64)
-
-    # Column j of the dot is the pair (query row j // BLOCK_H, head j % BLOCK_H): all heads of all
-    # rows of the tile in one [BLOCK_S, HEAD_DIM] x [HEAD_DIM, BLOCK_T * BLOCK_H] product, with q
-    # loaded once and kept for the whole key loop.
-    offs_j = tl.arange(0, BLOCK_T * BLOCK_H)
-    row_j = t_tile * BLOCK_T + offs_j // BLOCK_H
-    head_j = offs_j % BLOCK_H
-    mask_j = (row_j < n_queries) & (head_j < n_heads)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_t = tl.load(q_ptr + batch * stride_qb + row_j.to(tl.int64)[None, :] * stride_qt
-                  + head_j[None, :] * stride_qh + offs_d[:, None] * stride_qd,
-                  mask=mask_j[None, :], other=0.0)
-    if INTERPRETED:
-        q_t = q_t.to(tl.float32)
-    # Padded (row, head) columns get weight 0, so their relu(0) * 0 adds nothing.
-    w = tl.load(w_ptr + batch * stride_wb + row_j.to(tl.int64) * stride_wt + head_j * stride_wh,
-                mask=mask_j, other=0.0)
-
-    offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < n_queries
-    # last_key[t]: the last key row t may see, clamped to [-1, n_keys - 1] (limit may be int64).
-    if HAS_LIMIT:
-        limit = tl.load(limit_ptr + batch * stride_lb + offs_t.to(tl.int64) * stride_lt, mask=t_mask, other=-1)
-        last_key = tl.minimum(tl.maximum(limit, -1), n_keys - 1).to(tl.int32)
-    else:
-        last_key = tl.where(t_mask, n_keys - 1, -1)
-
-    chunk_start = chunk * tiles_per_chunk * BLOCK_S
-    chunk_end = tl.minimum(chunk_start + tiles_per_chunk * BLOCK_S, n_keys)
-    n_tiles = tl.cdiv(chunk_end - chunk_start, BLOCK_S)
-    # Tiles past every row's limit are not computed, only filled with -inf (half of a causal prefill).
-    n_computed = tl.minimum(tl.cdiv(tl.maximum(tl.max(last_key) + 1 - chunk_start, 0), BLOCK_S), n_tiles)
+    batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
+    q_t, w, offs_t, t_mask, last_key = query_tile(
+        q_ptr, w_ptr, limit_ptr, batch, t_tile, n_queries, n_heads, n_keys,
+        stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_lb, stride_lt,
+        HEAD_DIM, BLOCK_T, BLOCK_H, HAS_LIMIT, INTERPRETED)
+    chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
     k_rows = k_ptr + batch * stride_kb
     out_rows = out_ptr + batch * stride_ob + offs_t.to(tl.int64) * stride_ot
-    offs_s_tile = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
     # The Triton 3.6 interpreter cannot use a runtime scalar as a loop bound (numpy >= 2.4), so
-    # interpreted runs take both loops over all tiles of the chunk and let the store masks split them
-    # at n_computed; compiled, the masks `i < n_computed` / `i >= n_computed` are always true.
+    # interpreted runs take the loop over all tiles of the chunk and let the store mask split them
+    # at n_computed; compiled, the mask `i < n_computed` is always true.
     for i in range(0, INTERPRETED_TILES if INTERPRETED else n_computed):
-        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
+        offs_s = chunk_start + i * BLOCK_S + tl.arange(0, BLOCK_S)
         s_mask = offs_s < chunk_end
         k = tl.load(k_rows + offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                     mask=s_mask[:, None], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        logits = tl.dot(k, q_t, input_precision=DOT_PRECISION)
-        weighted = tl.maximum(logits, 0.0) * w[None, :]
-        scores = tl.sum(tl.reshape(weighted, [BLOCK_S, BLOCK_T, BLOCK_H]), axis=2)
+        scores = head_sum(tl.dot(k, q_t, input_precision=DOT_PRECISION), w, BLOCK_S, BLOCK_T, BLOCK_H)
         scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
                  mask=s_mask[:, None] & t_mask[None, :] & (i < n_computed))
-    for i in range(0 if INTERPRETED else n_computed, INTERPRETED_TILES if INTERPRETED else n_tiles):
-        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
-        tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os,
-                 tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32),
-                 mask=(offs_s < chunk_end)[:, None] & t_mask[None, :] & (i >= n_computed))
+    fill_uncomputed(out_rows, stride_os, t_mask, chunk_start, chunk_end, n_computed, n_tiles,
+                     BLOCK_S, BLOCK_T, INTERPRETED, INTERPRETED_TILES)
 
 
 def default_config(n_queries: int, n_heads: int, head_dim: int, element_size: int = 2) -> IndexerConfig:
@@ -122,18 +84,6 @@ def default_config(n_queries: int, n_heads: int, head_dim: int, element_size: in
     block_s = 64
     num_stages = max(1, min(3, KEY_PIPELINE_BYTES // (block_s * head_dim * element_size)))
     return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=8, num_stages=num_stages)
-
-
-def _block_h(n_heads: int, block_t: int) -> int:
-    # tl.dot needs N >= 16: pad the heads when block_t * heads would be smaller.
-    return max(triton.next_power_of_2(n_heads), triton.cdiv(16, block_t))
-
-
-def _num_programs_target(device: torch.device) -> int:
-    """Programs a launch should have to fill the GPU (decode has few query tiles: split the keys)."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _check_inputs(q, k, weights, limit, out, config) -> None:
@@ -182,29 +132,22 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
     n_batch, n_queries, n_heads, head_dim = q4.shape
     n_keys = k3.shape[1]
 
-    n_t_tiles = triton.cdiv(n_queries, config.block_t)
-    n_s_tiles = triton.cdiv(n_keys, config.block_s)
-    n_chunks = min(n_s_tiles, triton.cdiv(_num_programs_target(q.device), n_batch * n_t_tiles))
-    tiles_per_chunk = triton.cdiv(n_s_tiles, n_chunks)
-    n_chunks = triton.cdiv(n_s_tiles, tiles_per_chunk)
+    grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     # An absent limit still needs a tensor argument; HAS_LIMIT keeps it unread.
     limit_arg = lim2 if lim2 is not None else w3
-    _indexer_scores_kernel[(n_batch * n_t_tiles * n_chunks,)](
+    _indexer_scores_kernel[grid](
         q4, k3, w3, limit_arg, out3,
-        n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
+        n_queries, n_keys, n_heads, *tiling,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         k3.stride(0), k3.stride(1), k3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
         limit_arg.stride(0), limit_arg.stride(1),
         out3.stride(0), out3.stride(1), out3.stride(2),
-        HEAD_DIM=head_dim, BLOCK_T=config.block_t, BLOCK_H=_block_h(n_heads, config.block_t),
-        BLOCK_S=config.block_s, HAS_LIMIT=lim2 is not None,
+        HEAD_DIM=head_dim, HAS_LIMIT=lim2 is not None,
         # 16-bit inputs: exact products, fp32 sums. float32 inputs: three tf32 tensor-core products
         # (hi*hi + hi*lo + lo*hi, ~2^-21 relative per product) instead of the fp32 FMA path, which
         # ran at 0.9 TFLOP/s and made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "ieee",
-        INTERPRETED=INTERPRET, INTERPRETED_TILES=tiles_per_chunk if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "ieee", **tile_args,
     )
     return out
 

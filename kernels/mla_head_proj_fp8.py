@@ -28,7 +28,7 @@ from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
-from .fp8_gemm import ACT_MIN_EXPONENT, _pow2_quantize_rows
+from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 
 WEIGHT_BLOCK = DEFAULT_BLOCK[0]
 BLOCK_O = FP8_GROUP      # output columns per program: one activation group of the quantised output
@@ -79,7 +79,7 @@ def _mla_head_proj_kernel(
     out_cols = head.to(tl.int64) * stride_oh + offs_o[None, :]
     out_rows = offs_t.to(tl.int64)[:, None] * stride_ot
     if QUANTIZE_OUT:
-        codes, group_scale = _pow2_quantize_rows(acc, MIN_EXPONENT)
+        codes, group_scale = pow2_quantize_rows(acc, MIN_EXPONENT)
         tl.store(out_ptr + out_rows + out_cols, codes.to(tl.uint8), mask=t_mask[:, None])
         group = (head * stride_oh + tile_o * BLOCK_O) // BLOCK_O
         tl.store(out_scale_ptr + offs_t.to(tl.int64) * stride_ost + group, group_scale, mask=t_mask)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import DEVICE
 from minirt.errors import InputError
+from minirt.kernels import _indexer_tiles
 from minirt.kernels import lightning_indexer as li
 from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk, lightning_indexer_scores
 
@@ -182,7 +183,7 @@ def test_limit_extremes():
 def test_launch_shapes(monkeypatch, programs, config):
     """Every launch shape the benchmark tries, with the keys split into one chunk per query tile or one
     tile per chunk: chunks whose tiles are partly computed, partly -inf-filled, or all filled."""
-    monkeypatch.setattr(li, "_num_programs_target", lambda device: programs)
+    monkeypatch.setattr(_indexer_tiles, "num_programs_target", lambda device: programs)
     gen = torch.Generator(DEVICE).manual_seed(23)
     n_queries, n_keys = 6, 333
     q, k, weights = random_inputs(gen, (n_queries,), n_keys, 64, 128, torch.bfloat16)
