@@ -25,6 +25,7 @@ sequence) or a prefill chunk (many queries of one sequence), with a causal limit
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -34,7 +35,7 @@ import triton.language as tl
 from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, CACHE_BLOCK_SIZE, FP8_DTYPE, INDEX_KEY_BYTES, INDEX_KEY_DIM, quantize_groups
 
-from ._common import check_device
+from ._common import check_config, check_device
 from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 from .kv_cache_fp8 import CacheGeometry
@@ -382,6 +383,7 @@ def paged_indexer_scores(
     *,
     n_keys: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    config: Optional[IndexerConfig] = None,
 ) -> torch.Tensor:
     """
     DeepSeek-V3.2 lightning indexer scores over a paged key cache, for decode steps and prefill chunks:
@@ -412,6 +414,7 @@ def paged_indexer_scores(
             max_blocks_per_seq * block_size). Positions past the table score -inf.
         out: keyword-only, optional preallocated float32 [b, t, S] (any strides); every element is
             overwritten.
+        config: keyword-only, optional IndexerConfig launch shape (default: paged_config).
 
     No host synchronisation and static shapes: a decode step calling this can be captured in a CUDA
     graph. The key range is split across programs, so even b = 1 fills the GPU. All tensors must be
@@ -431,5 +434,17 @@ def paged_indexer_scores(
     fp8, geometry, n_keys = _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out)
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], n_keys), dtype=torch.float32, device=q.device)
-    config = default_config(q.shape[1], q.shape[2], q.shape[3], q.element_size())
+    if config is None:
+        config = paged_config(q.shape[1], q.shape[2], q.shape[3], fp8)
+    check_config(config, IndexerConfig)
     return _launch_paged(q, weights, cache, block_table, limit, out, fp8, geometry, config)
+
+
+def paged_config(n_queries: int, n_heads: int, head_dim: int, fp8: bool) -> IndexerConfig:
+    """The launch shape of paged_indexer_scores: lightning_indexer's query tiling, with the key steps
+    measured fastest on an H200 for a prefill chunk (t 2048 over 131072 keys, 64 heads): fp8 keys with
+    4 warps (538 TFLOP/s against 346 with 8), fp32 keys in 128-key steps of 2 stages (64 against 44)."""
+    config = default_config(n_queries, n_heads, head_dim, 1 if fp8 else 4)
+    if fp8:
+        return dataclasses.replace(config, num_warps=4, num_stages=3)
+    return dataclasses.replace(config, block_s=128, num_stages=2)

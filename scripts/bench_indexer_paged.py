@@ -28,9 +28,9 @@ from bench_indexer import attempt, bench_ms, parse_variant
 from ceilings import measure_ceilings, write_report
 
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
-from minirt.kernels.indexer_cache import (_check_scores_inputs, _launch_paged, dequantize_index_cache,
-                                          new_index_cache, paged_indexer_scores, write_index_keys)
-from minirt.kernels.lightning_indexer import default_config, indexer_topk
+from minirt.kernels.indexer_cache import (dequantize_index_cache, new_index_cache, paged_config,
+                                          paged_indexer_scores, write_index_keys)
+from minirt.kernels.lightning_indexer import indexer_topk
 
 H, D, TOPK, BLOCK_SIZE = 64, 128, 2048, 64
 CAPACITY = 163840
@@ -151,16 +151,14 @@ def main():
         flops = 2 * H * D * int((limit.long() + 1).sum())
         sample = torch.cat([torch.arange(0, 16, device="cuda"), torch.arange(CHUNK_T - 16, CHUNK_T, device="cuda")])
         expected = eager_scores(q[:, sample], weights[:, sample], cache, table, limit[:, sample], CHUNK_KEYS)
-        default = default_config(CHUNK_T, H, D, q.element_size())
+        default = paged_config(CHUNK_T, H, D, fmt == "fp8")
 
         def chunk_cell(config):
-            fp8, geometry, _ = _check_scores_inputs(q, weights, cache, table, limit, None, None)
-            out = torch.empty((1, CHUNK_T, CHUNK_KEYS), device="cuda")
-            _launch_paged(q, weights, cache, table, limit, out, fp8, geometry, config)
+            out = paged_indexer_scores(q, weights, cache, table, limit, config=config)
             wrong = check(out[:, sample], expected, fmt)
             if wrong:
                 return wrong
-            ms = bench_ms(lambda: _launch_paged(q, weights, cache, table, limit, out, fp8, geometry, config))
+            ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out, config=config))
             return f"{flops / ms / 1e9:.0f} TFLOP/s ({ms:.3f} ms)"
 
         name = f"prefill chunk t {CHUNK_T} / {CHUNK_KEYS} keys"

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call (the device tool runs this from the repo root):
-#   DEADLINE=560 scripts/gpu_check.sh STAGE...   stages: tests kernel-tests bench gemm-bench v32 runtime-bench
+#   DEADLINE=560 scripts/gpu_check.sh STAGE...
+#   stages: tests kernel-tests bench gemm-bench v32 v32-generate runtime-bench (RUNTIME_BENCH_ARGS: more flags)
 # tests:        runtime, CLI, README and embedding tests with CUDA tensors (tiny preset)
 # kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels)
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
 # v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers), then `minirt verify`
-#               (default fp8 weights; bf16 weights; a prompt longer than one prefill chunk) and
-#               `minirt generate` at batch 1 and 64
+#               (default fp8 weights; bf16 weights; a prompt longer than one prefill chunk)
+# v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
 #               both weight and indexer modes, peak memory, the split of one long prefill)
 # Logs and tables go to $OUT (default /tmp/minirt-out). Every stage is cut off DEADLINE seconds after
@@ -48,16 +49,17 @@ for stage in "$@"; do
       run bench-indexer python3 scripts/bench_indexer.py --out "$OUT/indexer.md"
       run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md" ;;
     gemm-bench) run bench-gemm python3 scripts/bench_gemm.py --out "$OUT/gemm.md" ;;
-    v32|runtime-bench)
+    v32|v32-generate|runtime-bench)
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda ;;&
-    runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --split --out "$OUT/runtime.md" ;;
+    runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --split --out "$OUT/runtime.md" ${RUNTIME_BENCH_ARGS:-} ;;
     v32)
       run v32-verify minirt verify $V32 --json
       cp "$OUT/v32-verify.log" "$OUT/verify_v32.json"
       run v32-verify-bf16 python3 -c "import json, minirt; from minirt.verify import run_verify
 e = minirt.load('$V32', weights='bf16', prefill_chunk=1024); o = minirt.load('$V32', backend='reference')
-print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())"
+print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
+    v32-generate)
       prompt=$(python3 -c 'print(",".join(str((i * 7919) % 129280) for i in range(512)))')
       run v32-generate-b1 minirt generate $V32 --tokens "$prompt" -n 64 --batch 1
       run v32-generate-b64 minirt generate $V32 --tokens "$prompt" -n 64 --batch 64 ;;
