@@ -15,6 +15,8 @@ take: prefill through ``sparse_mla_prefill`` on the bf16 latents of the prompt s
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,10 +107,17 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if d & (d - 1):
         raise InputError(f"Hadamard rotation needs a power-of-two dim, got {d}")
-    h = torch.ones(1, 1, dtype=x.dtype, device=x.device)
+    return x @ _hadamard(d, x.dtype, x.device)
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """H_d / sqrt(d) (Sylvester's construction), built once per (d, dtype, device): a decode step
+    replays it from a CUDA graph instead of rebuilding it."""
+    h = torch.ones(1, 1, dtype=dtype, device=device)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return x @ (h * d**-0.5)
+    return h * d**-0.5
 
 
 class MLAAttention(nn.Module):
