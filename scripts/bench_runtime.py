@@ -30,7 +30,8 @@ GIB = 2**30
 # Kernel-name fragments of each part of a prefill (Triton kernels by their function names; cuBLAS,
 # CUTLASS and torch's own kernels by theirs).
 PARTS = {
-    "indexer": ("indexer", "topk", "_tie", "radix", "sort", "gather_topk", "bitonic"),
+    "indexer": ("indexer", "_paged_scores", "_write_index_keys", "topk", "_boundary_ties", "radix", "sort",
+                "bitonic"),
     "attention": ("sparse_mla", "_sparse_decode"),
     "linear": ("gemm", "cutlass", "fp8_gemm", "quantize_act", "mla_head_proj", "nvjet", "sm90_xmma", "cublas"),
 }
