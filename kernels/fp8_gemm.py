@@ -148,19 +148,23 @@ def default_config(m: int) -> Fp8GemmConfig:
 class StreamConfig:
     """Launch shape of fp8_gemm's weight-streaming kernel (M <= STREAM_MAX_M; an explicit one forces it).
 
-    block_n: weight rows per program, 16, 32, 64 or 128 (inside one 128-row scale block).
+    block_n: weight rows per program, 16, 32, 64 or 128 (inside one 128-row scale block); 64 and
+    128 run Hopper's fp8 wgmma (64 rows per instruction), 16 and 32 mma.sync on fp16 copies.
     split_k: programs per block of rows, each over a contiguous range of k blocks; the last one to
     finish sums the fp32 partials in split order. None picks enough to give every SM
     STREAM_PROGRAMS_PER_SM programs (short weights: q_a, kv_a, wk), 1 never splits.
-    num_stages: software pipeline depth; num_stages - 1 k blocks of block_n weight rows are in flight
-    per program (64 x 128 x 5 = 40 KB by default: with two programs per SM, above the ~32 KB per SM
-    that H200's bandwidth x latency (4.2 TB/s x ~1 us / 132 SMs) needs).
+    num_stages: software pipeline depth: num_stages - 1 k blocks of weight rows in flight per
+    program. Default: 128 rows x 128 x 4 = 64 KB per program, two programs per SM (5 stages of
+    16 + 2 KB take 90 KB of shared memory), i.e. 128 KB per SM against the ~64 KB that H200's
+    bandwidth x loaded latency (4.2 TB/s x ~2 us / 132 SMs) needs. 16 KB per k block also gives
+    each iteration ~1 us at full bandwidth, the time the next block's scales have to arrive (they
+    are loaded one iteration ahead).
     """
 
-    block_n: int = 64
+    block_n: int = 128
     split_k: Optional[int] = None
     num_warps: int = 4
-    num_stages: int = 6
+    num_stages: int = 5
 
 
 STREAM_CONFIG = StreamConfig()
@@ -169,7 +173,7 @@ STREAM_CONFIG = StreamConfig()
 # does better.
 STREAM_MAX_M = 16
 # Automatic split-K aims at this many programs per SM (all resident at once: each takes
-# num_stages x (block_n + 16) x 128 bytes of shared memory, 60 KB by default), keeping >= 2 k blocks
+# num_stages x (block_n + 16) x 128 bytes of shared memory, 90 KB by default), keeping >= 2 k blocks
 # per program and the fp32 partials' traffic (splits x N x M values, 8 bytes each: written once, read
 # once) <= 1/8 of the weight's N x K bytes.
 STREAM_PROGRAMS_PER_SM = 2
@@ -207,7 +211,8 @@ def _fp8_stream_kernel(
     n_iters = tl.minimum(k_blocks_per_split, n_k_blocks - kb_start)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The scales of the next k block are loaded one iteration ahead: the pipeliner prefetches only
-    # the MMA operands, and a scale load waited on every iteration would throttle the stream.
+    # the MMA operands, and a scale load waited on in its own iteration would hold back the next
+    # weight load by its latency every k block.
     a_scale = tl.load(a_scale_rows + kb_start * stride_sak, mask=m_mask, other=0.0)
     b_scale = tl.load(b_scale_row + kb_start * stride_sbk)
     # The interpreter cannot loop to a runtime bound: it runs k_blocks_per_split iterations, and the
@@ -404,10 +409,20 @@ def _tiles(a, a_scales, b, b_scales, out, config: Fp8GemmConfig) -> None:
         out.copy_(dest.sum(0))
 
 
-def _scaled_mm(a, a_scales, b, b_scales, out) -> None:
-    """out = the product by torch._scaled_mm with DeepSeek's block-wise scales: a's 1x128 scales
-    outer-dim-major (column-major [M, K / 128], as cuBLASLt reads them) and the weight's 128x128 scales
-    as stored (row-major [N / 128, K / 128], the transpose of b^T's)."""
+def scaled_mm_blockwise(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                        out: torch.Tensor) -> None:
+    """
+    out = a . b^T by torch._scaled_mm with DeepSeek's block-wise scales (fp8_gemm's "scaled_mm" path;
+    no checks: fp8_gemm and uses_scaled_mm make them).
+
+    Args:
+        a: [M, K] float8_e4m3fn with 16-byte aligned rows, unit stride along K; M % 16 == 0.
+        a_scales: [M, K / 128] float32, passed to cuBLASLt outer-dim-major (column-major, copied).
+        b: [N, K] float8_e4m3fn, the weight as stored (b.t() is the column-major mat2), N % 16 == 0.
+        b_scales: [N / 128, K / 128] float32, the 128x128 block scales as stored (row-major: the
+            transpose of mat2's), K / 128 a multiple of 4.
+        out: [M, N] bfloat16, float16 or float32, written (through a copy unless contiguous).
+    """
     args = (a, b.t(), a_scales.t().contiguous().t(), b_scales.contiguous().t())
     if out.is_contiguous():
         torch._scaled_mm(*args, out_dtype=out.dtype, out=out)
@@ -434,7 +449,7 @@ def _scaled_mm_agrees(device: torch.device, out_dtype: torch.dtype) -> bool:
         @ dequantize_block_fp8(b, b_scales).T
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     try:
-        _scaled_mm(a, a_scales, b, b_scales, out)
+        scaled_mm_blockwise(a, a_scales, b, b_scales, out)
     except (RuntimeError, NotImplementedError, ValueError, TypeError):
         return False
     return ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
@@ -577,7 +592,7 @@ def fp8_gemm(
         _tiles(a, a_scales, b, b_scales, out, config)
     else:
         rows = m - m % SCALED_MM_ROWS
-        _scaled_mm(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
+        scaled_mm_blockwise(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
         if rows < m:
             _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG)
     return out
