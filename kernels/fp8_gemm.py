@@ -179,8 +179,8 @@ STREAM_MAX_M = 16
 STREAM_PROGRAMS_PER_SM = 2
 _STREAM_MIN_K_BLOCKS = 2
 _STREAM_PARTIAL_SHARE = 8
-# _scaled_mm takes M in multiples of 16 (its 1x128 activation scales are read column-major: 16-byte
-# aligned columns need M % 4 == 0, and cuBLASLt found no kernel for M = 1 on the H200).
+# _scaled_mm gets M in multiples of 16: its 1x128 activation scales are read column-major, and
+# 16-byte aligned columns need M % 4 == 0 (it raised RuntimeError at M = 1 on the H200, ran at 64).
 SCALED_MM_ROWS = 16
 
 
