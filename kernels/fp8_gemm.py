@@ -189,10 +189,10 @@ def _fp8_stream_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partial_ptr, arrivals_ptr,
     M, N, K, n_k_blocks, k_blocks_per_split,
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRETED: tl.constexpr, INTERPRETED_ITERS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+    INTERPRETED: tl.constexpr, INTERPRETED_ITERS: tl.constexpr, INTERPRETED_SPLITS: tl.constexpr,
 ):
-    # Program (tile_n, split): weight rows [tile_n * BLOCK_N, +BLOCK_N) (one 128-row scale block), k
+    # Program (tile_n, split) of a (tiles, splits) grid: weight rows [tile_n * BLOCK_N, +BLOCK_N) (one 128-row scale block), k
     # blocks [split * k_blocks_per_split, ...), all M (<= BLOCK_M) tokens. K is specialised (a multiple
     # of 16), so the k masks are constant over 16 bytes and the weight loads stay 16-byte vectors.
     tile_n = tl.program_id(0)
@@ -236,12 +236,13 @@ def _fp8_stream_kernel(
 
     out_tile = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_m.to(tl.int64)[None, :] * stride_om
     out_mask = n_mask[:, None] & m_mask[None, :]
-    if SPLITS == 1:
+    if not SPLIT_K:
         tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partial_ptr: [SPLITS, tiles * BLOCK_N, M] float32. Every program stores its partial, then
-        # counts itself in; the last of its row block adds the SPLITS partials in split order (the
-        # same sums whichever program finishes last) and resets the counter for the next launch.
+        # partial_ptr: [splits, tiles * BLOCK_N, M] float32. Every program stores its partial, then
+        # counts itself in; the last of its row block adds the partials in split order (the same
+        # sums whichever program finishes last) and resets the counter for the next launch.
+        splits = tl.num_programs(1)
         split_stride = tl.num_programs(0) * BLOCK_N * M
         partial_tile = partial_ptr + offs_n[:, None] * M + offs_m[None, :]
         tl.store(partial_tile + split * split_stride, acc, mask=m_mask[None, :])
@@ -249,9 +250,9 @@ def _fp8_stream_kernel(
         # program, issued by one thread.
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + tile_n, 1)
-        if arrived == SPLITS - 1:
+        if arrived == splits - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(SPLITS):
+            for s in range(0, INTERPRETED_SPLITS if INTERPRETED else splits):
                 # .cg: read from L2, where the other programs' partials are, never a stale L1 line.
                 total += tl.load(partial_tile + s * split_stride, mask=m_mask[None, :], other=0.0,
                                  cache_modifier=".cg")
@@ -381,8 +382,9 @@ def _stream(a, a_scales, b, b_scales, out, config: StreamConfig) -> None:
         m, n, k, n_k_blocks, per_split,
         a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
         b_scales.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLITS=splits,
+        BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
         INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
+        INTERPRETED_SPLITS=splits if INTERPRET else 0,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
