@@ -289,26 +289,31 @@ def _fp8_gemm_kernel(
     kb_start = split * k_blocks_per_split
     n_iters = tl.minimum(k_blocks_per_split, n_k_blocks - kb_start)
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * stride_sam
+    b_scale_rows = b_scale_ptr + (offs_n // BLOCK) * stride_sbn
+    # The scales of the next k block are loaded one iteration ahead (as in the stream kernel: loaded
+    # and used in one iteration, their latency came before every next TMA load was issued).
+    a_scale = tl.load(a_scale_rows + kb_start * stride_sak, mask=m_mask, other=0.0)
+    b_scale = tl.load(b_scale_rows + kb_start * stride_sbk, mask=n_mask, other=0.0)
     # The interpreter cannot loop to a runtime bound: it runs k_blocks_per_split iterations, and the
     # ones past the last k block add zeros (the descriptors fill out-of-bounds tiles with zeros and
     # the scale loads are masked to 0).
     for i in range(0, INTERPRETED_ITERS if INTERPRETED else n_iters):
         kb = kb_start + i
-        k_valid = kb < n_k_blocks
         a = a_desc.load([tile_m * BLOCK_M, kb * BLOCK])
         b = b_desc.load([tile_n * BLOCK_N, kb * BLOCK])
-        a_scale = tl.load(a_scale_ptr + offs_m.to(tl.int64) * stride_sam + kb * stride_sak,
-                          mask=m_mask & k_valid, other=0.0)
-        b_scale = tl.load(b_scale_ptr + (offs_n // BLOCK) * stride_sbn + kb * stride_sbk,
-                          mask=n_mask & k_valid, other=0.0)
+        scale_a, scale_b = a_scale, b_scale
+        has_next = i + 1 < n_iters
+        a_scale = tl.load(a_scale_rows + (kb + 1) * stride_sak, mask=m_mask & has_next, other=0.0)
+        b_scale = tl.load(b_scale_rows + (kb + 1) * stride_sbk, mask=n_mask & has_next, other=0.0)
         if INTERPRETED:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         # One k block per MMA chain, scaled into the fp32 accumulator (promotion).
         if SWAP_AB:
-            acc += tl.dot(b, tl.trans(a)) * b_scale[:, None] * a_scale[None, :]
+            acc += tl.dot(b, tl.trans(a)) * scale_b[:, None] * scale_a[None, :]
         else:
-            acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
+            acc += tl.dot(a, tl.trans(b)) * scale_a[:, None] * scale_b[None, :]
 
     out_rows = out_ptr + split.to(tl.int64) * stride_os
     if SWAP_AB:
