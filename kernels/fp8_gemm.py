@@ -1,4 +1,4 @@
-"""Block-scaled fp8 GEMM in Triton (DeepSeek / DeepGEMM semantics) and the activation quantiser feeding it.
+"""Block-scaled fp8 GEMM (DeepSeek / DeepGEMM semantics) and the activation quantiser feeding it.
 
 Formats (minirt.formats, minirt.blockfp8):
 
@@ -12,20 +12,33 @@ out[m, n] = sum_kb (Aq[m, kb-block] . Bq[n, kb-block]) * a_scales[m, kb] * b_sca
 Each 128-wide k block's fp8 product is scaled and added into an fp32 accumulator of its own
 ("promotion": Hopper's fp8 MMA accumulates with reduced precision, so no MMA chain spans more than
 one k block).
+
+fp8_gemm runs one of three implementations (default_path):
+
+- "stream", M <= STREAM_MAX_M (decode): a Triton kernel bound by the weight's bytes. Each program
+  streams a block of weight rows over a range of k blocks through a software pipeline, the few
+  tokens padded to the MMA's narrow side; split-K spreads short weights over every SM and the last
+  program of a row block sums the partial products in split order (one launch, deterministic).
+- "scaled_mm", larger M on sm_90 where torch._scaled_mm takes DeepSeek's block-wise scales
+  (uses_scaled_mm): cuBLASLt's block-scaled fp8 GEMM for the rows up to a multiple of 16, the
+  stream kernel for the remaining few.
+- "tiles": the Triton tile kernel (TMA, wgmma) everywhere else: other GPUs, shapes _scaled_mm
+  refuses, the CPU interpreter; also what an explicit Fp8GemmConfig forces.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape
+from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape, dequantize_block_fp8, quantize_block_fp8
 from minirt.errors import InputError
-from minirt.formats import FP8_DTYPE, FP8_GROUP
+from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
@@ -92,7 +105,7 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Launch shape of fp8_gemm.
+    """Launch shape of fp8_gemm's tile kernel (an explicit one forces that kernel).
 
     block_m: token rows (of a) per program; block_n: output columns (weight rows) per program.
     swap_ab: the MMA runs as b . a^T, so the weight rows fill the MMA's 64-row side and a few tokens
@@ -117,8 +130,9 @@ PREFILL_CONFIG = Fp8GemmConfig()
 
 
 def decode_config(m: int) -> Fp8GemmConfig:
-    """The small-M launch: b . a^T with 64 weight rows per program (one warpgroup's MMA M) and the M
-    tokens (rounded up to a power of two, >= 16) as the MMA's N; split-K fills the SMs."""
+    """The tile kernel's small-M launch (M <= 128 where the stream kernel and _scaled_mm do not run):
+    b . a^T with 64 weight rows per program (one warpgroup's MMA M) and the M tokens (rounded up to a
+    power of two, >= 16) as the MMA's N; split-K fills the SMs."""
     if not 1 <= m <= 128:
         raise InputError(f"decode_config is for M in [1, 128], got {m}")
     return Fp8GemmConfig(block_m=max(16, triton.next_power_of_2(m)), block_n=64, swap_ab=True,
@@ -126,8 +140,124 @@ def decode_config(m: int) -> Fp8GemmConfig:
 
 
 def default_config(m: int) -> Fp8GemmConfig:
-    """decode_config(m) for M <= 128, PREFILL_CONFIG above."""
+    """The tile kernel's launch for M tokens: decode_config(m) for M <= 128, PREFILL_CONFIG above."""
     return decode_config(m) if m <= 128 else PREFILL_CONFIG
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch shape of fp8_gemm's weight-streaming kernel (M <= STREAM_MAX_M; an explicit one forces it).
+
+    block_n: weight rows per program, 16, 32, 64 or 128 (inside one 128-row scale block); 64 and
+    128 run Hopper's fp8 wgmma (64 rows per instruction), 16 and 32 mma.sync on fp16 copies.
+    split_k: programs per block of rows, each over a contiguous range of k blocks; the last one to
+    finish sums the fp32 partials in split order. None picks enough to give every SM
+    STREAM_PROGRAMS_PER_SM programs (short weights: q_a, kv_a, wk), 1 never splits.
+    num_stages: software pipeline depth: num_stages - 1 k blocks of weight rows in flight per
+    program. Default: 128 rows x 128 x 4 = 64 KB per program, two programs per SM (5 stages of
+    16 + 2 KB take 90 KB of shared memory), i.e. 128 KB per SM against the ~64 KB that H200's
+    bandwidth x loaded latency (4.2 TB/s x ~2 us / 132 SMs) needs. 16 KB per k block also gives
+    each iteration ~1 us at full bandwidth, the time the next block's scales have to arrive (they
+    are loaded one iteration ahead).
+    """
+
+    block_n: int = 128
+    split_k: Optional[int] = None
+    num_warps: int = 4
+    num_stages: int = 5
+
+
+STREAM_CONFIG = StreamConfig()
+# The stream kernel's MMA takes the tokens as its narrow (N) side, padded to 16 rows: up to 16 tokens
+# stream the weight once. More would read it once per 16 tokens; _scaled_mm (or the tile kernel) then
+# does better.
+STREAM_MAX_M = 16
+# Automatic split-K aims at this many programs per SM (all resident at once: each takes
+# num_stages x (block_n + 16) x 128 bytes of shared memory, 90 KB by default), keeping >= 2 k blocks
+# per program and the fp32 partials' traffic (splits x N x M values, 8 bytes each: written once, read
+# once) <= 1/8 of the weight's N x K bytes.
+STREAM_PROGRAMS_PER_SM = 2
+_STREAM_MIN_K_BLOCKS = 2
+_STREAM_PARTIAL_SHARE = 8
+# _scaled_mm gets M in multiples of 16: its 1x128 activation scales are read column-major, and
+# 16-byte aligned columns need M % 4 == 0 (it raised RuntimeError at M = 1 on the H200, ran at 64).
+SCALED_MM_ROWS = 16
+
+
+@triton.jit(do_not_specialize=["M", "N", "n_k_blocks", "k_blocks_per_split"])
+def _fp8_stream_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partial_ptr, arrivals_ptr,
+    M, N, K, n_k_blocks, k_blocks_per_split,
+    stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+    INTERPRETED: tl.constexpr, INTERPRETED_ITERS: tl.constexpr, INTERPRETED_SPLITS: tl.constexpr,
+):
+    # Program (tile_n, split) of a (tiles, splits) grid: weight rows [tile_n * BLOCK_N, +BLOCK_N) (one 128-row scale block), k
+    # blocks [split * k_blocks_per_split, ...), all M (<= BLOCK_M) tokens. K is specialised (a multiple
+    # of 16), so the k masks are constant over 16 bytes and the weight loads stay 16-byte vectors.
+    tile_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_rows = a_ptr + offs_m[:, None] * stride_am
+    b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
+    a_scale_rows = a_scale_ptr + offs_m * stride_sam
+    b_scale_row = b_scale_ptr + (tile_n * BLOCK_N // BLOCK) * stride_sbn
+
+    kb_start = split * k_blocks_per_split
+    n_iters = tl.minimum(k_blocks_per_split, n_k_blocks - kb_start)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The scales of the next k block are loaded one iteration ahead: the pipeliner prefetches only
+    # the MMA operands, and a scale load waited on in its own iteration would hold back the next
+    # weight load by its latency every k block.
+    a_scale = tl.load(a_scale_rows + kb_start * stride_sak, mask=m_mask, other=0.0)
+    b_scale = tl.load(b_scale_row + kb_start * stride_sbk)
+    # The interpreter cannot loop to a runtime bound: it runs k_blocks_per_split iterations, and the
+    # ones past the last k block add zeros (their k columns and scales are masked).
+    for i in range(0, INTERPRETED_ITERS if INTERPRETED else n_iters):
+        kb = kb_start + i
+        cols = kb * BLOCK + offs_k
+        k_mask = cols < K
+        w = tl.load(b_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        a = tl.load(a_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        scale = a_scale * b_scale
+        has_next = i + 1 < n_iters
+        a_scale = tl.load(a_scale_rows + (kb + 1) * stride_sak, mask=m_mask & has_next, other=0.0)
+        b_scale = tl.load(b_scale_row + (kb + 1) * stride_sbk, mask=has_next, other=0.0)
+        if INTERPRETED:
+            w = w.to(tl.float32)
+            a = a.to(tl.float32)
+        # One k block per MMA chain (b . a^T: weight rows x tokens), scaled into fp32 (promotion).
+        acc += tl.dot(w, tl.trans(a)) * scale[None, :]
+
+    out_tile = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_m.to(tl.int64)[None, :] * stride_om
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if not SPLIT_K:
+        tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partial_ptr: [splits, tiles * BLOCK_N, M] float32. Every program stores its partial, then
+        # counts itself in; the last of its row block adds the partials in split order (the same
+        # sums whichever program finishes last) and resets the counter for the next launch.
+        splits = tl.num_programs(1)
+        split_stride = tl.num_programs(0) * BLOCK_N * M
+        partial_tile = partial_ptr + offs_n[:, None] * M + offs_m[None, :]
+        tl.store(partial_tile + split * split_stride, acc, mask=m_mask[None, :])
+        # All threads' stores precede the (acq_rel, gpu scope) count; the count is one atomic per
+        # program, issued by one thread.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile_n, 1)
+        if arrived == splits - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(0, INTERPRETED_SPLITS if INTERPRETED else splits):
+                # .cg: read from L2, where the other programs' partials are, never a stale L1 line.
+                total += tl.load(partial_tile + s * split_stride, mask=m_mask[None, :], other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_tile, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(arrivals_ptr + tile_n, 0)
 
 
 # Sizes only bound masks and loops; strides stay specialised so that stores vectorise.
@@ -159,26 +289,31 @@ def _fp8_gemm_kernel(
     kb_start = split * k_blocks_per_split
     n_iters = tl.minimum(k_blocks_per_split, n_k_blocks - kb_start)
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * stride_sam
+    b_scale_rows = b_scale_ptr + (offs_n // BLOCK) * stride_sbn
+    # The scales of the next k block are loaded one iteration ahead (as in the stream kernel: loaded
+    # and used in one iteration, their latency came before every next TMA load was issued).
+    a_scale = tl.load(a_scale_rows + kb_start * stride_sak, mask=m_mask, other=0.0)
+    b_scale = tl.load(b_scale_rows + kb_start * stride_sbk, mask=n_mask, other=0.0)
     # The interpreter cannot loop to a runtime bound: it runs k_blocks_per_split iterations, and the
     # ones past the last k block add zeros (the descriptors fill out-of-bounds tiles with zeros and
     # the scale loads are masked to 0).
     for i in range(0, INTERPRETED_ITERS if INTERPRETED else n_iters):
         kb = kb_start + i
-        k_valid = kb < n_k_blocks
         a = a_desc.load([tile_m * BLOCK_M, kb * BLOCK])
         b = b_desc.load([tile_n * BLOCK_N, kb * BLOCK])
-        a_scale = tl.load(a_scale_ptr + offs_m.to(tl.int64) * stride_sam + kb * stride_sak,
-                          mask=m_mask & k_valid, other=0.0)
-        b_scale = tl.load(b_scale_ptr + (offs_n // BLOCK) * stride_sbn + kb * stride_sbk,
-                          mask=n_mask & k_valid, other=0.0)
+        scale_a, scale_b = a_scale, b_scale
+        has_next = i + 1 < n_iters
+        a_scale = tl.load(a_scale_rows + (kb + 1) * stride_sak, mask=m_mask & has_next, other=0.0)
+        b_scale = tl.load(b_scale_rows + (kb + 1) * stride_sbk, mask=n_mask & has_next, other=0.0)
         if INTERPRETED:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         # One k block per MMA chain, scaled into the fp32 accumulator (promotion).
         if SWAP_AB:
-            acc += tl.dot(b, tl.trans(a)) * b_scale[:, None] * a_scale[None, :]
+            acc += tl.dot(b, tl.trans(a)) * scale_b[:, None] * scale_a[None, :]
         else:
-            acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
+            acc += tl.dot(a, tl.trans(b)) * scale_a[:, None] * scale_b[None, :]
 
     out_rows = out_ptr + split.to(tl.int64) * stride_os
     if SWAP_AB:
@@ -190,10 +325,16 @@ def _fp8_gemm_kernel(
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: a few programs per tile keep the split path exercised
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, device: torch.device) -> int:
@@ -203,6 +344,139 @@ def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, devi
     if split is None:
         split = max(1, min(triton.cdiv(_num_sms(device), tiles), n_k_blocks // 4))
     return triton.cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+
+
+def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int, device: torch.device) -> int:
+    """k blocks per stream program: config.split_k splits, or (None) enough for STREAM_PROGRAMS_PER_SM
+    programs per SM within the limits set out at STREAM_PROGRAMS_PER_SM."""
+    n_k_blocks = triton.cdiv(k, BLOCK_K)
+    split = config.split_k
+    if split is None:
+        split = min(triton.cdiv(STREAM_PROGRAMS_PER_SM * _num_sms(device), tiles),
+                    n_k_blocks // _STREAM_MIN_K_BLOCKS, k // (_STREAM_PARTIAL_SHARE * 8 * m))
+    return triton.cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+
+
+# Split-K arrival counters per (device, stream): zero between launches (the last program of a row
+# block resets its own); launches on one stream run in order, on two streams they could overlap.
+_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counters = _ARRIVALS.get((device, stream))
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _ARRIVALS[(device, stream)] = counters
+    return counters
+
+
+def _stream(a, a_scales, b, b_scales, out, config: StreamConfig) -> None:
+    """out = the product by the stream kernel; a [M <= STREAM_MAX_M, K] and b with unit stride along K."""
+    (m, k), n = a.shape, b.shape[0]
+    tiles = triton.cdiv(n, config.block_n)
+    per_split = _stream_k_blocks_per_split(config, m, k, tiles, a.device)
+    n_k_blocks = triton.cdiv(k, BLOCK_K)
+    splits = triton.cdiv(n_k_blocks, per_split)
+    partials = arrivals = out      # unread placeholders without split-K
+    if splits > 1:
+        partials = torch.empty((splits, tiles * config.block_n, m), dtype=torch.float32, device=a.device)
+        arrivals = _arrival_counters(a.device, tiles)
+    _fp8_stream_kernel[(tiles, splits)](
+        a, a_scales, b, b_scales, out, partials, arrivals,
+        m, n, k, n_k_blocks, per_split,
+        a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
+        b_scales.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
+        INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
+        INTERPRETED_SPLITS=splits if INTERPRET else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _tiles(a, a_scales, b, b_scales, out, config: Fp8GemmConfig) -> None:
+    """out = the product by the tile kernel; a and b TMA-ready (_aligned_rows)."""
+    (m, k), n = a.shape, b.shape[0]
+    n_k_blocks = triton.cdiv(k, BLOCK_K)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    per_split = _k_blocks_per_split(config, tiles, n_k_blocks, a.device)
+    splits = triton.cdiv(n_k_blocks, per_split)
+    dest = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+    dest_strides = (0, *out.stride()) if splits == 1 else dest.stride()
+    _fp8_gemm_kernel[(tiles, splits)](
+        TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K]),
+        TensorDescriptor.from_tensor(b, [config.block_n, BLOCK_K]),
+        a_scales, b_scales, dest,
+        m, n, n_k_blocks, per_split,
+        a_scales.stride(0), a_scales.stride(1), b_scales.stride(0), b_scales.stride(1),
+        *dest_strides,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK=BLOCK_K, GROUP_M=config.group_m,
+        SWAP_AB=config.swap_ab, INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        out.copy_(dest.sum(0))
+
+
+def scaled_mm_blockwise(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                        out: torch.Tensor) -> None:
+    """
+    out = a . b^T by torch._scaled_mm with DeepSeek's block-wise scales (fp8_gemm's "scaled_mm" path;
+    no checks: fp8_gemm and uses_scaled_mm make them).
+
+    Args:
+        a: [M, K] float8_e4m3fn with 16-byte aligned rows, unit stride along K; M % 16 == 0.
+        a_scales: [M, K / 128] float32, passed to cuBLASLt outer-dim-major (column-major, copied).
+        b: [N, K] float8_e4m3fn, the weight as stored (b.t() is the column-major mat2), N % 16 == 0.
+        b_scales: [N / 128, K / 128] float32, the 128x128 block scales as stored (row-major: the
+            transpose of mat2's), K / 128 a multiple of 4.
+        out: [M, N] bfloat16, float16 or float32, written (through a copy unless contiguous).
+    """
+    args = (a, b.t(), a_scales.t().contiguous().t(), b_scales.contiguous().t())
+    if out.is_contiguous():
+        torch._scaled_mm(*args, out_dtype=out.dtype, out=out)
+    else:
+        out.copy_(torch._scaled_mm(*args, out_dtype=out.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_agrees(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm takes DeepSeek's block-wise scales on this device (cuBLASLt has them
+    on sm_90 only, from CUDA 12.9) and computes fp8_gemm's product with them. Tried once, with a
+    synchronising check: a ragged weight with non-power-of-two block scales, so a build that reads
+    the scales otherwise (inverted, transposed) is off by O(1)."""
+    if _capability(device) != (9, 0):
+        return False
+    gen = torch.Generator(device).manual_seed(0)
+    m, n, k = SCALED_MM_ROWS, 144, 512
+    group_exponents = torch.randint(-4, 4, (m, k // FP8_GROUP), generator=gen, device=device)
+    a, a_scales = quantize_groups(torch.randn(m, k, generator=gen, device=device)
+                                  * torch.exp2(group_exponents.float()).repeat_interleave(FP8_GROUP, 1))
+    b, b_scales = quantize_block_fp8(torch.randn(n, k, generator=gen, device=device))
+    b_scales = b_scales * (1 + torch.rand(b_scales.shape, generator=gen, device=device))
+    ref = (a.float().unflatten(1, (-1, FP8_GROUP)) * a_scales[..., None]).flatten(1) \
+        @ dequantize_block_fp8(b, b_scales).T
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    try:
+        scaled_mm_blockwise(a, a_scales, b, b_scales, out)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):
+        return False
+    return ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def uses_scaled_mm(m: int, n: int, k: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether fp8_gemm's default dispatch runs torch._scaled_mm for a [M, K] x [N, K] product: M past
+    the stream kernel's, N a multiple of 16 and K of 512 (_scaled_mm's checks: N and K multiples of 16;
+    the 128x128 scales' rows, ceil(K / 128) floats, 16-byte aligned), compiled on a device where
+    _scaled_mm's block-wise scales work (_scaled_mm_agrees: sm_90)."""
+    return (m > STREAM_MAX_M and n % 16 == 0 and k % (4 * BLOCK_K) == 0 and not INTERPRET
+            and device.type == "cuda" and _scaled_mm_agrees(device, out_dtype))
+
+
+def default_path(m: int, n: int, k: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> str:
+    """The implementation fp8_gemm runs without an explicit config: "stream" (M <= STREAM_MAX_M),
+    "scaled_mm" (uses_scaled_mm; the last M % 16 rows by the stream kernel) or "tiles"."""
+    if m <= STREAM_MAX_M:
+        return "stream"
+    return "scaled_mm" if uses_scaled_mm(m, n, k, device, out_dtype) else "tiles"
 
 
 def _check_operand(name: str, t: torch.Tensor, scales: torch.Tensor, scale_shape: tuple[int, int]) -> None:
@@ -215,9 +489,9 @@ def _check_operand(name: str, t: torch.Tensor, scales: torch.Tensor, scale_shape
                          f"{getattr(scales, 'dtype', type(scales).__name__)} {list(getattr(scales, 'shape', ()))}")
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """t as a tensor-descriptor operand: unit stride along K, 16-byte aligned base and row stride
-    (anything else is copied)."""
+def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along K and a 16-byte aligned base and row stride (as TMA and cuBLASLt need
+    and 16-byte vector loads want); anything else is copied."""
     if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
         t = t.contiguous()
     return t
@@ -230,7 +504,7 @@ def fp8_gemm(
     b_scales: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    config: Optional[Fp8GemmConfig] = None,
+    config: Optional[Union[Fp8GemmConfig, StreamConfig]] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """
@@ -242,6 +516,13 @@ def fp8_gemm(
     applied before it is added (DeepGEMM's promotion; compiled, the products run on Hopper fp8
     tensor cores, whose in-MMA accumulation then spans at most 128 products).
 
+    Which implementation runs (default_path): M <= STREAM_MAX_M (16), the weight-streaming Triton
+    kernel (decode: bound by the weight's bytes); larger M on sm_90 with a torch whose _scaled_mm
+    takes block-wise scales, N % 16 == 0 and K % 512 == 0 (uses_scaled_mm), torch._scaled_mm
+    (cuBLASLt) for the first M - M % 16 rows and the stream kernel for the rest; otherwise the Triton
+    tile kernel. All compute the formula above; they differ only in fp32 summation order and in
+    the MMA's internal accumulation (see the tests' tolerances).
+
     Args:
         a: [M, K] float8_e4m3fn, the activations (quantize_act_fp8, or the fused MLA value
             projection). K must be a multiple of 16 (the tensor descriptors' 16-byte row stride);
@@ -252,23 +533,27 @@ def fp8_gemm(
         b_scales: [ceil(N / 128), ceil(K / 128)] float32, the checkpoint's weight_scale_inv (any
             strides).
         out_dtype: bfloat16 (default), float16 or float32.
-        config: keyword-only, an explicit launch shape (Fp8GemmConfig; PREFILL_CONFIG,
-            decode_config(M)); None picks default_config(M).
+        config: keyword-only. None: default_path's choice. A StreamConfig forces the stream kernel
+            (M <= STREAM_MAX_M only), an Fp8GemmConfig the tile kernel (PREFILL_CONFIG,
+            decode_config(M), default_config(M)) with that launch shape.
         out: keyword-only, optional preallocated [M, N] tensor of out_dtype (any strides); every
             element is overwritten.
 
     a and b need unit stride along K and 16-byte aligned rows; otherwise they are copied first.
-    When the output tiles are fewer than the SMs (decode; few output columns) or config.split_k > 1,
-    K is split over programs and their fp32 partial products are summed in a [splits, M, N] float32
-    workspace, in a fixed order (deterministic).
+    Split-K: the stream kernel splits K when its row blocks are fewer than the SMs want (the last
+    program of a row block adds the fp32 partials in split order; per-stream counters in device
+    memory); the tile kernel when its output tiles are fewer than the SMs or config.split_k > 1
+    (a [splits, M, N] float32 workspace summed afterwards). Both are deterministic. The first
+    product of an out_dtype with M > 16 on an sm_90 device checks once that _scaled_mm computes this
+    formula (a small product, synchronising).
 
     Returns:
         [M, N] tensor of out_dtype (``out`` when given). M = 0 or N = 0 gives an empty result.
 
     Raises:
         minirt.errors.InputError: wrong dtypes or shapes, K not a multiple of 16, mismatched scale
-            shapes, a bad ``out``, or tensors on a device the kernels cannot use (CPU without
-            TRITON_INTERPRET=1; CUDA GPUs before sm_90).
+            shapes, a bad ``out`` or ``config`` (a StreamConfig with M > 16), or tensors on a device
+            the kernels cannot use (CPU without TRITON_INTERPRET=1; CUDA GPUs before sm_90).
     """
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 2 or b.dim() != 2:
         raise InputError("a and b must be 2-D tensors [M, K] and [N, K]")
@@ -282,13 +567,20 @@ def fp8_gemm(
     _check_operand("b", b, b_scales, block_scale_shape(b.shape))
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if isinstance(config, StreamConfig):
+        if m > STREAM_MAX_M:
+            raise InputError(f"the stream kernel (StreamConfig) takes M <= {STREAM_MAX_M}, got M = {m}")
+        if config.block_n not in (16, 32, 64, 128):
+            raise InputError(f"StreamConfig.block_n must be 16, 32, 64 or 128, got {config.block_n}")
+    elif config is not None and not isinstance(config, Fp8GemmConfig):
+        raise InputError(f"config must be an Fp8GemmConfig, a StreamConfig or None, got {type(config).__name__}")
     tensors = {"a": a, "a_scales": a_scales, "b": b, "b_scales": b_scales}
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != out_dtype or tuple(out.shape) != (m, n):
             raise InputError(f"out must be a {out_dtype} tensor of shape [{m}, {n}]")
         tensors["out"] = out
     check_device(tensors)
-    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (9, 0):
+    if a.device.type == "cuda" and _capability(a.device) < (9, 0):
         raise InputError("fp8_gemm needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -297,23 +589,17 @@ def fp8_gemm(
     if k == 0:
         return out.zero_()
 
-    cfg = config or default_config(m)
-    a, b = _tma_ready(a), _tma_ready(b)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    per_split = _k_blocks_per_split(cfg, tiles, n_k_blocks, a.device)
-    splits = triton.cdiv(n_k_blocks, per_split)
-    dest = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
-    dest_strides = (0, *out.stride()) if splits == 1 else dest.stride()
-    _fp8_gemm_kernel[(tiles, splits)](
-        TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK_K]),
-        TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK_K]),
-        a_scales, b_scales, dest,
-        m, n, n_k_blocks, per_split,
-        a_scales.stride(0), a_scales.stride(1), b_scales.stride(0), b_scales.stride(1),
-        *dest_strides,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK=BLOCK_K, GROUP_M=cfg.group_m,
-        SWAP_AB=cfg.swap_ab, INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        out.copy_(dest.sum(0))
+    a, b = _aligned_rows(a), _aligned_rows(b)
+    if config is None:
+        path = default_path(m, n, k, a.device, out_dtype)
+        config = {"stream": STREAM_CONFIG, "tiles": default_config(m)}.get(path)
+    if isinstance(config, StreamConfig):
+        _stream(a, a_scales, b, b_scales, out, config)
+    elif isinstance(config, Fp8GemmConfig):
+        _tiles(a, a_scales, b, b_scales, out, config)
+    else:
+        rows = m - m % SCALED_MM_ROWS
+        scaled_mm_blockwise(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
+        if rows < m:
+            _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG)
     return out

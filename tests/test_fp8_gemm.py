@@ -1,8 +1,9 @@
 """Block-scaled fp8 GEMM, its activation quantiser, the fused MLA kv_b head projections and Fp8Linear.
 
 Oracles: minirt.formats.quantize_groups (the quantiser, bit for bit) and fp64 torch products of the
-dequantised operands (blockfp8.dequantize_block_fp8). Runs the real Triton kernels: compiled with CUDA
-tensors on a GPU, under TRITON_INTERPRET=1 on the CPU. Inputs come from seeded generators, with
+dequantised operands (blockfp8.dequantize_block_fp8). Runs the real Triton kernels (fp8_gemm's stream
+and tile kernels): compiled with CUDA tensors on a GPU, under TRITON_INTERPRET=1 on the CPU; its
+torch._scaled_mm path on an sm_90 GPU only. Inputs come from seeded generators, with
 magnitudes varying per 128-block so that a scale applied to the wrong block shows; outputs are
 NaN-poisoned before each call. Errors are normalised by the magnitude |A| . |B|^T (the sum of the
 absolute products), which bounds what a fp32 sum can get wrong independently of cancellation.
@@ -17,12 +18,13 @@ from minirt.blockfp8 import dequantize_block_fp8, quantize_block_fp8
 from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, E4M3_MAX, FP8_DTYPE, FP8_GROUP, pow2_scale, quantize_groups
 from minirt.fp8_linear import Fp8Linear
-from minirt.kernels.fp8_gemm import (PREFILL_CONFIG, Fp8GemmConfig, decode_config, fp8_gemm,
-                                     quantize_act_fp8)
+from minirt.kernels.fp8_gemm import (PREFILL_CONFIG, STREAM_MAX_M, Fp8GemmConfig, StreamConfig, decode_config,
+                                     default_config, default_path, fp8_gemm, quantize_act_fp8, uses_scaled_mm)
 from minirt.kernels.mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
 
 ON_GPU = DEVICE == "cuda"
-# fp8_gemm accumulation error as a fraction of |A| . |B|^T. The fp8 products are exact (4 x 4
+# fp8_gemm accumulation error as a fraction of |A| . |B|^T, for each of its paths (stream and tile
+# kernels, _scaled_mm: all promote every 128-wide k block into fp32). The fp8 products are exact (4 x 4
 # significant bits). CPU: fp32 sums only (at most 128 + K/128 roundings of 2^-24 each: elementwise
 # far below 2^-16, norm-wise about 2^-24 * sqrt(terms), below 2^-20 ~ 1e-6). GPU: Hopper's fp8 MMA
 # keeps about 13-14 bits while it accumulates one 128-wide k block (DeepSeek-V3 report, sec.
@@ -170,15 +172,17 @@ CONFIGS = {
     "default": lambda m: None,
     "prefill": lambda m: PREFILL_CONFIG,
     "decode": decode_config,
+    "stream": lambda m: StreamConfig(),
 }
 
 
 @pytest.mark.parametrize("config, m, n, k", [
     (c, m, n, k) for m in (1, 3, 64, 300) for c in CONFIGS for n, k in ((576, 384), (200, 320))
-    if (c != "decode" or m <= 128) and (m < 300 or n == 200)])
+    if (c != "decode" or m <= 128) and (c != "stream" or m <= STREAM_MAX_M) and (m < 300 or n == 200)])
 def test_fp8_gemm_matches_dequantised_product(config, m, n, k):
     """Ragged N (576 rows = 5 weight blocks, 200 = 2), K = 320: two and a half k blocks. The decode
-    launch is for M <= 128; M = 300 (3 tiles, the last ragged) runs on the smaller shape (CPU time)."""
+    launch is for M <= 128, the stream kernel for M <= 16; M = 300 (3 tiles, the last ragged) runs on
+    the smaller shape (CPU time)."""
     gen = generator(m * 1000 + n + k)
     a_fp8, a_scales = random_activations(gen, m, k)
     w_fp8, w_scales = random_weight(gen, n, k)
@@ -186,6 +190,80 @@ def test_fp8_gemm_matches_dequantised_product(config, m, n, k):
     got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=CONFIGS[config](m), out=out)
     assert got is out
     check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales))
+
+
+@pytest.mark.parametrize("m, n, k, config", [
+    (1, 576, 7168, StreamConfig(split_k=1)),        # kv_a_proj at decode, one program per row block
+    (16, 128, 7168, StreamConfig(split_k=5)),       # 56 k blocks in splits of 12, 12, 12, 12, 8
+    (3, 200, 320, StreamConfig(block_n=32, split_k=3)),  # 2.5 k blocks, one per split; ragged N
+    (7, 128, 1024, None),                           # wk-like: 2 row blocks, automatic split-K
+    (16, 256, 384, StreamConfig(block_n=128, split_k=1)),
+])
+def test_stream_matches_dequantised_product(m, n, k, config):
+    """The weight-streaming kernel (M <= 16) against the fp64 product, split-K off and on, with
+    non-power-of-two weight scales."""
+    gen = generator(m * 7 + n + k)
+    a_fp8, a_scales = random_activations(gen, m, k)
+    w_fp8, w_scales = random_weight(gen, n, k, rescale=True)
+    got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=config,
+                   out=poisoned((m, n), torch.float32))
+    check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales))
+
+
+def test_stream_split_k_is_deterministic():
+    """Split-K partials are summed in split order by whichever program finishes last: repeated calls
+    agree bit for bit (the arrival counters are back at zero after each launch), and the sum is the
+    unsplit one within fp32 reordering."""
+    gen = generator(11)
+    a_fp8, a_scales = random_activations(gen, 4, 2048)
+    w_fp8, w_scales = random_weight(gen, 192, 2048)
+    split = [fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=StreamConfig(split_k=8))
+             for _ in range(2)]
+    assert torch.equal(split[0], split[1])
+    ref, magnitude = gemm_reference(a_fp8, a_scales, w_fp8, w_scales)
+    check_gemm(split[0], ref, magnitude)
+    whole = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=StreamConfig(split_k=1))
+    assert ((split[0] - whole).abs() <= 2 * GEMM_ELEMENT_TOL * magnitude).all()
+
+
+def test_default_path():
+    """Up to 16 tokens stream the weight (the default call is the stream kernel's, bit for bit); more
+    go to _scaled_mm where uses_scaled_mm says so (sm_90 with block-wise scales), else the tile kernel."""
+    device = torch.device(DEVICE)
+    assert [default_path(m, 576, 7168, device) for m in (1, 16)] == ["stream", "stream"]
+    for m in (17, 4096):
+        assert default_path(m, 576, 7168, device) == ("scaled_mm" if uses_scaled_mm(m, 576, 7168, device) else "tiles")
+    assert not uses_scaled_mm(16, 576, 7168, device)
+    assert not uses_scaled_mm(4096, 576, 7168 - 128, device), "ceil(K / 128) must be a multiple of 4"
+    assert not uses_scaled_mm(4096, 200, 7168, device), "N must be a multiple of 16"
+    if not ON_GPU:
+        assert default_path(4096, 576, 7168, device) == "tiles"
+    gen = generator(12)
+    a_fp8, a_scales = random_activations(gen, STREAM_MAX_M, 256)
+    w_fp8, w_scales = random_weight(gen, 128, 256)
+    assert torch.equal(fp8_gemm(a_fp8, a_scales, w_fp8, w_scales),
+                       fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, config=StreamConfig()))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch._scaled_mm runs on CUDA GPUs only")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_path_matches_tile_kernel(out_dtype):
+    """The default path at M = 300 on sm_90: _scaled_mm for 288 rows, the stream kernel for the last
+    12; equal to the fp64 product and to the Triton tile kernel within the fp8 accumulation
+    tolerance (plus one rounding of each to the output dtype)."""
+    m, n, k = 300, 576, 7168
+    if not uses_scaled_mm(m, n, k, torch.device(DEVICE), out_dtype):
+        pytest.skip("torch._scaled_mm with block-wise scales does not run here (needs sm_90, CUDA >= 12.9)")
+    gen = generator(300)
+    a_fp8, a_scales = random_activations(gen, m, k)
+    w_fp8, w_scales = random_weight(gen, n, k, rescale=True)
+    rounding = ROUNDING.get(out_dtype, 0.0)
+    ref, magnitude = gemm_reference(a_fp8, a_scales, w_fp8, w_scales)
+    got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, out_dtype, out=poisoned((m, n), out_dtype))
+    check_gemm(got, ref, magnitude, rounding=rounding)
+    tiles = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, out_dtype, config=default_config(m))
+    bound = 2 * GEMM_ELEMENT_TOL * magnitude + 2 * rounding * ref.abs()
+    assert ((got.double() - tiles.double()).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("config", [decode_config(64), PREFILL_CONFIG])
@@ -212,19 +290,20 @@ def test_fp8_gemm_explicit_split_k():
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-def test_fp8_gemm_16_bit_output_into_strided_out(out_dtype):
+@pytest.mark.parametrize("m", [70, 4])
+def test_fp8_gemm_16_bit_output_into_strided_out(out_dtype, m):
     """Rounded once to the output dtype; a preallocated non-contiguous out (a column window of a
-    NaN buffer) is written exactly in its window."""
-    gen = generator(16)
-    a_fp8, a_scales = random_activations(gen, 70, 256)
+    NaN buffer) is written exactly in its window (M = 70: the tile kernel; M = 4: the stream kernel)."""
+    gen = generator(16 + m)
+    a_fp8, a_scales = random_activations(gen, m, 256)
     w_fp8, w_scales = random_weight(gen, 144, 256)
-    buffer = poisoned((70, 150), out_dtype)
+    buffer = poisoned((m, 150), out_dtype)
     got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, out_dtype, out=buffer[:, 3:147])
     assert got.dtype == out_dtype
     check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales), rounding=ROUNDING[out_dtype])
     assert buffer[:, :3].isnan().all() and buffer[:, 147:].isnan().all(), "wrote outside out"
     default = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales)
-    assert default.dtype == torch.bfloat16 and default.shape == (70, 144)
+    assert default.dtype == torch.bfloat16 and default.shape == (m, 144)
 
 
 def test_fp8_gemm_empty_and_bad_input():
@@ -244,6 +323,13 @@ def test_fp8_gemm_empty_and_bad_input():
         fp8_gemm(a_fp8.float(), a_scales, w_fp8, w_scales)
     with pytest.raises(InputError, match="out must be"):
         fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, out=torch.zeros(4, 128, device=DEVICE))
+    with pytest.raises(InputError, match="block_n"):
+        fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, config=StreamConfig(block_n=256))
+    with pytest.raises(InputError, match="M <= 16"):
+        a17, a17_scales = random_activations(gen, 17, 256)
+        fp8_gemm(a17, a17_scales, w_fp8, w_scales, config=StreamConfig())
+    with pytest.raises(InputError, match="config must be"):
+        fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, config="stream")
 
 
 # ----------------------------------------------------------------------------------------------
