@@ -15,7 +15,9 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.spinner import Spinner
 from rich.table import Table
 
 from . import default_weights_dir
@@ -126,9 +128,10 @@ class _ProgressBar:
 
     def __call__(self, done: int, total: int, name: str) -> None:
         if self.task is None:
-            self.task = self.bar.add_task("", total=total)
+            self.task = self.bar.add_task(self.description(name), total=total, completed=done)
             self.bar.start()
-        self.bar.update(self.task, completed=done, total=total, description=self.description(name))
+        else:
+            self.bar.update(self.task, completed=done, total=total, description=self.description(name))
 
 
 def _checkpoint(weights: Path | None):
@@ -505,9 +508,9 @@ def verify(
 
     engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk)
     oracle = _load(path, num_layers, str(dev), "reference")
-    with console.status("verify: starting", spinner="dots") as status:
+    with Live(console=console, transient=True) as live:  # the stage now running, redrawn at once
         report = run_verify(engine, oracle, prompt_len, decode_steps, seed,
-                            progress=lambda stage: status.update(f"verify: {stage}"))
+                            progress=lambda stage: live.update(Spinner("dots", f"verify: {stage}"), refresh=True))
     failures = report.failures()
     if as_json:
         print(report.to_json())
