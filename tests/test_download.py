@@ -1,9 +1,9 @@
 """``minirt download`` against a local HTTP server that serves a synthetic checkpoint in the Hugging Face
 hub's URL layout (``/{repo}/resolve/{revision}/{file}``, HEAD with X-Repo-Commit / ETag / Content-Length,
 GET with Range, 404 + X-Error-Code), through the real entry point with ``--endpoint``."""
+import collections
 import hashlib
 import http.server
-import json
 import os
 import re
 import shutil
@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 
 from minirt.checkpoint import INDEX_FILE, plan_load
-from minirt.download import plan_shards
+from minirt.download import download_checkpoint, plan_shards
+from minirt.errors import WriteError
 
 REPO = "acme/tiny-v32"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class Hub:
-    """Serves ``root``'s files as repository REPO; records (method, file) of every request."""
+    """Serves ``root``'s files as repository ``repo``; records (method, file) of every request."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, repo: str = REPO):
         self.root, self.requests = root, []
         hub = self
 
@@ -40,7 +41,7 @@ class Hub:
 
             def serve(self, body: bool):
                 match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", self.path)
-                if match is None or match.group(1) != REPO:
+                if match is None or match.group(1) != repo:
                     return self.refuse("RepoNotFound")
                 name = match.group(3)
                 hub.requests.append((self.command, name))
@@ -80,10 +81,10 @@ def hub(tiny_master):
     server.server.shutdown()
 
 
-def minirt(*args, cwd=None):
-    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HOME": str(Path(cwd or ".").resolve() / "hf-home"),
-           "HF_HUB_ETAG_TIMEOUT": "10"}
-    env.pop("HF_ENDPOINT", None)
+def minirt(*args, cwd=None, **env):
+    """``python -m minirt ARGS`` with huggingface_hub's state kept in ``cwd`` and the hub given by the test."""
+    env = {**{k: v for k, v in os.environ.items() if k != "HF_ENDPOINT"}, "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HOME": str(Path(cwd or ".").resolve() / "hf-home"), **env}
     return subprocess.run([sys.executable, "-m", "minirt", *args], capture_output=True, text=True, env=env, cwd=cwd,
                           timeout=300)
 
@@ -137,3 +138,33 @@ def test_download_bad_repository_is_one_line_exit_2(hub, tmp_path, repo, message
     assert result.returncode == 2
     assert result.stderr.startswith("minirt: error:") and message in result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_readme_walkthrough_commands_run_as_written(tmp_path):
+    """The README's DeepSeek-V3.2 steps 1 and 2, word for word, against a hub serving a 3-layer synthetic
+    checkpoint as deepseek-ai/DeepSeek-V3.2 (HF_ENDPOINT), with the default location in tmp_path."""
+    from minirt.synthetic import write_synthetic_checkpoint
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Running DeepSeek-V3.2's layers"):]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)[:2]
+    commands = [line.split("#")[0].split() for block in blocks for line in block.splitlines() if line.strip()]
+    assert [c[:2] for c in commands] == [["minirt", "download"], ["minirt", "info"], ["minirt", "download"]]
+    served = write_synthetic_checkpoint(tmp_path / "served", preset="tiny", num_layers=3)
+    hub = Hub(served, repo="deepseek-ai/DeepSeek-V3.2")
+    try:
+        for command in commands:
+            result = minirt(*command[1:], cwd=tmp_path, HF_ENDPOINT=hub.url, MINIRT_WEIGHTS=str(tmp_path / "weights"))
+            assert result.returncode == 0, (command, result.stderr)
+    finally:
+        hub.server.shutdown()
+    assert plan_load(tmp_path / "weights" / "DeepSeek-V3.2", 3).num_layers == 3
+
+
+def test_download_refuses_when_the_disk_is_too_small(hub, tiny_master, tmp_path, monkeypatch):
+    full = collections.namedtuple("usage", "total used free")(10**9, 10**9 - 200_000, 200_000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    hub.requests.clear()
+    with pytest.raises(WriteError, match=r"the shards still to fetch take [\d.]+ MB, the disk has 200.0 kB free"):
+        download_checkpoint(REPO, tmp_path / "x", endpoint=hub.url)
+    assert not hub.fetched() & {p.name for p in tiny_master.glob("*.safetensors")}
