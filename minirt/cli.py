@@ -6,6 +6,8 @@ Arguments are checked before any weights are loaded.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import re
 import sys
 import time
@@ -15,7 +17,9 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.filesize import decimal
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.spinner import Spinner
 from rich.table import Table
@@ -30,13 +34,13 @@ app = typer.Typer(
     help="minirt: run the first dense layers of a DeepSeek-V3.2 checkpoint with sparse-MLA Triton kernels, "
     "and check them against an eager reference.\n\n"
     f"Start with `minirt generate` and `minirt verify`: without a checkpoint argument every command uses the "
-    f"tiny synthetic one (random weights) in {TINY_DIR}, written on first use. A real checkpoint: "
-    "`minirt download deepseek-ai/DeepSeek-V3.2 --layers 1` (README: \"Running the real model's layers\").",
+    f"tiny synthetic one (random weights) in {TINY_DIR}, written on first use. The real model's layers: "
+    "`minirt download deepseek-ai/DeepSeek-V3.2 --layers 3 --dry-run` (README: \"Running DeepSeek-V3.2's layers\").",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True, highlight=False, soft_wrap=True)
+console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)  # paths may hold [brackets]
 _state = {"debug": False}
 
 WeightsArg = Annotated[Optional[Path], typer.Argument(
@@ -88,12 +92,6 @@ def _whole_number(text: str | None, option: str, minimum: int) -> int | None:
     if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < minimum:
         raise InputError(f"{option} must be a whole number >= {minimum}, got {text!r}")
     return int(text)
-
-
-def _size(n: float) -> str:
-    from rich.filesize import decimal
-
-    return decimal(int(n))
 
 
 def _duration(seconds: float) -> str:
@@ -213,21 +211,21 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     ]
     if missing:
         each = shards.estimated_shard_bytes()
-        estimate = f"; the {len(missing)} not here: about {_size(each * len(missing))} more (the index's mean shard size)" if each else ""
-        rows.append(("disk", f"{_size(on_disk)} here{estimate}"))
+        estimate = f"; the {len(missing)} not here: about {decimal(each * len(missing))} more (the index's mean shard size)" if each else ""
+        rows.append(("disk", f"{decimal(on_disk)} here{estimate}"))
         rows.append(("not downloaded", ", ".join(missing)))
     else:
         plan = plan_load(path, n)
-        rows += [("disk (those shards)", _size(on_disk)),
-                 ("tensors / bytes to read", f"{len(plan.tensor_names)} / {_size(plan.num_bytes)}")]
+        rows += [("disk (those shards)", decimal(on_disk)),
+                 ("tensors / bytes to read", f"{len(plan.tensor_names)} / {decimal(plan.num_bytes)}")]
     rows += [
         ("parameters", f"{shards.num_parameters:,}"),
-        ("memory for the weights", f"{_size(shards.memory_bytes(2))} bf16 (cuda) · {_size(shards.memory_bytes(4))} fp32 "
+        ("memory for the weights", f"{decimal(shards.memory_bytes(2))} bf16 (cuda) · {decimal(shards.memory_bytes(4))} fp32 "
                                    "(cpu, and the eager reference)"),
         ("cache per token", f"{cache_bytes_per_token(cfg, n, 'exact'):,} B (exact indexer) · "
                             f"{cache_bytes_per_token(cfg, n, 'fp8'):,} B (fp8 indexer)"),
     ]
-    out = Console(highlight=False)
+    out = Console(highlight=False, markup=False)
     out.print(str(path))
     t = Table(show_header=False)
     for key, value in rows:
@@ -255,7 +253,7 @@ def download(
     out = out if out is not None else default_weights_dir() / repo_id.rstrip("/").split("/")[-1]
     with _ProgressBar("downloading") as bar:
         plan = download_checkpoint(repo_id, out, layers, revision=revision, endpoint=endpoint, dry_run=dry_run,
-                                   progress=bar, report=lambda lines: bar.bar.console.print(lines))
+                                   progress=bar, report=console.print)
     n = plan.shards.num_layers
     if dry_run:
         console.print(f"dry run: nothing more fetched; without --dry-run the shards go to {out}")
@@ -303,7 +301,8 @@ class _LongRunNote:
     AFTER_S, OVER_S = 3.0, 60.0
 
     def __init__(self, total: int):
-        self.total, self.start, self.said = total, None, False
+        self.total, self.said = total, False
+        self.start = self.first = None  # time and token count of the first token
 
     def __call__(self, produced: int, interrupting_text: bool) -> None:
         now = time.perf_counter()
@@ -420,8 +419,6 @@ def generate(
 def available_memory(device) -> int:
     """Bytes that can still be allocated on ``device``: CUDA's free memory, or the CPU's available RAM
     (MemAvailable in /proc/meminfo; elsewhere free physical pages)."""
-    import os
-
     import torch
 
     if device.type == "cuda":
@@ -440,8 +437,6 @@ def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
     """Estimated peak memory of ``minirt verify`` over ``num_tokens`` tokens on ``device``: both models'
     weights (the runtime's bf16 on cuda, fp32 on cpu; the reference's fp32), the runtime's cache and its
     two runs' logits, and the eager reference's activations (``reference.forward_peak_bytes``)."""
-    import math
-
     from .cache import cache_bytes_per_token
     from .checkpoint import tensor_specs
     from .reference import forward_peak_bytes
@@ -470,8 +465,8 @@ def _check_verify_fits(cfg, num_layers: int, prompt_len: int, decode_steps: int,
                 high = mid - 1
         advice = (f"at most --prompt-len {fits - decode_steps} with --decode-steps {decode_steps} fits"
                   if fits > decode_steps else "not even one prompt token fits")
-        raise InputError(f"verify over {total} tokens needs about {_size(need)} on {device.type} (the eager reference "
-                         f"holds [heads, T, T] attention scores), {_size(free)} is available: {advice}")
+        raise InputError(f"verify over {total} tokens needs about {decimal(need)} on {device.type} (the eager reference "
+                         f"holds [heads, T, T] attention scores), {decimal(free)} is available: {advice}")
 
 
 @app.command()
@@ -516,7 +511,7 @@ def verify(
         print(report.to_json())
     else:
         out = Console(highlight=False, soft_wrap=True)
-        out.print(f"minirt verify {path}: the runtime against the eager fp32 reference, {engine.num_layers} layer(s), "
+        out.print(f"minirt verify {escape(str(path))}: the runtime against the eager fp32 reference, {engine.num_layers} layer(s), "
                   f"{prompt_len} prompt tokens + {decode_steps} decode steps, {engine.device}")
         t = Table()
         for col, justify in (("check", "left"), ("value", "right"), ("limit", "left"), ("result", "left")):

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
+
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, _weight_map, plan_load, tensor_specs
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, MinirtError, WriteError
+from .tokenizer import TOKENIZER_FILE
 
 CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
 
 
 class DownloadError(MinirtError):
@@ -35,7 +37,6 @@ class ShardPlan:
     whole checkpoint has; ``index_total_size`` the index's ``metadata.total_size`` (bytes of all tensors)
     or None; ``num_parameters`` the weights' elements (scales not counted)."""
 
-    path: Path
     config: ModelConfig
     num_layers: int
     shards: tuple[str, ...]
@@ -71,7 +72,7 @@ def plan_shards(path: str | Path, num_layers: int | None = None) -> ShardPlan:
         metadata = json.loads((path / INDEX_FILE).read_text()).get("metadata")
         size = metadata.get("total_size") if isinstance(metadata, dict) else None
         total_size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
-    return ShardPlan(path, cfg, num_layers, tuple(sorted({weight_map[n] for n in needed})), len(set(weight_map.values())),
+    return ShardPlan(cfg, num_layers, tuple(sorted({weight_map[n] for n in needed})), len(set(weight_map.values())),
                      total_size, sum(math.prod(spec.shape) for spec in specs.values()))
 
 
@@ -188,15 +189,14 @@ def download_checkpoint(repo_id: str, out_dir: str | Path, num_layers: int | Non
     free = shutil.disk_usage(out_dir).free
     say(describe_plan(plan, free))
     if plan.bytes_to_fetch > free:
-        raise WriteError(f"{out_dir}: the shards still to fetch take {_size(plan.bytes_to_fetch)}, the disk has "
-                         f"{_size(free)} free")
+        raise WriteError(f"{out_dir}: the shards still to fetch take {decimal(plan.bytes_to_fetch)}, the disk has "
+                         f"{decimal(free)} free")
     if dry_run:
         return plan
 
     done = 0
-    for name in shards.shards:
-        if name in present:
-            continue
+    for name in shards.shards:  # the client checks the ones already here against the hub and keeps them
+        before = done
 
         def on_bytes(n: int, name: str = name) -> None:
             nonlocal done
@@ -205,16 +205,9 @@ def download_checkpoint(repo_id: str, out_dir: str | Path, num_layers: int | Non
                 progress(done, plan.bytes_to_fetch, name)
 
         fetch(name, on_bytes=on_bytes)
-        say(f"fetched {name} ({_size(sizes[name])})")
+        say(f"fetched {name} ({decimal(sizes[name])})" if done > before else f"{name} was already complete")
     plan_load(out_dir, shards.num_layers)
     return plan
-
-
-def _size(n: int) -> str:
-    """Bytes in decimal units, as disks are sold: 4.3 GB."""
-    from rich.filesize import decimal
-
-    return decimal(n)
 
 
 def describe_plan(plan: DownloadPlan, free_bytes: int) -> str:
@@ -225,12 +218,8 @@ def describe_plan(plan: DownloadPlan, free_bytes: int) -> str:
         f"{'layer 0' if s.num_layers == 1 else f'layers 0-{s.num_layers - 1}'}, the embedding, the final norm and "
         f"lm_head are in {len(s.shards)} of the "
         f"{s.index_shards} shard(s): {', '.join(s.shards)}",
-        f"disk: {_size(sum(plan.sizes.values()))} for those shards{here}; {_size(plan.bytes_to_fetch)} to fetch, "
-        f"{_size(free_bytes)} free",
-        memory_line(s),
+        f"disk: {decimal(sum(plan.sizes.values()))} for those shards{here}; {decimal(plan.bytes_to_fetch)} to fetch, "
+        f"{decimal(free_bytes)} free",
+        f"memory: {s.num_parameters:,} parameters: {decimal(s.memory_bytes(2))} as bf16 (on cuda), "
+        f"{decimal(s.memory_bytes(4))} as fp32 (on cpu, and the eager reference; verify holds both)",
     ])
-
-
-def memory_line(s: ShardPlan) -> str:
-    return (f"memory: {s.num_parameters:,} parameters: {_size(s.memory_bytes(2))} as bf16 (generate on cuda), "
-            f"{_size(s.memory_bytes(4))} as fp32 (on cpu, and the eager reference; verify holds both)")

@@ -31,8 +31,8 @@ from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, plan_load, resolve_device, tensor_specs
 from .config import Fp8Quantization, ModelConfig, YarnScaling
 from .errors import InputError, MinirtError, WriteError
+from .tokenizer import TOKENIZER_FILE
 
-TOKENIZER_FILE = "tokenizer.json"
 BOS_TOKEN, EOS_TOKEN = "<bos>", "<eos>"
 CHUNK_ELEMENTS = 1 << 24  # rows per generated chunk ≈ this / columns (64 MiB of float32)
 GENERATOR_KEY = "minirt_synthetic"  # in the index's metadata: what wrote the checkpoint (preset, seed, device)

@@ -7,6 +7,8 @@ from tokenizers import Tokenizer
 
 from .errors import CheckpointError
 
+TOKENIZER_FILE = "tokenizer.json"
+
 
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer):
@@ -21,7 +23,7 @@ class TextTokenizer:
 
 def load_tokenizer(checkpoint_dir: str | Path) -> TextTokenizer | None:
     """The checkpoint's tokenizer, or None when it ships no tokenizer.json."""
-    path = Path(checkpoint_dir) / "tokenizer.json"
+    path = Path(checkpoint_dir) / TOKENIZER_FILE
     if not path.is_file():
         return None
     try:

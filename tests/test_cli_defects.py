@@ -24,7 +24,6 @@ from minirt.cache import cache_bytes_per_token
 from minirt.checkpoint import plan_load
 from minirt.cli import _ProgressBar, app, escape_controls
 from minirt.generate import generate
-from minirt.reference import forward_peak_bytes
 from minirt.sampling import SamplingParams
 from minirt.tokenizer import IncrementalDecoder, load_tokenizer
 
@@ -184,11 +183,14 @@ def test_generate_bad_n_is_one_line_before_loading(tiny_master, n, no_loading):
 def test_generate_long_run_says_how_long(tiny_master):
     proc = subprocess.Popen([sys.executable, "-m", "minirt", "generate", str(tiny_master), "-n", "100000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = threading.Timer(180, proc.kill)  # no note by then: the line read below comes back empty
+    deadline.start()
     try:
         note = proc.stderr.readline()
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         proc.wait(timeout=120)
     finally:
+        deadline.cancel()
         proc.kill()
     assert re.fullmatch(r"minirt: 99,9\d\d more tokens at [\d.]+ tok/s take about [\d.]+ (h|min); Ctrl-C stops\n", note), note
 
