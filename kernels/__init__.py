@@ -6,7 +6,13 @@
 - ``sparse_mla_decode_fp8`` and its wrapper ``mla_decode_fp8``: absorbed-MQA sparse decode over that
   cache, dequantising in registers.
 - ``lightning_indexer_scores`` / ``indexer_topk``: V3.2's indexer scores (exact mode) and a top-k
-  with ties going to the lower key index.
+  with ties going to the lower key index, free of host syncs.
+- ``paged_indexer_scores`` and the fp8 indexer key cache (``new_index_cache``, ``write_index_keys``,
+  ``quantize_index_keys``, ``dequantize_index_cache``): the indexer over a paged key cache, for
+  decode steps and prefill chunks, reading only the positions each row may see.
+- ``quantize_act_fp8`` / ``fp8_gemm``: block-scaled fp8 linear layers on the checkpoint's e4m3 weights;
+  ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
+  weight, the value projection writing o_proj's fp8 input directly.
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8}``: the same as torch
   custom ops, for torch.compile (see ``ops``).
 
@@ -25,4 +31,8 @@ from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, q
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
 from .lightning_indexer import indexer_topk, lightning_indexer_scores  # noqa: E402
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
+from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_indexer_scores,  # noqa: E402
+                            quantize_index_keys, write_index_keys)
+from .fp8_gemm import fp8_gemm, quantize_act_fp8  # noqa: E402
+from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.minirt.*)

@@ -1,12 +1,22 @@
-"""Shared switches and checks of the Triton kernels."""
+"""Shared switches, checks and Triton helpers of the kernels."""
 import os
 
+import torch
+import triton
+import triton.language as tl
+
+from .. import formats
 from ..errors import InputError
 
 # Triton picks interpreter vs compiler when a @triton.jit function is defined, from this variable.
 # The interpreter's bf16 tl.dot returns garbage (raw bits) and its bf16 elementwise math is unreliable,
 # so kernels upcast operands to fp32 when interpreted; compiled code keeps bf16 tensor-core dots.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# minirt.formats' constants in the form @triton.jit code reads (its globals must be constexprs); host code
+# uses minirt.formats itself (a constexpr argument would be compiled in, not passed).
+LOG2E = tl.constexpr(formats.LOG2E)
+LN2 = tl.constexpr(formats.LN2)
 
 
 def check_device(tensors: dict) -> None:
@@ -20,3 +30,61 @@ def check_device(tensors: dict) -> None:
     if device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
         raise InputError(f"tensors are on {device}; the kernels need CUDA tensors (or CPU tensors with "
                          "TRITON_INTERPRET=1 set before minirt.kernels is imported)")
+
+
+def check_tensors(tensors: dict) -> None:
+    """Raise InputError unless every value (name → value) is a torch.Tensor."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_tensor(tensors: dict, name: str, t, dtypes, shape: tuple, *, optional: bool = False) -> None:
+    """Raise InputError unless t is a tensor of shape ``shape`` and a dtype in ``dtypes`` (one dtype or a
+    tuple), or None when ``optional``; a tensor is added to ``tensors`` (name → tensor, for check_device)."""
+    if t is None and optional:
+        return
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != tuple(shape):
+        raise InputError(f"{name} must be a {' or '.join(map(str, dtypes))} tensor of shape {list(shape)}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    tensors[name] = t
+
+
+def check_config(config, config_type: type) -> None:
+    """Raise InputError unless config is None or a config_type (a launcher's launch shape)."""
+    if config is not None and not isinstance(config, config_type):
+        raise InputError(f"config must be a {config_type.__name__} or None, got {type(config).__name__}")
+
+
+# The portable attention kernels' (sparse_mla_prefill, sparse_mla_decode) shared online softmax, in base 2.
+
+@triton.jit
+def softmax_step(scores, valid, sm_scale_log2, v, m_i, l_i, acc):
+    """One online-softmax step over a chunk of keys: scores [H, N] = q.k (unscaled), valid [N] the keys
+    to attend (the others get probability 0), v [N, D] their values in the P.V operand dtype.
+
+    m_i [H] (running max of the base-2 scaled scores, -inf before any valid key), l_i [H] (running sum)
+    and acc [H, D] are updated and returned. NaN guard: m_ref replaces a -inf running max by 0 in every
+    subtraction, so a fully masked chunk gives alpha = exp2(-inf) = 0 and p = 0, never
+    exp2(-inf - -inf) = NaN."""
+    s = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P is rounded to the operand dtype for the tensor cores, as in FlashMLA.
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_rows(m_i, l_i):
+    """The end of softmax_step's loop, per row: has_keys (a valid key was seen: then l_i >= 1, its max
+    term being exp2(0); l_i == 0 otherwise), l_safe (l_i, or 1 for rows without keys, so that they
+    divide by and take the log of 1, never 0) and the base-2 lse (-inf for rows without keys)."""
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse2 = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
+    return has_keys, l_safe, lse2

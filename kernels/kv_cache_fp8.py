@@ -9,7 +9,8 @@ Byte layout of one token (little-endian, as FlashMLA and vLLM store DeepSeek-V3.
 SCALE = 2^ceil(log2(max(amax / 448, 1e-4))), amax = max |latent| over the tile, evaluated exactly
 (no rounding of the log2), so amax <= 448 * SCALE and the smallest scale is 2^-13. The stored value
 is clamp(latent / SCALE, -448, 448) rounded to nearest-even e4m3; dequantisation is fp8 * SCALE,
-which is exact in bfloat16 and float32.
+which is exact in bfloat16 and float32. (The rule and the layout live in minirt.formats: KV_*,
+quantize_groups with KV_MIN_SCALE.)
 
 The cache is paged: ``[num_blocks, block_size, 1, 656]`` uint8; the slot of the token at offset o
 of block n is ``n * block_size + o``. A block table ``[batch, max_blocks_per_seq]`` int32 maps a
@@ -23,32 +24,26 @@ import torch
 import triton
 import triton.language as tl
 
-from minirt.formats import ceil_log2
+from minirt import formats
 from minirt.errors import InputError
 
-from ._common import check_device
+from ._common import check_device, check_tensors
+from ._fp8 import pow2_quantize_rows
 
-LATENT_DIM = 512
-ROPE_DIM = 64
-TILE_SIZE = 128
-NUM_TILES = LATENT_DIM // TILE_SIZE
-SCALE_OFFSET = LATENT_DIM                          # byte offset of the 4 float32 scales
-ROPE_OFFSET = SCALE_OFFSET + 4 * NUM_TILES         # byte offset of the 64 bfloat16 rope values
-BYTES_PER_TOKEN = ROPE_OFFSET + 2 * ROPE_DIM       # 656
-FP8_MAX = 448.0
-MIN_SCALE_EXPONENT = -13                           # ceil(log2(1e-4))
-DEFAULT_BLOCK_SIZE = 64
+# The layout and the scale rule in the form @triton.jit code reads (here and in sparse_mla_decode).
+D_LAT = tl.constexpr(formats.KV_LATENT_DIM)
+D_ROPE = tl.constexpr(formats.KV_ROPE_DIM)
+TILES = tl.constexpr(formats.KV_NUM_TILES)
+TILE = tl.constexpr(formats.FP8_GROUP)
+TOKEN_BYTES = tl.constexpr(formats.KV_TOKEN_BYTES)
+SCALES_AT = tl.constexpr(formats.KV_SCALES_AT)
+ROPE_AT = tl.constexpr(formats.KV_ROPE_AT)
+MIN_SCALE_EXPONENT = tl.constexpr(formats.KV_MIN_SCALE_EXPONENT)
 
 
 # ----------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------
-
-def _tile_scale_exponents(latent: torch.Tensor) -> torch.Tensor:
-    """int32 exponent e of each tile's scale 2^e; latent [..., 512] -> [..., 4]."""
-    amax = latent.float().abs().unflatten(-1, (NUM_TILES, TILE_SIZE)).amax(dim=-1)
-    return ceil_log2(torch.clamp_min(amax / FP8_MAX, 1e-4)).to(torch.int32)
-
 
 def quantize_kv_fp8(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
     """
@@ -65,11 +60,7 @@ def quantize_kv_fp8(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         minirt.errors.InputError: wrong dtype, last dim or mismatched leading shape/device.
     """
     _check_token_inputs(latent, k_rope)
-    exponents = _tile_scale_exponents(latent)
-    scales = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
-    tiles = latent.float().unflatten(-1, (NUM_TILES, TILE_SIZE)) / scales.unsqueeze(-1)
-    # torch's cast does not saturate (|x| >= 480 would become NaN), hence the clamp.
-    values = tiles.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
+    values, scales = formats.quantize_groups(latent, formats.KV_MIN_SCALE)
     return torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8),
                       k_rope.contiguous().view(torch.uint8)], dim=-1)
 
@@ -91,23 +82,22 @@ def dequantize_kv_fp8(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16)
         minirt.errors.InputError: packed is not uint8 with last dim 656, or dtype unsupported.
     """
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() < 1 \
-            or packed.shape[-1] != BYTES_PER_TOKEN:
-        raise InputError(f"packed must be a uint8 tensor [..., {BYTES_PER_TOKEN}], got "
+            or packed.shape[-1] != formats.KV_TOKEN_BYTES:
+        raise InputError(f"packed must be a uint8 tensor [..., {formats.KV_TOKEN_BYTES}], got "
                          f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}")
     if dtype not in (torch.bfloat16, torch.float32):
         raise InputError(f"dtype must be bfloat16 or float32, got {dtype}")
     packed = packed.contiguous()
-    values = packed[..., :LATENT_DIM].view(torch.float8_e4m3fn).float()
-    scales = packed[..., SCALE_OFFSET:ROPE_OFFSET].view(torch.float32)
-    latent = (values.unflatten(-1, (NUM_TILES, TILE_SIZE)) * scales.unsqueeze(-1)).flatten(-2)
-    k_rope = packed[..., ROPE_OFFSET:].view(torch.bfloat16)
+    values = packed[..., :formats.KV_LATENT_DIM].view(formats.FP8_DTYPE).float()
+    scales = packed[..., formats.KV_SCALES_AT:formats.KV_ROPE_AT].view(torch.float32)
+    latent = (values.unflatten(-1, (formats.KV_NUM_TILES, formats.FP8_GROUP)) * scales.unsqueeze(-1)).flatten(-2)
+    k_rope = packed[..., formats.KV_ROPE_AT:].view(torch.bfloat16)
     return torch.cat([latent.to(dtype), k_rope.to(dtype)], dim=-1)
 
 
 def _check_token_inputs(latent, k_rope) -> None:
-    for name, t, dim in (("latent", latent, LATENT_DIM), ("k_rope", k_rope, ROPE_DIM)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors({"latent": latent, "k_rope": k_rope})
+    for name, t, dim in (("latent", latent, formats.KV_LATENT_DIM), ("k_rope", k_rope, formats.KV_ROPE_DIM)):
         if t.dim() < 1 or t.shape[-1] != dim:
             raise InputError(f"{name} must have last dim {dim}, got shape {tuple(t.shape)}")
     if latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -150,16 +140,16 @@ def cache_geometry(kv_cache: torch.Tensor) -> CacheGeometry:
         raise InputError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dtype != torch.uint8:
         raise InputError(f"kv_cache must be uint8 (656-byte V32 tokens), got {kv_cache.dtype}")
-    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != BYTES_PER_TOKEN:
-        raise InputError(f"kv_cache must have shape [num_blocks, block_size, 1, {BYTES_PER_TOKEN}], "
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != formats.KV_TOKEN_BYTES:
+        raise InputError(f"kv_cache must have shape [num_blocks, block_size, 1, {formats.KV_TOKEN_BYTES}], "
                          f"got {tuple(kv_cache.shape)}")
     num_blocks, block_size = kv_cache.shape[:2]
     if block_size < 1:
         raise InputError("kv_cache block_size must be >= 1")
-    if kv_cache.stride(3) != 1 or (block_size > 1 and kv_cache.stride(1) != BYTES_PER_TOKEN):
+    if kv_cache.stride(3) != 1 or (block_size > 1 and kv_cache.stride(1) != formats.KV_TOKEN_BYTES):
         raise InputError(f"the tokens of a kv_cache block must be packed (strides [*, "
-                         f"{BYTES_PER_TOKEN}, *, 1]), got strides {kv_cache.stride()}")
-    block_stride = kv_cache.stride(0) if num_blocks > 1 else block_size * BYTES_PER_TOKEN
+                         f"{formats.KV_TOKEN_BYTES}, *, 1]), got strides {kv_cache.stride()}")
+    block_stride = kv_cache.stride(0) if num_blocks > 1 else block_size * formats.KV_TOKEN_BYTES
     if block_stride % 16 != 0 or kv_cache.data_ptr() % 16 != 0:
         raise InputError(f"kv_cache block stride ({block_stride} bytes) and data pointer must be "
                          "multiples of 16 bytes")
@@ -168,14 +158,14 @@ def cache_geometry(kv_cache: torch.Tensor) -> CacheGeometry:
     return CacheGeometry(num_blocks, block_size, block_stride)
 
 
-def new_kv_cache(num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+def new_kv_cache(num_blocks: int, block_size: int = formats.CACHE_BLOCK_SIZE,
                  device: torch.device | str = "cpu") -> torch.Tensor:
     """
     Allocate a zeroed paged fp8 latent cache for one layer.
 
     Args:
         num_blocks: number of pages (>= 1).
-        block_size: tokens per page (>= 1); FlashMLA uses 64.
+        block_size: tokens per page (>= 1); default minirt.formats.CACHE_BLOCK_SIZE (64, as FlashMLA).
         device: where to allocate.
 
     Returns:
@@ -184,7 +174,7 @@ def new_kv_cache(num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive int, got {value!r}")
-    return torch.zeros((num_blocks, block_size, 1, BYTES_PER_TOKEN), dtype=torch.uint8, device=device)
+    return torch.zeros((num_blocks, block_size, 1, formats.KV_TOKEN_BYTES), dtype=torch.uint8, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,53 +247,23 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
 # writer
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
-def _e4m3_bits(x):
-    """Round-to-nearest-even float8_e4m3fn encoding of float32 x, |x| <= 448 (as int32 0..255).
-
-    Done with integer arithmetic because the Triton 3.6 interpreter's float8 cast is wrong
-    (it truncates and mis-handles mantissa carries); the result equals torch's float8_e4m3fn cast
-    (tests check the writer bit-exactly, interpreted and on an H200).
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    # Normal e4m3 (|x| >= 2^-6): round the 23-bit mantissa to 3 bits (ties to even, carries into
-    # the exponent), then rebias the exponent from 127 to 7.
-    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
-    normal = (rounded >> 20) - (120 << 3)
-    # Subnormal e4m3 (|x| < 2^-6, steps of 2^-9): float32 addition of 2^14 (ulp 2^-9) rounds to
-    # nearest-even; the bit distance from 2^14 is the count of 2^-9 steps (8 = smallest normal).
-    subnormal = ((magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
-                 - 0x46800000)
-    return tl.where(magnitude < 0x3C800000, subnormal, normal) | sign   # 0x3C800000 = 2^-6
-
-
 @triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride", "stride_latent", "stride_rope"])
 def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, block_size, num_slots,
-                         block_stride, stride_latent, stride_rope,
-                         NUM_TILES_: tl.constexpr, TILE: tl.constexpr, ROPE: tl.constexpr,
-                         BYTES: tl.constexpr, SCALES_AT: tl.constexpr, ROPE_AT: tl.constexpr):
+                         block_stride, stride_latent, stride_rope):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
-    row = cache_ptr + (slot // block_size) * block_stride + (slot % block_size) * BYTES
+    row = cache_ptr + (slot // block_size) * block_stride + (slot % block_size) * TOKEN_BYTES
 
-    tiles = tl.arange(0, NUM_TILES_)
+    tiles = tl.arange(0, TILES)
     cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
     latent = tl.load(latent_ptr + token * stride_latent + cols).to(tl.float32)
-    # Exact 2^ceil(log2(max(amax / 448, 1e-4))) from the bits of amax = 1.m * 2^(E - 127):
-    # amax / 448 = (1.m / 1.75) * 2^(E - 135) and 1.m / 1.75 lies in (0.5, 1] iff m <= 0.75.
-    amax_bits = tl.max(tl.abs(latent), 1).to(tl.int32, bitcast=True)
-    exponent = (amax_bits >> 23) - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    exponent = tl.maximum(exponent, -13)
-    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    values = tl.minimum(tl.maximum(latent * inv_scale[:, None], -448.0), 448.0)
-    tl.store(row + cols, _e4m3_bits(values).to(tl.uint8), mask=valid)
+    # One tile per row, one scale per tile (formats.quantize_groups with KV_MIN_SCALE).
+    codes, scale = pow2_quantize_rows(latent, MIN_SCALE_EXPONENT)
+    tl.store(row + cols, codes.to(tl.uint8), mask=valid)
     tl.store((row + SCALES_AT).to(tl.pointer_type(tl.float32)) + tiles, scale, mask=valid)
-    rope_cols = tl.arange(0, ROPE)
+    rope_cols = tl.arange(0, D_ROPE)
     rope = tl.load(rope_ptr + token * stride_rope + rope_cols)
     tl.store((row + ROPE_AT).to(tl.pointer_type(tl.int16)) + rope_cols, rope, mask=valid)
 
@@ -332,8 +292,8 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
             or slots.shape != latent.shape[:-1]:
         raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(latent.shape[:-1])}")
     check_device({"latent": latent, "k_rope": k_rope, "slots": slots, "kv_cache": kv_cache})
-    latent = latent.reshape(-1, LATENT_DIM)
-    rope = k_rope.reshape(-1, ROPE_DIM).view(torch.int16)
+    latent = latent.reshape(-1, formats.KV_LATENT_DIM)
+    rope = k_rope.reshape(-1, formats.KV_ROPE_DIM).view(torch.int16)
     slots = slots.reshape(-1).contiguous()
     if latent.stride(1) != 1:
         latent = latent.contiguous()
@@ -343,6 +303,4 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
         return
     _write_kv_fp8_kernel[(slots.numel(),)](
         kv_cache, latent, rope, slots, geometry.block_size, geometry.num_slots,
-        geometry.block_stride, latent.stride(0), rope.stride(0),
-        NUM_TILES_=NUM_TILES, TILE=TILE_SIZE, ROPE=ROPE_DIM, BYTES=BYTES_PER_TOKEN,
-        SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET)
+        geometry.block_stride, latent.stride(0), rope.stride(0))

@@ -11,7 +11,8 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import INTERPRET, check_device
+from ._common import INTERPRET, check_config, check_device, check_tensor, check_tensors
+from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -45,71 +46,32 @@ def _indexer_scores_kernel(
     HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
-    # One program: BLOCK_T query rows (of one batch entry) x one chunk of tiles_per_chunk key tiles.
-    # The chunks of a query tile are adjacent programs; query tiles run last-first, because under a
-    # causal limit the last rows have the most keys and should not be the tail of the launch.
-    pid = tl.program_id(0)
-    chunk = pid % n_chunks
-    rest = pid // n_chunks
-    t_tile = n_t_tiles - 1 - rest % n_t_tiles
-    batch = (rest // n_t_tiles).to(tl.int64)
-
-    # Column j of the dot is the pair (query row j // BLOCK_H, head j % BLOCK_H): all heads of all
-    # rows of the tile in one [BLOCK_S, HEAD_DIM] x [HEAD_DIM, BLOCK_T * BLOCK_H] product, with q
-    # loaded once and kept for the whole key loop.
-    offs_j = tl.arange(0, BLOCK_T * BLOCK_H)
-    row_j = t_tile * BLOCK_T + offs_j // BLOCK_H
-    head_j = offs_j % BLOCK_H
-    mask_j = (row_j < n_queries) & (head_j < n_heads)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_t = tl.load(q_ptr + batch * stride_qb + row_j.to(tl.int64)[None, :] * stride_qt
-                  + head_j[None, :] * stride_qh + offs_d[:, None] * stride_qd,
-                  mask=mask_j[None, :], other=0.0)
-    if INTERPRETED:
-        q_t = q_t.to(tl.float32)
-    # Padded (row, head) columns get weight 0, so their relu(0) * 0 adds nothing.
-    w = tl.load(w_ptr + batch * stride_wb + row_j.to(tl.int64) * stride_wt + head_j * stride_wh,
-                mask=mask_j, other=0.0)
-
-    offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < n_queries
-    # last_key[t]: the last key row t may see, clamped to [-1, n_keys - 1] (limit may be int64).
-    if HAS_LIMIT:
-        limit = tl.load(limit_ptr + batch * stride_lb + offs_t.to(tl.int64) * stride_lt, mask=t_mask, other=-1)
-        last_key = tl.minimum(tl.maximum(limit, -1), n_keys - 1).to(tl.int32)
-    else:
-        last_key = tl.where(t_mask, n_keys - 1, -1)
-
-    chunk_start = chunk * tiles_per_chunk * BLOCK_S
-    chunk_end = tl.minimum(chunk_start + tiles_per_chunk * BLOCK_S, n_keys)
-    n_tiles = tl.cdiv(chunk_end - chunk_start, BLOCK_S)
-    # Tiles past every row's limit are not computed, only filled with -inf (half of a causal prefill).
-    n_computed = tl.minimum(tl.cdiv(tl.maximum(tl.max(last_key) + 1 - chunk_start, 0), BLOCK_S), n_tiles)
+    batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
+    q_t, w, offs_t, t_mask, last_key = query_tile(
+        q_ptr, w_ptr, limit_ptr, batch, t_tile, n_queries, n_heads, n_keys,
+        stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_lb, stride_lt,
+        HEAD_DIM, BLOCK_T, BLOCK_H, HAS_LIMIT, INTERPRETED)
+    chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
     k_rows = k_ptr + batch * stride_kb
     out_rows = out_ptr + batch * stride_ob + offs_t.to(tl.int64) * stride_ot
-    offs_s_tile = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
     # The Triton 3.6 interpreter cannot use a runtime scalar as a loop bound (numpy >= 2.4), so
-    # interpreted runs take both loops over all tiles of the chunk and let the store masks split them
-    # at n_computed; compiled, the masks `i < n_computed` / `i >= n_computed` are always true.
+    # interpreted runs take the loop over all tiles of the chunk and let the store mask split them
+    # at n_computed; compiled, the mask `i < n_computed` is always true.
     for i in range(0, INTERPRETED_TILES if INTERPRETED else n_computed):
-        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
+        offs_s = chunk_start + i * BLOCK_S + tl.arange(0, BLOCK_S)
         s_mask = offs_s < chunk_end
         k = tl.load(k_rows + offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                     mask=s_mask[:, None], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        logits = tl.dot(k, q_t, input_precision=DOT_PRECISION)
-        weighted = tl.maximum(logits, 0.0) * w[None, :]
-        scores = tl.sum(tl.reshape(weighted, [BLOCK_S, BLOCK_T, BLOCK_H]), axis=2)
+        scores = head_sum(tl.dot(k, q_t, input_precision=DOT_PRECISION), w, BLOCK_S, BLOCK_T, BLOCK_H)
         scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
                  mask=s_mask[:, None] & t_mask[None, :] & (i < n_computed))
-    for i in range(0 if INTERPRETED else n_computed, INTERPRETED_TILES if INTERPRETED else n_tiles):
-        offs_s = chunk_start + i * BLOCK_S + offs_s_tile
-        tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os,
-                 tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32),
-                 mask=(offs_s < chunk_end)[:, None] & t_mask[None, :] & (i >= n_computed))
+    fill_uncomputed(out_rows, stride_os, t_mask, chunk_start, chunk_end, n_computed, n_tiles,
+                     BLOCK_S, BLOCK_T, INTERPRETED, INTERPRETED_TILES)
 
 
 def default_config(n_queries: int, n_heads: int, head_dim: int, element_size: int = 2) -> IndexerConfig:
@@ -124,22 +86,9 @@ def default_config(n_queries: int, n_heads: int, head_dim: int, element_size: in
     return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=8, num_stages=num_stages)
 
 
-def _block_h(n_heads: int, block_t: int) -> int:
-    # tl.dot needs N >= 16: pad the heads when block_t * heads would be smaller.
-    return max(triton.next_power_of_2(n_heads), triton.cdiv(16, block_t))
-
-
-def _num_programs_target(device: torch.device) -> int:
-    """Programs a launch should have to fill the GPU (decode has few query tiles: split the keys)."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def _check_inputs(q, k, weights, limit, out) -> None:
-    for name, t in (("q", q), ("k", k), ("weights", weights)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_inputs(q, k, weights, limit, out, config) -> None:
+    tensors = {"q": q, "k": k, "weights": weights}
+    check_tensors(tensors)
     if q.dim() not in (3, 4):
         raise InputError(f"q must be [T, H, D] or [B, T, H, D], got shape {tuple(q.shape)}")
     batched = q.dim() == 4
@@ -164,22 +113,14 @@ def _check_inputs(q, k, weights, limit, out) -> None:
     if weights.dtype != torch.float32 or tuple(weights.shape) != (*lead, n_heads):
         raise InputError(f"weights must be a float32 tensor of shape {[*lead, n_heads]}, got "
                          f"{weights.dtype} {list(weights.shape)}")
-    tensors = {"q": q, "k": k, "weights": weights}
-    if limit is not None:
-        if not isinstance(limit, torch.Tensor) or limit.dtype not in (torch.int32, torch.int64) \
-                or tuple(limit.shape) != tuple(lead):
-            raise InputError(f"limit must be an int32 or int64 tensor of shape {list(lead)}")
-        tensors["limit"] = limit
-    if out is not None:
-        expected = (*lead, k.shape[-2])
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != expected:
-            raise InputError(f"preallocated out must be a float32 tensor of shape {list(expected)}")
-        tensors["out"] = out
+    check_tensor(tensors, "limit", limit, (torch.int32, torch.int64), lead, optional=True)
+    check_tensor(tensors, "preallocated out", out, torch.float32, (*lead, k.shape[-2]), optional=True)
+    check_config(config, IndexerConfig)
     check_device(tensors)
 
 
 def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
-    """Scores with an explicit launch shape (the benchmark's variants); inputs already checked."""
+    """Run the kernel on inputs checked by lightning_indexer_scores with launch shape config."""
     batched = q.dim() == 4
     if out is None:
         out = torch.empty((*q.shape[:-2], k.shape[-2]), dtype=torch.float32, device=q.device)
@@ -191,29 +132,22 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
     n_batch, n_queries, n_heads, head_dim = q4.shape
     n_keys = k3.shape[1]
 
-    n_t_tiles = triton.cdiv(n_queries, config.block_t)
-    n_s_tiles = triton.cdiv(n_keys, config.block_s)
-    n_chunks = min(n_s_tiles, triton.cdiv(_num_programs_target(q.device), n_batch * n_t_tiles))
-    tiles_per_chunk = triton.cdiv(n_s_tiles, n_chunks)
-    n_chunks = triton.cdiv(n_s_tiles, tiles_per_chunk)
+    grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     # An absent limit still needs a tensor argument; HAS_LIMIT keeps it unread.
     limit_arg = lim2 if lim2 is not None else w3
-    _indexer_scores_kernel[(n_batch * n_t_tiles * n_chunks,)](
+    _indexer_scores_kernel[grid](
         q4, k3, w3, limit_arg, out3,
-        n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
+        n_queries, n_keys, n_heads, *tiling,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         k3.stride(0), k3.stride(1), k3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
         limit_arg.stride(0), limit_arg.stride(1),
         out3.stride(0), out3.stride(1), out3.stride(2),
-        HEAD_DIM=head_dim, BLOCK_T=config.block_t, BLOCK_H=_block_h(n_heads, config.block_t),
-        BLOCK_S=config.block_s, HAS_LIMIT=lim2 is not None,
+        HEAD_DIM=head_dim, HAS_LIMIT=lim2 is not None,
         # 16-bit inputs: exact products, fp32 sums. float32 inputs: three tf32 tensor-core products
         # (hi*hi + hi*lo + lo*hi, ~2^-21 relative per product) instead of the fp32 FMA path, which
         # ran at 0.9 TFLOP/s and made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "ieee",
-        INTERPRETED=INTERPRET, INTERPRETED_TILES=tiles_per_chunk if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "ieee", **tile_args,
     )
     return out
 
@@ -225,6 +159,7 @@ def lightning_indexer_scores(
     limit: Optional[torch.Tensor] = None,
     *,
     out: Optional[torch.Tensor] = None,
+    config: Optional[IndexerConfig] = None,
 ) -> torch.Tensor:
     """
     DeepSeek-V3.2 lightning indexer scores, exact mode (no Hadamard rotation, no fp8):
@@ -246,6 +181,8 @@ def lightning_indexer_scores(
             key is valid. Key tiles beyond a query tile's largest limit are not computed.
         out: keyword-only, optional preallocated float32 [T, S] / [B, T, S] (any strides); every
             element is overwritten.
+        config: keyword-only, optional IndexerConfig: the launch shape (the benchmark's variants).
+            Default: default_config(T, H, D, itemsize).
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
     are honoured, nothing is copied; element offsets are 64-bit (T * S may exceed 2^31).
@@ -258,10 +195,11 @@ def lightning_indexer_scores(
             Masked entries are exactly -inf, valid ones finite for finite inputs.
 
     Raises:
-        minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the envelope above.
+        minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the envelope above;
+            config not an IndexerConfig.
     """
-    _check_inputs(q, k, weights, limit, out)
-    return _launch(q, k, weights, limit, out, default_config(*q.shape[-3:], q.element_size()))
+    _check_inputs(q, k, weights, limit, out, config)
+    return _launch(q, k, weights, limit, out, config or default_config(*q.shape[-3:], q.element_size()))
 
 
 # Order-preserving int32 image of the fp32 score -inf (see _order_keys).
@@ -284,6 +222,93 @@ def _key_indices(keys: torch.Tensor) -> torch.Tensor:
     return (keys & 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
+# Selection entries per step of the tie kernel.
+_TIE_CHUNK = 4096
+# Scores per step of a tied row's scan.
+_TIE_ROW_BLOCK = 1024
+# Rows per program of the tie kernel when interpreted (compiled: one): the interpreter's cost is per
+# operation, not per element.
+_TIE_INTERPRETED_ROWS = 256
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_keys", "stride_scores", "stride_values", "stride_indices"])
+def _boundary_ties_kernel(scores_ptr, values_ptr, indices_ptr, n_rows, n_keys, stride_scores, stride_values,
+                          stride_indices, N_SELECTED: tl.constexpr, CHUNK: tl.constexpr,
+                          ROW_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRETED: tl.constexpr,
+                          INTERPRETED_KEYS: tl.constexpr):
+    # BLOCK_R rows of the torch.topk selection (N_SELECTED = topk + 1 entries per row, unordered).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    values = values_ptr + rows.to(tl.int64)[:, None] * stride_values
+    indices = indices_ptr + rows.to(tl.int64)[:, None] * stride_indices
+    offs = tl.arange(0, CHUNK)[None, :]
+
+    # The boundary (the smallest selected value) and how many selected entries hold it, in one pass.
+    boundary = tl.full([BLOCK_R], float("inf"), tl.float32)
+    n_tied = tl.zeros([BLOCK_R], tl.int32)
+    for start in range(0, N_SELECTED, CHUNK):
+        in_selection = row_ok[:, None] & (start + offs < N_SELECTED)
+        v = tl.load(values + start + offs, mask=in_selection, other=float("inf"))
+        chunk_min = tl.min(v, 1)
+        chunk_count = tl.sum(((v == chunk_min[:, None]) & in_selection).to(tl.int32), 1)
+        n_tied = tl.where(chunk_min < boundary, chunk_count,
+                          n_tied + tl.where(chunk_min == boundary, chunk_count, 0))
+        boundary = tl.minimum(boundary, chunk_min)
+    # The topk-th and (topk + 1)-th values tie: torch.topk kept an arbitrary n_tied of the keys
+    # scoring `boundary`. -inf ties need no fix (every selected -inf becomes -1).
+    tie = row_ok & (n_tied >= 2) & (boundary > float("-inf"))
+    # The interpreter cannot branch on a tensor: there, every row runs on and the stores are masked.
+    if not INTERPRETED:
+        if tl.max(tie.to(tl.int32), 0) == 0:
+            return
+
+    # Rewrite tied rows in place: the entries above the boundary first (each chunk is loaded before
+    # any of its positions is overwritten: the barrier), ...
+    n_above = tl.zeros([BLOCK_R], tl.int32)
+    for start in range(0, N_SELECTED, CHUNK):
+        in_selection = tie[:, None] & (start + offs < N_SELECTED)
+        v = tl.load(values + start + offs, mask=in_selection, other=0.0)
+        i = tl.load(indices + start + offs, mask=in_selection, other=0)
+        above = in_selection & (v != boundary[:, None])
+        position = n_above[:, None] + tl.cumsum(above.to(tl.int32), 1) - 1
+        tl.debug_barrier()
+        tl.store(values + position, v, mask=above)
+        tl.store(indices + position, i, mask=above)
+        n_above += tl.sum(above.to(tl.int32), 1)
+    # ... then the n_tied lowest key indices scoring `boundary`, found by scanning the row in order.
+    row_scores = scores_ptr + rows.to(tl.int64)[:, None] * stride_scores
+    offs_row = tl.arange(0, ROW_BLOCK)[None, :]
+    n_seen = tl.zeros([BLOCK_R], tl.int32)
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, ROW_BLOCK):
+        cols = start + offs_row
+        in_row = tie[:, None] & (cols < n_keys)
+        x = tl.load(row_scores + cols, mask=in_row, other=0.0)
+        tied = in_row & (x == boundary[:, None])
+        position = n_seen[:, None] + tl.cumsum(tied.to(tl.int32), 1) - 1
+        take = tied & (position < n_tied[:, None])
+        tl.store(values + n_above[:, None] + position, x, mask=take)
+        tl.store(indices + n_above[:, None] + position, cols.to(tl.int64), mask=take)
+        n_seen += tl.sum(tied.to(tl.int32), 1)
+
+
+def _resolve_boundary_ties(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
+    """Make a torch.topk selection of topk + 1 entries per row exact under the tie rule, in place, on
+    the device: rows whose two smallest selected values are equal (and finite) get the lowest key
+    indices of that value. One launch, no host synchronisation; untied rows return at once."""
+    n_keys, n_selected = scores.shape[-1], values.shape[-1]
+    rows = scores.reshape(-1, n_keys)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    values2, indices2 = values.view(-1, n_selected), indices.view(-1, n_selected)
+    n_rows = rows.shape[0]
+    block_r = min(triton.next_power_of_2(n_rows), _TIE_INTERPRETED_ROWS) if INTERPRET else 1
+    _boundary_ties_kernel[(triton.cdiv(n_rows, block_r),)](
+        rows, values2, indices2, n_rows, n_keys, rows.stride(0), values2.stride(0), indices2.stride(0),
+        N_SELECTED=n_selected, CHUNK=min(triton.next_power_of_2(n_selected), _TIE_CHUNK),
+        ROW_BLOCK=_TIE_ROW_BLOCK, BLOCK_R=block_r, INTERPRETED=INTERPRET,
+        INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
+
+
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """
     Per row, the key indices of the topk largest scores, best first, equal scores in ascending key
@@ -291,22 +316,30 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     and rows are padded with -1 when S < topk.
 
     Args:
-        scores: [..., S] float32 (lightning_indexer_scores output), any device. NaN is unsupported.
+        scores: [..., S] float32 (lightning_indexer_scores / paged scores output), on a CUDA device
+            (or the CPU under TRITON_INTERPRET=1). NaN is unsupported.
         topk: int >= 1 (V3.2: 2048); may exceed S.
 
     Returns:
         [..., topk] int32 key indices in [0, S) or -1.
 
-    No full sort of the rows. A float32 torch.topk selects topk + 1 (ties broken arbitrarily); the
-    selection, less its last element, is sorted by unique int64 keys (value, then lower index:
-    _order_keys). The arbitrary tie-breaking only changes the selected set when the topk-th and
-    (topk + 1)-th values are equal and finite: such rows (found with one device synchronisation) are
-    selected again exactly, by torch.topk on the int64 keys of the whole row.
+    No full sort of the rows and no host synchronisation (CUDA-graph capturable; prefill and decode
+    select through this one function). A float32 torch.topk selects topk + 1 (ties broken
+    arbitrarily); that only changes the selected set when the topk-th and (topk + 1)-th values are
+    equal and finite, and in those rows a Triton kernel replaces the selected entries of that value
+    by the lowest key indices holding it (a scan of the row; other rows cost one read of their
+    selection). The selection, less its smallest element, is then sorted by unique int64 keys
+    (value, then lower index: _order_keys).
+
+    Raises:
+        minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
+            the kernel cannot run on.
     """
     if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
         raise InputError("scores must be a float32 tensor [..., S]")
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise InputError(f"topk must be a positive int, got {topk!r}")
+    check_device({"scores": scores})
     n_keys = scores.shape[-1]
     k = min(topk, n_keys)
     result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
@@ -315,16 +348,7 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     n_selected = min(topk + 1, n_keys)
     values, indices = torch.topk(scores, n_selected, dim=-1, sorted=False)
     if n_selected > k:
-        last_two = torch.topk(values, 2, dim=-1, largest=False, sorted=True).values
-        # -inf ties need no fix: every selected -inf becomes -1.
-        boundary_tie = (last_two[..., 0] == last_two[..., 1]) & (last_two[..., 0] > float("-inf"))
-        rows = boundary_tie.nonzero(as_tuple=True)
-        if rows[0].numel():
-            row_scores = scores[rows]
-            all_keys = torch.arange(n_keys, device=scores.device).expand_as(row_scores)
-            exact = torch.topk(_order_keys(row_scores, all_keys), n_selected, dim=-1, sorted=False).values
-            indices[rows] = _key_indices(exact)
-            values[rows] = row_scores.gather(-1, indices[rows])
+        _resolve_boundary_ties(scores, values, indices)
     keys = _order_keys(values, indices)
     if n_selected > k:
         # Drop the (k+1)-th (the unique smallest key) by moving the last key into its slot: sorting

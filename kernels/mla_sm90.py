@@ -11,11 +11,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
+from minirt import formats
+
 BLOCK_H = gl.constexpr(64)
 BLOCK_N = gl.constexpr(64)
-D_LAT = gl.constexpr(512)
-D_ROPE = gl.constexpr(64)
+D_LAT = gl.constexpr(formats.KV_LATENT_DIM)
+D_ROPE = gl.constexpr(formats.KV_ROPE_DIM)
 NUM_WARPS = gl.constexpr(8)
+LOG2E = gl.constexpr(formats.LOG2E)
+LN2 = gl.constexpr(formats.LN2)
 
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]))
@@ -51,18 +55,18 @@ def chunk_indices(row_ptr, stride, start, end, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem, valid, scale_log2, m_i, l_i, acc):
+def attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem, valid, sm_scale_log2, m_i, l_i, acc):
     """One online-softmax step over a chunk of 64 keys in shared memory (k_lat doubles as V).
 
-    valid [64] (COL_S): keys to attend; the others get probability 0. m_i (running max of the base-2
-    scaled scores, -inf before any valid key), l_i (ROW_S) and acc [64, 512] (O_LAYOUT) are updated
-    and returned. m_ref replaces a -inf running max by 0 in every subtraction, so a fully masked
-    chunk gives alpha = exp2(-inf) = 0 and p = 0, never exp2(-inf - -inf) = NaN."""
+    valid [64] (COL_S): keys to attend; the others get probability 0. m_i (running max of the scores
+    scaled by sm_scale_log2, i.e. in base 2; -inf before any valid key), l_i (ROW_S) and acc [64, 512]
+    (O_LAYOUT) are updated and returned. m_ref replaces a -inf running max by 0 in every subtraction,
+    so a fully masked chunk gives alpha = exp2(-inf) = 0 and p = 0, never exp2(-inf - -inf) = NaN."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q_lat_smem, k_lat_smem.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(q_rope_smem, k_rope_smem.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+    s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)

@@ -5,15 +5,15 @@ kv_cache_fp8), dequantises fp8 * scale in registers (exact in bf16), and runs a 
 softmax over chunks of BLOCK_N slots; there is no bf16 copy of the cache. When the batch is too
 small to fill the GPU, each row's top-k is split across programs and the partial (out, lse) are
 merged by lse in a second kernel. On sm_90 GPUs the default launch runs the Gluon kernel of
-sparse_mla_decode_sm90 instead (same semantics, same split/merge); elsewhere, and for an explicit
-DecodeConfig, the portable Triton kernel here runs.
+sparse_mla_decode_sm90 instead (same semantics, same split/merge; uses_sm90_kernel decides); elsewhere,
+and for an explicit DecodeConfig, the portable Triton kernel here runs. Both kernels take the same
+runtime arguments, built once by sparse_mla_decode_fp8.
 
 Public entry points: ``mla_decode_fp8`` (what the runtime calls per layer and step: block table +
 the indexer's top-k positions) and ``sparse_mla_decode_fp8`` (slot ids, FlashMLA's interface).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -21,19 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from minirt import formats
 from minirt.errors import InputError
 
 from . import sparse_mla_decode_sm90 as sm90
-from ._common import INTERPRET, check_device
-from .kv_cache_fp8 import (BYTES_PER_TOKEN, LATENT_DIM, NUM_TILES, ROPE_DIM, ROPE_OFFSET,
-                           SCALE_OFFSET, TILE_SIZE, cache_geometry, positions_to_slots)
+from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, check_tensors, softmax_rows,
+                      softmax_step)
+from .kv_cache_fp8 import (D_LAT, D_ROPE, ROPE_AT, SCALES_AT, TILE, TILES, TOKEN_BYTES, cache_geometry,
+                           positions_to_slots)
 
-D_QK = LATENT_DIM + ROPE_DIM
-D_V = LATENT_DIM
-_LOG2E = math.log2(math.e)
-# Smallest float32: the running max starts finite so that exp2(m_old - m_new) is never
-# exp2(-inf - -inf) = NaN, whatever chunks are fully masked.
-_FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
+D_QK = formats.KV_LATENT_DIM + formats.KV_ROPE_DIM
+D_V = formats.KV_LATENT_DIM
 _MERGE_BLOCK_H = 16
 # Split the top-k only when one program per (row, head block) leaves the GPU short of work: below
 # `below` programs per SM, split until there are `target`. Measured on an H200 (docs/perf/decode.md).
@@ -68,28 +66,24 @@ def default_config(h_q: int) -> DecodeConfig:
 
 
 @triton.jit
-def _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs,
-                 D: tl.constexpr):
+def _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs):
     """Write final out (bf16) and natural-log lse of a block of heads; lse2 is base 2, -inf if empty."""
     empty = lse2 == float("-inf")
     # Empty rows compute with lse 0 (their out is 0 anyway) so that a -inf sink never meets a -inf lse.
-    lse = tl.where(empty, 0.0, lse2 * 0.6931471805599453)
+    lse = tl.where(empty, 0.0, lse2 * LN2)
     if has_sink:
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
         # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse))
         o = o * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_LAT)
     tl.store(out_rows[:, None] + offs_d[None, :], o.to(out_rows.dtype.element_ty),
              mask=h_mask[:, None])
     tl.store(lse_ptrs, tl.where(empty, float("inf"), lse), mask=h_mask)
 
 
 @triton.jit
-def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16,
-                   BLOCK_N: tl.constexpr, D_ROPE: tl.constexpr, TILES: tl.constexpr,
-                   TILE: tl.constexpr, BYTES: tl.constexpr, SCALES_AT: tl.constexpr,
-                   ROPE_AT: tl.constexpr):
-    """Load BLOCK_N cache tokens by slot id: (valid [N], fp8 [N, 4, 128], scales [N, 4], rope [N, 64]).
+def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16):
+    """Load the cache tokens of slot [N] (slot ids): (valid [N], fp8 [N, 4, 128], scales [N, 4], rope [N, 64]).
 
     Invalid slots are never dereferenced: their rows are exact zeros (masked loads), so NaN bytes
     anywhere outside the attended slots cannot reach the dots."""
@@ -97,7 +91,7 @@ def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16,
     slot = tl.where(valid, slot, 0)
     block = slot // block_size
     token = cache_ptr + (block.to(tl.int64) * block_stride_16 * 16
-                         + (slot - block * block_size).to(tl.int64) * BYTES)
+                         + (slot - block * block_size).to(tl.int64) * TOKEN_BYTES)
     offs_tile = tl.arange(0, TILES)
     fp8 = tl.load(token.to(tl.pointer_type(tl.float8e4nv))[:, None, None]
                   + offs_tile[None, :, None] * TILE + tl.arange(0, TILE)[None, None, :],
@@ -112,14 +106,12 @@ def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16,
 @triton.jit(do_not_specialize=sm90.RUNTIME_ARGS)
 def _sparse_decode_kernel(
     q_ptr, cache_ptr, indices_ptr, topk_length_ptr, sink_ptr, out_ptr, lse_ptr,
-    s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, qk_scale_log2,
+    s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, sm_scale_log2,
     has_topk_length, has_sink,
     stride_q_b, stride_q_s, stride_q_h,
     stride_i_b, stride_i_s,
     stride_o_split, stride_o_b, stride_o_s, stride_o_h,
     stride_l_split, stride_l_b, stride_l_s, stride_l_h,
-    D_LAT: tl.constexpr, D_ROPE: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
-    BYTES: tl.constexpr, SCALES_AT: tl.constexpr, ROPE_AT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr,
 ):
@@ -146,7 +138,7 @@ def _sparse_decode_kernel(
     lo = split * split_len
     hi = tl.minimum(lo + split_len, n_used)
 
-    m_i = tl.full([BLOCK_H], _FP32_LOWEST, tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
     idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
@@ -156,7 +148,7 @@ def _sparse_decode_kernel(
     for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(hi - lo, BLOCK_N)):
         valid, fp8, scale, rope = _gather_tokens(
             cache_ptr, tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1), num_slots,
-            block_size, block_stride_16, BLOCK_N, D_ROPE, TILES, TILE, BYTES, SCALES_AT, ROPE_AT)
+            block_size, block_stride_16)
         offs_n += BLOCK_N
 
         # fp8 * 2^e is exact in bf16, so the bf16 tile equals the dequantised cache (and bf16 math
@@ -164,19 +156,10 @@ def _sparse_decode_kernel(
         kv = tl.reshape(fp8.to(dot_dtype) * scale.to(dot_dtype)[:, :, None], (BLOCK_N, D_LAT))
         scores = tl.dot(q_lat, tl.trans(kv))
         scores = tl.dot(q_rope, tl.trans(rope.to(dot_dtype)), acc=scores)
-        scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(scores, valid, sm_scale_log2, kv, m_i, l_i, acc)
 
-    # l_i >= 1 iff a valid slot was seen (its max term is exp2(0)).
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
+    _, l_safe, lse2 = softmax_rows(m_i, l_i)
     o = acc / l_safe[:, None]
-    lse2 = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
     out_rows = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s + offs_h * stride_o_h
     lse_ptrs = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h
     if SPLIT:
@@ -184,7 +167,7 @@ def _sparse_decode_kernel(
         tl.store(out_rows[:, None] + offs_lat[None, :], o, mask=h_mask[:, None])
         tl.store(lse_ptrs, lse2, mask=h_mask)
     else:
-        _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs, D_LAT)
+        _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs)
 
 
 @triton.jit(do_not_specialize=[
@@ -196,7 +179,7 @@ def _merge_splits_kernel(
     num_splits, s_q, h_q, n_head_blocks, has_sink,
     stride_po_split, stride_po_row, stride_po_h, stride_pl_split, stride_pl_row,
     stride_o_b, stride_o_s, stride_o_h, stride_l_b, stride_l_s, stride_l_h,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, INTERPRETED_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, INTERPRETED_SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = (pid // n_head_blocks).to(tl.int64)
@@ -204,7 +187,7 @@ def _merge_splits_kernel(
     s = row % s_q
     offs_h = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_LAT)
     lse_rows = part_lse_ptr + row * stride_pl_row + offs_h
 
     lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -214,7 +197,7 @@ def _merge_splits_kernel(
     # Empty splits have lse -inf: weight exp2(-inf - ref) = 0 with a finite ref, never NaN.
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
     out_rows = part_out_ptr + row * stride_po_row + offs_h[:, None] * stride_po_h + offs_d[None, :]
     for split in range(0, INTERPRETED_SPLITS if UPCAST else num_splits):
         weight = tl.math.exp2(tl.load(lse_rows + split * stride_pl_split, mask=h_mask,
@@ -222,36 +205,47 @@ def _merge_splits_kernel(
         part = tl.load(out_rows + split * stride_po_split, mask=h_mask[:, None], other=0.0)
         acc += weight[:, None] * part
         weight_sum += weight
-    has_keys = weight_sum > 0.0
-    total = tl.where(has_keys, weight_sum, 1.0)
-    lse2 = tl.where(has_keys, ref + tl.math.log2(total), float("-inf"))
+    # The splits' partial sums merge like softmax_step's chunks: ref is the running max, weight_sum the sum.
+    _, total, lse2 = softmax_rows(ref, weight_sum)
     _store_final(acc / total[:, None], lse2, offs_h, h_mask, sink_ptr, has_sink,
                  out_ptr + b * stride_o_b + s * stride_o_s + offs_h * stride_o_h,
-                 lse_ptr + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h, D)
+                 lse_ptr + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h)
 
 
-def default_num_splits(n_rows: int, h_q: int, topk: int, device: torch.device,
-                       config: Optional[DecodeConfig] = None, kernel: str = "portable") -> int:
-    """Top-k splits per query row that sparse_mla_decode_fp8 uses by default (n_rows = b * s_q) for
-    kernel "portable" (the Triton kernel with `config`) or "sm90" (the Hopper kernel, 64 heads per
-    program): 1 when there are enough programs per SM (portable 2, sm90 1), else enough splits for
-    that many (portable 4, sm90 1), each split at least 256 entries; 1 off the GPU."""
-    if device.type != "cuda":
+def uses_sm90_kernel(q: torch.Tensor, config: Optional[DecodeConfig] = None) -> bool:
+    """Whether sparse_mla_decode_fp8 runs the Gluon kernel (sparse_mla_decode_sm90) for this q and config:
+    compiled (not interpreted), no explicit config, on an sm_90 GPU."""
+    return config is None and not INTERPRET and sm90.supported(q)
+
+
+def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int, int]:
+    """(uses_sm90_kernel, heads per program, top-k entries per loop step) of the kernel a call runs."""
+    if uses_sm90_kernel(q, config):
+        return True, sm90.BLOCK_H.value, sm90.BLOCK_N.value
+    config = config or default_config(q.shape[2])
+    return False, config.block_h, config.block_n
+
+
+def default_num_splits(q: torch.Tensor, topk: int, config: Optional[DecodeConfig] = None) -> int:
+    """Top-k splits per query row that sparse_mla_decode_fp8(q, ..., config=config) uses by default, for q
+    [b, s_q, h_q, 576] and topk entries per row: 1 when the kernel the call runs (uses_sm90_kernel) has
+    enough programs per SM (portable 2, sm90 1), else enough splits for that many (portable 4, sm90 1),
+    each split at least 256 entries; 1 off the GPU."""
+    if q.device.type != "cuda":
         return 1
-    below, target = _SPLIT_RULE[kernel]
-    block_h = 64 if kernel == "sm90" else (config or default_config(h_q)).block_h
-    n_programs = max(1, n_rows * triton.cdiv(h_q, block_h))
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    use_sm90, block_h, _ = _tiling(q, config)
+    below, target = _SPLIT_RULE["sm90" if use_sm90 else "portable"]
+    b, s_q, h_q, _ = q.shape
+    n_programs = max(1, b * s_q * triton.cdiv(h_q, block_h))
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if n_programs >= below * num_sms:
         return 1
     wanted = triton.cdiv(target * num_sms, n_programs)
     return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
 
 
-def _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse) -> None:
-    for name, t in (("q", q), ("indices", indices)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse, num_splits, config) -> None:
+    check_tensors({"q": q, "indices": indices})
     if q.dim() != 4 or q.shape[3] != D_QK or q.dtype != torch.bfloat16:
         raise InputError(f"q must be a bfloat16 tensor [b, s_q, h_q, {D_QK}], got {q.dtype} {tuple(q.shape)}")
     b, s_q, h_q, _ = q.shape
@@ -261,20 +255,27 @@ def _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out,
     if isinstance(d_v, bool) or d_v != D_V:
         raise InputError(f"d_v must be {D_V} (the latent width), got {d_v!r}")
     tensors = {"q": q, "kv_cache": kv_cache, "indices": indices}
-    optional = (("attn_sink", attn_sink, torch.float32, (h_q,)),
-                ("topk_length", topk_length, torch.int32, (b,)),
-                ("out", out, torch.bfloat16, (b, s_q, h_q, D_V)),
-                ("lse", lse, torch.float32, (b, h_q, s_q)))
-    for name, t, dtype, shape in optional:
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
-            raise InputError(f"{name} must be a {dtype} tensor of shape {list(shape)}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        tensors[name] = t
+    check_tensor(tensors, "attn_sink", attn_sink, torch.float32, (h_q,), optional=True)
+    check_tensor(tensors, "topk_length", topk_length, torch.int32, (b,), optional=True)
+    check_tensor(tensors, "out", out, torch.bfloat16, (b, s_q, h_q, D_V), optional=True)
+    check_tensor(tensors, "lse", lse, torch.float32, (b, h_q, s_q), optional=True)
     if out is not None and out.stride(3) != 1:
         raise InputError("out must have a contiguous last dim")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise InputError(f"num_splits must be a positive int, got {num_splits!r}")
+    check_config(config, DecodeConfig)
     check_device(tensors)
+
+
+def _launch(grid, args, split: bool, split_len: int, config: DecodeConfig) -> None:
+    """Run the portable kernel on the runtime arguments sparse_mla_decode_fp8 builds for both decode
+    kernels; split: write partial results (fp32 out, base-2 lse) for the merge kernel."""
+    _sparse_decode_kernel[grid](
+        *args, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split, UPCAST=INTERPRET,
+        INTERPRETED_ITERS=triton.cdiv(split_len, config.block_n) if INTERPRET else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
 
 
 def sparse_mla_decode_fp8(
@@ -316,10 +317,11 @@ def sparse_mla_decode_fp8(
         topk_length: optional [b] int32. Batch b uses only indices[b, :, :topk_length[b]]
             (clamped to [0, topk]); later entries are never read.
         num_splits: keyword-only, optional: split each row's top-k over this many programs (merged
-            by lse). Default: default_num_splits (enough programs to fill the GPU; 1 on the CPU).
+            by lse). Default: default_num_splits(q, topk, config) (enough programs to fill the GPU; 1 on
+            the CPU).
         config: keyword-only, optional DecodeConfig: run the portable Triton kernel with this launch
-            shape. Default: the Gluon kernel (sparse_mla_decode_sm90) on sm_90 GPUs, else the
-            portable kernel with default_config(h_q).
+            shape. Default: the Gluon kernel (sparse_mla_decode_sm90) on sm_90 GPUs (uses_sm90_kernel),
+            else the portable kernel with default_config(h_q).
         out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
 
     Returns:
@@ -329,11 +331,12 @@ def sparse_mla_decode_fp8(
         points to (NaN, 0xFF, anything) never affect a result.
 
     Raises:
-        minirt.errors.InputError: wrong type, dtype, shape (last dims 576 / 656), d_v != 512,
-            mismatched devices, or CPU tensors without TRITON_INTERPRET=1.
+        minirt.errors.InputError: wrong type, dtype, shape (last dims 576 / 656), d_v != 512, num_splits
+            not a positive int, config not a DecodeConfig, mismatched devices, or CPU tensors without
+            TRITON_INTERPRET=1.
     """
     geometry = cache_geometry(kv_cache)
-    _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse)
+    _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse, num_splits, config)
     b, s_q, h_q, _ = q.shape
     topk = indices.shape[2]
     device = q.device
@@ -347,18 +350,13 @@ def sparse_mla_decode_fp8(
         q = q.contiguous()
     if indices.stride(2) != 1:
         indices = indices.contiguous()
-    # The Hopper kernel takes the default launch (64 heads per program); an explicit config, another
-    # GPU or the interpreter run the portable kernel.
-    use_sm90 = config is None and not INTERPRET and sm90.supported(q)
-    cfg = DecodeConfig(block_h=64) if use_sm90 else config or default_config(h_q)
-    n_head_blocks = triton.cdiv(h_q, cfg.block_h)
+    use_sm90, block_h, block_n = _tiling(q, config)
+    n_head_blocks = triton.cdiv(h_q, block_h)
     n_rows = b * s_q
     if num_splits is None:
-        num_splits = default_num_splits(n_rows, h_q, topk, device, cfg, "sm90" if use_sm90 else "portable")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise InputError(f"num_splits must be a positive int, got {num_splits!r}")
+        num_splits = default_num_splits(q, topk, config)
     # Splits cover whole BLOCK_N chunks; drop splits that would start past topk.
-    split_len = max(cfg.block_n, triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n)
+    split_len = max(block_n, triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n)
     num_splits = max(1, triton.cdiv(topk, split_len))
 
     if num_splits == 1:
@@ -373,25 +371,19 @@ def sparse_mla_decode_fp8(
     # Unused optional pointers still need a tensor argument; the runtime flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
+    # The runtime arguments of both decode kernels, in their parameter order.
     args = (q, kv_cache, indices, lengths, sink, dst_out, dst_lse,
             s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
-            geometry.block_stride // 16, float(sm_scale) * _LOG2E,
+            geometry.block_stride // 16, float(sm_scale) * formats.LOG2E,
             int(topk_length is not None), int(attn_sink is not None),
             q.stride(0), q.stride(1), q.stride(2),
             indices.stride(0), indices.stride(1),
             *o_strides, *l_strides)
     grid = (n_rows * n_head_blocks, num_splits)
     if use_sm90:
-        sm90._sparse_decode_sm90_kernel[grid](*args, SPLIT=num_splits > 1, num_warps=8)
+        sm90.launch(grid, args, num_splits > 1)
     else:
-        _sparse_decode_kernel[grid](
-            *args,
-            D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, TILES=NUM_TILES, TILE=TILE_SIZE, BYTES=BYTES_PER_TOKEN,
-            SCALES_AT=SCALE_OFFSET, ROPE_AT=ROPE_OFFSET,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
-            UPCAST=INTERPRET, INTERPRETED_ITERS=triton.cdiv(split_len, cfg.block_n) if INTERPRET else 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        _launch(grid, args, num_splits > 1, split_len, config or default_config(h_q))
     if num_splits > 1:
         n_merge_blocks = triton.cdiv(h_q, _MERGE_BLOCK_H)
         _merge_splits_kernel[(n_rows * n_merge_blocks,)](
@@ -399,7 +391,7 @@ def sparse_mla_decode_fp8(
             num_splits, s_q, h_q, n_merge_blocks, int(attn_sink is not None),
             dst_out.stride(0), dst_out.stride(2), dst_out.stride(3), dst_lse.stride(0), dst_lse.stride(2),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(2), lse.stride(1),
-            D=D_V, BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET,
+            BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET,
             INTERPRETED_SPLITS=num_splits if INTERPRET else 0, num_warps=4,
         )
     return out, lse

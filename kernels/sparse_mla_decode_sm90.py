@@ -1,13 +1,15 @@
 """Hopper (sm_90) fast path of sparse_mla_decode_fp8, written in Gluon.
 
-Same semantics and launch geometry as the portable Triton kernel in sparse_mla_decode.py (programs =
-query rows x blocks of 64 heads x top-k splits; split partials are merged by that module's merge
-kernel). The structure is the Gluon prefill kernel's (sparse_mla_prefill_sm90.py): the 656-byte
-tokens of chunk i+1 are gathered by cp.async into a double buffer while chunk i is dequantised
-(fp8 * scale -> bf16 in shared memory) and multiplied on the tensor cores. Fewer than 64 heads are
-padded to 64 (zero query rows): wgmma needs M = 64.
+Same semantics, runtime arguments and launch geometry as the portable Triton kernel in
+sparse_mla_decode.py (programs = query rows x blocks of 64 heads x top-k splits; split partials are
+merged by that module's merge kernel). The structure is the Gluon prefill kernel's
+(sparse_mla_prefill_sm90.py): the 656-byte tokens of chunk i+1 are gathered by cp.async into a double
+buffer while chunk i is dequantised (fp8 * scale -> bf16 in shared memory) and multiplied on the tensor
+cores. Fewer than 64 heads are padded to 64 (zero query rows): wgmma needs M = 64. One program = one
+query row x 64 heads x one split, 8 warps; the attention step itself is mla_sm90.attend_chunk.
 
-The attention step is mla_sm90.attend_chunk. Gluon has no interpreter: this kernel runs only on sm_90 GPUs; sparse_mla_decode_fp8 dispatches.
+Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_decode_fp8 dispatches to it
+there (uses_sm90_kernel) and to the portable kernel everywhere else.
 """
 from __future__ import annotations
 
@@ -17,14 +19,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .mla_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_LAT, D_ROPE, NUM_WARPS, O_LAYOUT, ROPE_L, ROW_O, ROW_S,
+from minirt import formats
+
+from .mla_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_LAT, D_ROPE, LN2, NUM_WARPS, O_LAYOUT, ROPE_L, ROW_O, ROW_S,
                        attend_chunk, load_q)
 
-TILES = gl.constexpr(4)
-TILE = gl.constexpr(128)
-TOKEN_BYTES = gl.constexpr(656)
-SCALES_AT = gl.constexpr(512)
-ROPE_AT = gl.constexpr(528)
+# The V32 cache token (minirt.formats): 4 tiles of 128 e4m3 values, their fp32 scales, the bf16 rope.
+TILES = gl.constexpr(formats.KV_NUM_TILES)
+TILE = gl.constexpr(formats.FP8_GROUP)
+TOKEN_BYTES = gl.constexpr(formats.KV_TOKEN_BYTES)
+SCALES_AT = gl.constexpr(formats.KV_SCALES_AT)
+ROPE_AT = gl.constexpr(formats.KV_ROPE_AT)
 # fp8 tokens as [keys, tile, 128]: one warp copies one 512-byte token row in 16-byte vectors.
 FP8_L = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 4, 8], [8, 1, 1], [2, 1, 0]))
 # Runtime integers of the decode kernels (this one and sparse_mla_decode's portable one): only
@@ -39,7 +44,7 @@ RUNTIME_ARGS = [
 @gluon.jit(do_not_specialize=RUNTIME_ARGS)
 def _sparse_decode_sm90_kernel(
     q_ptr, cache_ptr, indices_ptr, topk_length_ptr, sink_ptr, out_ptr, lse_ptr,
-    s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, qk_scale_log2,
+    s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, sm_scale_log2,
     has_topk_length, has_sink,
     stride_q_b, stride_q_s, stride_q_h,
     stride_i_b, stride_i_s,
@@ -107,7 +112,7 @@ def _sparse_decode_sm90_kernel(
 
         slot_s = gl.convert_layout(slot_cur, COL_S)
         m_i, l_i, acc = attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem.index(buf),
-                                     (slot_s >= 0) & (slot_s < num_slots), qk_scale_log2, m_i, l_i, acc)
+                                     (slot_s >= 0) & (slot_s < num_slots), sm_scale_log2, m_i, l_i, acc)
         slot_cur = slot_next
         scale_cur = scale_next
         slot_next = slot_after
@@ -123,7 +128,7 @@ def _sparse_decode_sm90_kernel(
     if not SPLIT:
         # Final result: exp(lse) / (exp(lse) + exp(sink)) folded into the row scale; empty rows keep
         # out = 0 (acc is 0) and get lse = +inf.
-        lse = gl.where(has_keys, lse2 * 0.6931471805599453, 0.0)
+        lse = gl.where(has_keys, lse2 * LN2, 0.0)
         if has_sink:
             sink = gl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
             scale_o = scale_o / (1.0 + gl.exp(sink - lse))
@@ -164,3 +169,10 @@ def _gather(cache_ptr, slot, num_slots, block_size, block_stride_16, raw_smem, r
 def supported(q: torch.Tensor) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU (the cache layout is already checked)."""
     return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+def launch(grid, args, split: bool) -> None:
+    """Run the kernel on the runtime arguments that sparse_mla_decode_fp8 builds for both decode kernels
+    (the kernel's parameters before SPLIT, in order) over grid (query rows x head blocks, top-k splits);
+    split: write partial results (fp32 out, base-2 lse) for the merge kernel."""
+    _sparse_decode_sm90_kernel[grid](*args, SPLIT=split, num_warps=NUM_WARPS)

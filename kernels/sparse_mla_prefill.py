@@ -1,7 +1,6 @@
 """NaN-safe sparse MLA prefill attention in Triton: a drop-in for FlashMLA's ``flash_mla_sparse_fwd``."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -9,12 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from minirt import formats
 from minirt.errors import InputError
 
 from . import sparse_mla_prefill_sm90 as sm90
-from ._common import INTERPRET, check_device
-
-_LOG2E = math.log2(math.e)
+from ._common import (INTERPRET, LN2, LOG2E, check_config, check_device, check_tensor, check_tensors,
+                      softmax_rows, softmax_step)
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class PrefillConfig:
 def _sparse_mla_prefill_kernel(
     q_ptr, kv_ptr, indices_ptr, topk_length_ptr, attn_sink_ptr,
     out_ptr, max_logits_ptr, lse_ptr,
-    s_kv, h_q, topk, n_head_blocks, scale_log2,
+    s_kv, h_q, topk, n_head_blocks, sm_scale_log2,
     stride_q_s, stride_q_h, stride_q_d,
     stride_kv_s, stride_kv_d,
     stride_idx_s, stride_idx_k,
@@ -71,8 +70,6 @@ def _sparse_mla_prefill_kernel(
     if HAS_TOPK_LENGTH:
         n_keys = tl.minimum(tl.maximum(tl.load(topk_length_ptr + token * stride_tl_s), 0), topk)
 
-    # Online softmax in base 2. m_i starts at -inf but is never subtracted from itself: m_ref replaces
-    # a -inf running max by 0, so fully-masked chunks give alpha = exp2(-inf) = 0 and p = 0, never NaN.
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
@@ -98,34 +95,24 @@ def _sparse_mla_prefill_kernel(
             if UPCAST:
                 k_tail = k_tail.to(tl.float32)
             s = tl.dot(q_tail, tl.trans(k_tail), acc=s)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_i, l_i, acc = softmax_step(s, valid, sm_scale_log2, k_lat, m_i, l_i, acc)
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc=acc * alpha[:, None])
-        m_i = m_new
-
-    # A row with a valid key has l_i >= 1 (its max term is exp2(0)); l_i == 0 means no valid key.
-    # Empty rows divide by (and take the log of) 1 instead of 0, then get their fixed results.
-    has_keys = l_i > 0.0
+    # Rows without a valid key get their fixed results: out 0, lse +inf, max_logits -inf.
+    has_keys, l_safe, _ = softmax_rows(m_i, l_i)
     m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = tl.where(has_keys, l_i, 1.0)
+    denom = l_safe
     if HAS_ATTN_SINK:
         # exp(lse) / (exp(lse) + exp(sink)) folded into the normaliser: sum_j 2^(s_j - m) + 2^(sink2 - m).
         sink = tl.load(attn_sink_ptr + offs_h * stride_sink_h, mask=h_mask, other=0.0)
-        denom += tl.math.exp2(sink * 1.4426950408889634 - m_ref)
+        denom += tl.math.exp2(sink * LOG2E - m_ref)
     inv_denom = tl.where(has_keys, 1.0 / denom, 0.0)
     out = acc * inv_denom[:, None]
 
     out_rows = out_ptr + token * stride_o_s + offs_h[:, None] * stride_o_h
     tl.store(out_rows + offs_v[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
              mask=h_mask[:, None] & v_mask[None, :])
-    ln2 = 0.6931471805599453
-    lse = tl.where(has_keys, (m_ref + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * ln2, float("inf"))
-    tl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, m_i * ln2, mask=h_mask)
+    lse = tl.where(has_keys, (m_ref + tl.math.log2(l_safe)) * LN2, float("inf"))
+    tl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, m_i * LN2, mask=h_mask)
     tl.store(lse_ptr + token * stride_lse_s + offs_h * stride_lse_h, lse, mask=h_mask)
 
 
@@ -142,10 +129,10 @@ def default_config(h_q: int) -> PrefillConfig:
     return PrefillConfig(block_h=_padded(h_q), num_warps=4, num_stages=2)
 
 
-def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:
-    for name, t in (("q", q), ("kv", kv), ("indices", indices)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config) -> None:
+    tensors = {"q": q, "kv": kv, "indices": indices}
+    check_tensors(tensors)
+    for name, t in tensors.items():
         if t.dim() != 3:
             raise InputError(f"{name} must have 3 dims, got shape {tuple(t.shape)}")
     s_q, h_q, d_qk = q.shape
@@ -167,40 +154,30 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out) -> None:
     if d_v > 512 or d_qk - d_v > 64:
         raise InputError(f"unsupported head dims d_qk={d_qk}, d_v={d_v}: the kernel's register and shared-memory "
                          "budget needs d_v <= 512 and d_qk - d_v <= 64")
-    tensors = {"q": q, "kv": kv, "indices": indices}
-    if attn_sink is not None:
-        if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32 \
-                or tuple(attn_sink.shape) != (h_q,):
-            raise InputError(f"attn_sink must be a float32 tensor of shape [h_q={h_q}]")
-        tensors["attn_sink"] = attn_sink
-    if topk_length is not None:
-        if not isinstance(topk_length, torch.Tensor) or topk_length.dtype != torch.int32 \
-                or tuple(topk_length.shape) != (s_q,):
-            raise InputError(f"topk_length must be an int32 tensor of shape [s_q={s_q}]")
-        tensors["topk_length"] = topk_length
+    check_tensor(tensors, "attn_sink", attn_sink, torch.float32, (h_q,), optional=True)
+    check_tensor(tensors, "topk_length", topk_length, torch.int32, (s_q,), optional=True)
     if out is not None:
-        expected = (((s_q, h_q, d_v), q.dtype), ((s_q, h_q), torch.float32), ((s_q, h_q), torch.float32))
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise InputError("out must be a tuple (out, max_logits, lse) of preallocated tensors")
+        expected = (((s_q, h_q, d_v), q.dtype), ((s_q, h_q), torch.float32), ((s_q, h_q), torch.float32))
         for name, t, (shape, dtype) in zip(("out", "max_logits", "lse"), out, expected):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-                raise InputError(f"preallocated {name} must be a {dtype} tensor of shape {list(shape)}")
-            tensors[name] = t
+            check_tensor(tensors, f"preallocated {name}", t, dtype, shape)
+    check_config(config, PrefillConfig)
     check_device(tensors)
 
 
-def _new_outputs(q, d_v):
-    s_q, h_q, _ = q.shape
-    return (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
-            torch.empty((s_q, h_q), dtype=torch.float32, device=q.device),
-            torch.empty((s_q, h_q), dtype=torch.float32, device=q.device))
+def uses_sm90_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: Optional[PrefillConfig] = None) -> bool:
+    """Whether sparse_mla_prefill runs the Gluon kernel (sparse_mla_prefill_sm90) on these checked inputs:
+    compiled (not interpreted), no explicit config, and inputs that kernel supports (sm_90 GPU, d_qk 576,
+    d_v 512, contiguous 16-byte aligned rows)."""
+    return config is None and not INTERPRET and sm90.supported(q, kv, d_v)
 
 
-def _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, config: PrefillConfig):
+def _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config: PrefillConfig):
+    """Run the portable kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written."""
     s_q, h_q, d_qk = q.shape
-    o, max_logits, lse = out if out is not None else _new_outputs(q, d_v)
-    if s_q == 0 or h_q == 0:
-        return o, max_logits, lse
+    o, max_logits, lse = out
+    d_v = o.shape[2]
     n_head_blocks = triton.cdiv(h_q, config.block_h)
     # Unused optional pointers still need a tensor argument; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
@@ -208,7 +185,7 @@ def _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, config: 
     _sparse_mla_prefill_kernel[(s_q * n_head_blocks,)](
         q, kv, indices, lengths, sink,
         o, max_logits, lse,
-        kv.shape[0], h_q, indices.shape[2], n_head_blocks, float(sm_scale) * _LOG2E,
+        kv.shape[0], h_q, indices.shape[2], n_head_blocks, sm_scale_log2,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(2),
         indices.stride(0), indices.stride(2),
@@ -236,6 +213,7 @@ def sparse_mla_prefill(
     topk_length: Optional[torch.Tensor] = None,
     *,
     out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    config: Optional[PrefillConfig] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     Sparse attention prefill (DeepSeek-V3.2 DSA, absorbed MLA / MQA form); same arguments and results
@@ -266,11 +244,14 @@ def sparse_mla_prefill(
             (values are clamped to [0, topk]); later entries are never read.
         out: keyword-only, optional tuple (out, max_logits, lse) of preallocated tensors with the
             shapes and dtypes below (any strides); every element is overwritten.
+        config: keyword-only, optional PrefillConfig: run the portable Triton kernel with this launch
+            shape. Default: see below.
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
-    are honoured, nothing is copied. On sm_90 GPUs, d_qk 576 / d_v 512 calls with contiguous q and
-    kv rows (16-byte aligned kv rows) run the Gluon kernel of sparse_mla_prefill_sm90; all others
-    run the portable Triton kernel here. Both have the semantics below.
+    are honoured, nothing is copied. On sm_90 GPUs, calls without a config with d_qk 576 / d_v 512 and
+    contiguous q and kv rows (16-byte aligned kv rows) run the Gluon kernel of sparse_mla_prefill_sm90
+    (uses_sm90_kernel); all others run the portable Triton kernel here, with default_config(h_q) when
+    config is None. Both kernels have the semantics below.
 
     Returns:
         out: [s_q, h_q, d_v], q.dtype. Compiled, the softmax weights are rounded to q.dtype for the
@@ -284,9 +265,15 @@ def sparse_mla_prefill(
         minirt.errors.InputError: wrong type, dtype, shape or device, h_kv != 1, d_v not in [1, d_qk],
             head dims outside d_v <= 512 and d_qk - d_v <= 64.
     """
-    _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out)
-    if not INTERPRET and sm90.supported(q, kv, d_v) and q.shape[0] * q.shape[1] > 0:
-        if out is None:
-            out = _new_outputs(q, d_v)
-        return sm90.launch(q, kv, indices, float(sm_scale) * _LOG2E, attn_sink, topk_length, out)
-    return _launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, default_config(q.shape[1]))
+    _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config)
+    s_q, h_q, _ = q.shape
+    if out is None:
+        out = (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
+               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device),
+               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device))
+    if s_q == 0 or h_q == 0:
+        return tuple(out)
+    sm_scale_log2 = float(sm_scale) * formats.LOG2E
+    if uses_sm90_kernel(q, kv, d_v, config):
+        return sm90.launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out)
+    return _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config or default_config(h_q))

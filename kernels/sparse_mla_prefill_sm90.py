@@ -9,7 +9,8 @@ waits for it at once (docs/perf/prefill.md). One program = one query token x 64 
 attention step itself is mla_sm90.attend_chunk.
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_prefill dispatches to it
-there and to the portable kernel everywhere else (CPU interpreter, other GPUs, other head dims).
+there (uses_sm90_kernel) and to the portable kernel everywhere else (CPU interpreter, other GPUs, other
+head dims, an explicit PrefillConfig).
 """
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .mla_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_LAT, D_ROPE, LAT_L, NUM_WARPS, O_LAYOUT, ROPE_L, ROW_O,
-                       ROW_S, attend_chunk, chunk_indices, load_q)
+from .mla_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_LAT, D_ROPE, LAT_L, LN2, LOG2E, NUM_WARPS, O_LAYOUT, ROPE_L,
+                       ROW_O, ROW_S, attend_chunk, chunk_indices, load_q)
 
 
 @gluon.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks"])
 def _sparse_mla_prefill_sm90_kernel(
     q_ptr, kv_ptr, indices_ptr, topk_length_ptr, attn_sink_ptr,
     out_ptr, max_logits_ptr, lse_ptr,
-    s_kv, h_q, topk, n_head_blocks, scale_log2,
+    s_kv, h_q, topk, n_head_blocks, sm_scale_log2,
     stride_q_s, stride_q_h, stride_kv_s, stride_idx_s, stride_idx_k, stride_tl_s, stride_sink_h,
     stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h, stride_lse_s, stride_lse_h,
     HAS_TOPK_LENGTH: gl.constexpr, HAS_ATTN_SINK: gl.constexpr,
@@ -73,7 +74,7 @@ def _sparse_mla_prefill_sm90_kernel(
         idx_next = chunk_indices(idx_row, stride_idx_k, (i + 2) * BLOCK_N, n_keys, LAT_ROWS)
         idx_s = chunk_indices(idx_row, stride_idx_k, i * BLOCK_N, n_keys, COL_S)
         m_i, l_i, acc = attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem.index(buf), k_rope_smem.index(buf),
-                                     (idx_s >= 0) & (idx_s < s_kv), scale_log2, m_i, l_i, acc)
+                                     (idx_s >= 0) & (idx_s < s_kv), sm_scale_log2, m_i, l_i, acc)
     cp.wait_group(0)
 
     # As in the portable kernel: l_i == 0 means no valid key (out 0, lse +inf, max_logits -inf).
@@ -84,15 +85,14 @@ def _sparse_mla_prefill_sm90_kernel(
     h_mask = offs_h < h_q
     if HAS_ATTN_SINK:
         sink = gl.load(attn_sink_ptr + offs_h * stride_sink_h, mask=h_mask, other=0.0)
-        denom += gl.exp2(sink * 1.4426950408889634 - m_ref)
+        denom += gl.exp2(sink * LOG2E - m_ref)
     out = acc * gl.convert_layout(gl.where(has_keys, 1.0 / denom, 0.0), ROW_O)[:, None]
     offs_ho = head0 + gl.arange(0, BLOCK_H, ROW_O)
     offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, O_LAYOUT))
     gl.store(out_ptr + token * stride_o_s + offs_ho[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
              out.to(out_ptr.dtype.element_ty), mask=(offs_ho < h_q)[:, None])
-    ln2 = 0.6931471805599453
-    lse = gl.where(has_keys, (m_ref + gl.log2(gl.where(has_keys, l_i, 1.0))) * ln2, float("inf"))
-    gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, m_i * ln2, mask=h_mask)
+    lse = gl.where(has_keys, (m_ref + gl.log2(gl.where(has_keys, l_i, 1.0))) * LN2, float("inf"))
+    gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, m_i * LN2, mask=h_mask)
     gl.store(lse_ptr + token * stride_lse_s + offs_h * stride_lse_h, lse, mask=h_mask)
 
 

@@ -46,7 +46,7 @@ def default_checkpoint(progress=None) -> Path:
 
 def load(path: str | Path | None = None, layers: int | None = None, device: str | None = None,
          backend: str = "triton", dtype: torch.dtype | None = None, indexer_precision: str = "exact",
-         prefill_chunk: int | None = None, progress=None):
+         prefill_chunk: int | None = None, weights: str | None = None, progress=None):
     """Load the first ``layers`` dense layers of a checkpoint (None: all dense layers) for inference.
 
     path: HF checkpoint directory; None uses the tiny synthetic default (created once).
@@ -58,26 +58,36 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     compare top-k sets) or "fp8" (the official Hadamard + fp8 path; near-ties may flip).
     prefill_chunk: prompt tokens per prefill step of the triton backend (default
     ``engine.DEFAULT_PREFILL_CHUNK``); it bounds prefill's transient memory, not the results.
+    weights: "fp8" keeps the checkpoint's block-fp8 linear weights as stored and computes with fp8
+    GEMMs (activations quantised per token and 128 values), "bf16" dequantises them at load (to
+    ``dtype``). Default: "fp8" for an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else
+    "bf16". The reference backend always dequantises to fp32.
     Returns a ``minirt.backend.Backend``: ``prefill(prompts)`` and ``decode(tokens)`` (see
     ``minirt.engine.Engine`` and ``minirt.reference.ReferenceEngine``).
     """
     from .checkpoint import load_checkpoint, resolve_device
+    from .engine import DEFAULT_PREFILL_CHUNK, build_engine, check_prefill_chunk
+    from .reference import ReferenceEngine, ReferenceModel
 
     if backend not in ("triton", "reference"):
         raise InputError(f"backend must be 'triton' or 'reference', got {backend!r}")
     if backend == "triton":
-        from .engine import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
-
         prefill_chunk = check_prefill_chunk(DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+    if weights not in (None, "fp8", "bf16"):
+        raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     path = Path(path) if path is not None else default_checkpoint(progress)
     if backend == "reference":
-        from .reference import ReferenceEngine, ReferenceModel
-
-        cfg, weights = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
-        return ReferenceEngine(ReferenceModel(cfg, weights, layers, torch.float32, dev))
-    from .engine import build_engine
-
+        cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
+        return ReferenceEngine(ReferenceModel(cfg, tensors, layers, torch.float32, dev))
+    cfg = ModelConfig.from_file(path)
+    if weights is None:
+        weights = "fp8" if cfg.quantization and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0) \
+            else "bf16"
+    if weights == "fp8" and cfg.quantization is None:
+        raise InputError(f"{path} stores no fp8 weights: load it with weights='bf16'")
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    cfg, weights = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress)
-    return build_engine(cfg, weights, layers or cfg.num_dense_layers, dev, dtype, indexer_precision, prefill_chunk)
+    cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress,
+                                   fp8_as_stored=weights == "fp8")
+    return build_engine(cfg, tensors, layers or cfg.num_dense_layers, dev, dtype, indexer_precision, prefill_chunk,
+                        fp8_weights=weights == "fp8")

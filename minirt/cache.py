@@ -1,5 +1,6 @@
-"""Paged caches for decode: the fp8 latent KV cache (FlashMLA's 656-byte V32 layout) and the indexer
-keys, both addressed by slot = block · block_size + offset through one block table per sequence."""
+"""Paged caches: the fp8 latent KV cache (FlashMLA's 656-byte V32 layout) and the indexer key cache
+(132-byte fp8 keys in the fp8 indexer mode, fp32 keys in the exact mode), both addressed by
+slot = block · block_size + offset through one block table per sequence."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ import torch
 from .config import ModelConfig
 from .errors import InputError
 from .formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
-from .kernels import new_kv_cache
+from .kernels import new_index_cache, new_kv_cache, write_index_keys
 
 
 def cache_bytes_per_token(cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact") -> int:
@@ -21,23 +22,34 @@ def cache_bytes_per_token(cfg: ModelConfig, num_layers: int, indexer_precision: 
 
 @dataclass
 class LayerCache:
-    """One layer's cache. kv: [num_blocks, block_size, 1, 656] uint8 (fp8 latent + scales + bf16 rope);
-    index_keys: [num_blocks · block_size, index_head_dim] fp32 (None for V3 layers)."""
+    """One layer's cache. kv: [num_blocks, block_size, 1, 656] uint8 (fp8 latent + scales + bf16 rope).
+    index_keys (None for V3 layers): the indexer keys as ``paged_indexer_scores`` reads them, uint8
+    [num_blocks, block_size, 1, 132] in the fp8 mode, fp32 [num_blocks, block_size, index_head_dim]
+    in the exact mode."""
 
     kv: torch.Tensor
     index_keys: torch.Tensor | None
+
+    def write_index_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store indexer keys [N, D] fp32 at ``slots`` [N] (quantised in the fp8 format)."""
+        if self.index_keys.dtype == torch.uint8:
+            write_index_keys(self.index_keys, keys, slots)
+        else:
+            self.index_keys.view(-1, keys.shape[-1])[slots] = keys
 
 
 class PagedCache:
     """Caches of ``num_layers`` layers for up to ``max_batch`` sequences of ``max_seq_len`` tokens.
 
+    indexer_precision: "exact" or "fp8", the format of the indexer keys (as the layers' indexer).
     Blocks are handed out at construction: sequence b owns blocks
     ``block_table[b] = [b · blocks_per_seq, ...)``; the kernels only ever see the table, so any other
     allocation policy would work unchanged. ``seq_lens[b]`` counts the tokens written for sequence b.
     """
 
     def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_seq_len: int,
-                 block_size: int = CACHE_BLOCK_SIZE, device: torch.device | str = "cpu"):
+                 block_size: int = CACHE_BLOCK_SIZE, device: torch.device | str = "cpu",
+                 indexer_precision: str = "exact"):
         if max_batch < 1 or max_seq_len < 1:
             raise InputError(f"cache needs max_batch >= 1 and max_seq_len >= 1, got {max_batch}, {max_seq_len}")
         self.block_size, self.max_batch, self.max_seq_len = block_size, max_batch, max_seq_len
@@ -45,13 +57,16 @@ class PagedCache:
         num_blocks = max_batch * blocks_per_seq
         self.block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).view(max_batch, blocks_per_seq)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.layers = [
-            LayerCache(
-                kv=new_kv_cache(num_blocks, block_size, device=device),
-                index_keys=torch.zeros(num_blocks * block_size, cfg.index_head_dim, device=device) if cfg.is_v32 else None,
-            )
-            for _ in range(num_layers)
-        ]
+
+        def index_keys():
+            if not cfg.is_v32:
+                return None
+            if indexer_precision == "fp8":
+                return new_index_cache(num_blocks, block_size, device=device)
+            return torch.zeros(num_blocks, block_size, cfg.index_head_dim, device=device)
+
+        self.layers = [LayerCache(new_kv_cache(num_blocks, block_size, device=device), index_keys())
+                       for _ in range(num_layers)]
 
     @property
     def capacity(self) -> int:

@@ -372,6 +372,7 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
+    fp8_as_stored: bool = False,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load the first ``num_layers`` dense layers (None: all dense layers) plus embeddings, final norm
     and lm_head from the HF checkpoint directory ``path``.
@@ -380,8 +381,10 @@ def load_checkpoint(
     tensor, ``_scale_inv`` included, must be finite (NaN or ±Inf → CheckpointError naming the tensor,
     shard and first bad flat index); fp8 weights are dequantised (``blockfp8.dequantize_block_fp8``) and
     must stay finite in ``dtype``. Returns (config, {HF weight name: tensor}) with tensors of the
-    TensorSpec shapes in ``dtype`` on ``device``; no ``_scale_inv`` entries. ``progress(done, total,
-    name)``, if given, is called after each weight with bytes read so far and in total.
+    TensorSpec shapes in ``dtype`` on ``device``; no ``_scale_inv`` entries. With ``fp8_as_stored``
+    the fp8 weights are not dequantised: they come as stored (float8_e4m3fn) with their float32
+    ``<name>_scale_inv`` entries beside them. ``progress(done, total, name)``, if given, is called
+    after each weight with bytes read so far and in total.
     """
     if dtype not in UNQUANTIZED_DTYPES:
         raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
@@ -401,9 +404,12 @@ def load_checkpoint(
         for name, spec in plan.specs.items():
             names = (name, name + SCALE_SUFFIX) if spec.quantized else (name,)
             raw = [_read_tensor(handles[plan.stored[n].shard], plan.stored[n], n).to(device) for n in names]
-            w = dequantize_block_fp8(raw[0], raw[1], block, dtype) if spec.quantized else raw[0].to(dtype)
-            _check_finite(w, name, plan.stored[name].shard, f"value after conversion to {dtype}")
-            weights[name] = w
+            if spec.quantized and fp8_as_stored:
+                weights |= dict(zip(names, raw))
+            else:
+                w = dequantize_block_fp8(raw[0], raw[1], block, dtype) if spec.quantized else raw[0].to(dtype)
+                _check_finite(w, name, plan.stored[name].shard, f"value after conversion to {dtype}")
+                weights[name] = w
             done += sum(plan.stored[n].nbytes for n in names)
             if progress is not None:
                 progress(done, plan.num_bytes, name)

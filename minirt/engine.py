@@ -56,8 +56,10 @@ class Engine:
     backend = "triton"
 
     def __init__(self, cfg: ModelConfig, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 indexer_precision: str = "exact", prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.cfg, self.model, self.device, self.dtype = cfg, model, device, dtype
+        self.indexer_precision = indexer_precision
+        self.weights = "fp8" if model.model.layers[0].self_attn.fp8_weights else "bf16"
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.num_layers = len(model.model.layers)
         self.use_cuda_graph = device.type == "cuda"
@@ -72,7 +74,8 @@ class Engine:
 
     def _allocate_cache(self, max_batch: int, max_seq_len: int, block_size: int = CACHE_BLOCK_SIZE) -> None:
         self.cache = None  # free the old cache before the new one is allocated
-        self.cache = PagedCache(self.cfg, self.num_layers, max_batch, max_seq_len, block_size, self.device)
+        self.cache = PagedCache(self.cfg, self.num_layers, max_batch, max_seq_len, block_size, self.device,
+                                self.indexer_precision)
         positions = torch.arange(self.cache.capacity, device=self.device)
         self._rope = rope_cos_sin(self.cfg, positions, self.cfg.qk_rope_head_dim, dtype=torch.float32)
         self._lens: list[int] = []  # host copy of cache.seq_lens, so checks need no GPU sync
@@ -160,18 +163,22 @@ class Engine:
 
 
 def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
-                 dtype: torch.dtype, indexer_precision: str = "exact",
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
-    """An Engine from a config and HF-named weights (dequantised) already on ``device``."""
+                 dtype: torch.dtype, indexer_precision: str = "exact", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 fp8_weights: bool = False) -> Engine:
+    """An Engine from a config and HF-named weights already on ``device``: dequantised, or with
+    ``fp8_weights`` the block-fp8 linear weights as stored with their ``_scale_inv`` partners
+    (``load_checkpoint(..., fp8_as_stored=True)``). Parameters are cast to ``dtype``; fp8 weights and
+    their scales stay as stored."""
     for key, need in (("kv_lora_rank", KV_LATENT_DIM), ("qk_rope_head_dim", KV_ROPE_DIM)):
         if getattr(cfg, key) != need:
             raise ConfigError(f"key '{key}' is {getattr(cfg, key)}: the Triton kernels and the fp8 cache layout "
                               f"need {key} = {need} (d_qk 576); backend='reference' runs any dims")
     with torch.device("meta"):
-        model = Transformer(cfg, num_layers, indexer_precision)
+        model = Transformer(cfg, num_layers, indexer_precision, fp8_weights)
     wanted = model.state_dict().keys()
     missing = [k for k in wanted if k not in weights]
     if missing:
         raise InputError(f"weights lack {len(missing)} tensors, e.g. '{missing[0]}'")
-    model.load_state_dict({k: weights[k].to(device, dtype) for k in wanted}, assign=True)
-    return Engine(cfg, model.eval(), device, dtype, prefill_chunk)
+    params = dict(model.named_parameters()).keys()
+    model.load_state_dict({k: weights[k].to(device, dtype if k in params else None) for k in wanted}, assign=True)
+    return Engine(cfg, model.eval(), device, dtype, indexer_precision, prefill_chunk)

@@ -22,8 +22,9 @@ from torch import nn
 from .config import ModelConfig
 from .context import StepContext
 from .errors import InputError
-from .formats import FP8_GROUP, quantize_groups
-from .kernels import indexer_topk, lightning_indexer_scores, mla_decode_fp8, sparse_mla_prefill, write_kv_fp8
+from .fp8_linear import Fp8Linear
+from .kernels import (indexer_topk, mla_decode_fp8, mla_query_absorb, mla_value_proj_fp8, paged_indexer_scores,
+                      quantize_act_fp8, sparse_mla_prefill, write_kv_fp8)
 from .rope import apply_rope_half, apply_rope_interleaved
 
 
@@ -39,8 +40,9 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def _linear(d_in: int, d_out: int) -> nn.Linear:
-    return nn.Linear(d_in, d_out, bias=False)
+def _linear(d_in: int, d_out: int, fp8: bool = False) -> nn.Module:
+    """A bias-free projection: block-fp8 weights as stored (``Fp8Linear``) or a plain float ``nn.Linear``."""
+    return Fp8Linear(d_in, d_out) if fp8 else nn.Linear(d_in, d_out, bias=False)
 
 
 class LightningIndexer(nn.Module):
@@ -48,65 +50,53 @@ class LightningIndexer(nn.Module):
 
     score[t, s] = Σ_h relu(q[t, h] · k[s]) · w[t, h], with w = weights_proj(x) · H^-0.5 · D^-0.5.
     Rope is half-split (non-interleaved) on the first ``qk_rope_head_dim`` dims; k_norm is a LayerNorm
-    with bias. ``precision="exact"`` scores in fp32; ``precision="fp8"`` follows the official path
-    (Hadamard rotation, then fp8 e4m3 q and k with one power-of-two scale per 128 values).
+    with bias. ``precision="exact"`` scores fp32 q and keys (what the reference computes);
+    ``precision="fp8"`` follows the official path: Hadamard rotation, then e4m3 q (one power-of-two
+    scale per head, folded into w) and keys (one per token, in the 132-byte key cache).
     """
 
-    def __init__(self, cfg: ModelConfig, precision: str = "exact"):
+    def __init__(self, cfg: ModelConfig, precision: str = "exact", fp8_weights: bool = False):
         super().__init__()
         if precision not in ("exact", "fp8"):
             raise InputError(f"indexer precision must be 'exact' or 'fp8', got {precision!r}")
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        self.topk = cfg.index_topk
+        self.index_topk = cfg.index_topk
         self.precision = precision
-        self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
-        self.wk = _linear(cfg.hidden_size, self.head_dim)
+        self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim, fp8_weights)
+        self.wk = _linear(cfg.hidden_size, self.head_dim, fp8_weights)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = _linear(cfg.hidden_size, self.n_heads)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        pe, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([apply_rope_half(pe, cos, sin), rest], dim=-1)
-
-    def _to_scoring_precision(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        if self.precision == "exact":
-            return x
-        return fp8_fake_quant(hadamard_rotate(x))
+    def _rope_and_rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        pe, rest = x.float().split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        x = torch.cat([apply_rope_half(pe, cos, sin), rest], dim=-1)
+        return hadamard_rotate(x) if self.precision == "fp8" else x
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> indexer keys [T, head_dim] fp32, as cached (fp8 values in fp8 mode)."""
+        """x [T, hidden] -> indexer keys [T, head_dim] fp32 (rotated in fp8 mode; the key cache
+        quantises them)."""
         k = F.layer_norm(self.wk(x).float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
                          self.k_norm.eps)
-        return self._to_scoring_precision(self._rope(k, cos, sin))
+        return self._rope_and_rotate(k, cos, sin)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden], qr [T, q_lora_rank] (q_a_layernorm output) -> q [T, H, D] fp32, w [T, H] fp32."""
-        q = self.wq_b(qr).float().view(-1, self.n_heads, self.head_dim)
-        q = self._to_scoring_precision(self._rope(q, cos[:, None], sin[:, None]))
+        """x [T, hidden], qr [T, q_lora_rank] (q_a_layernorm output) -> q [T, H, D], w [T, H] fp32:
+        fp32 q (exact), or e4m3 q with each head's scale folded into w (fp8)."""
+        q = self._rope_and_rotate(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
         w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        if self.precision == "fp8":
+            q, q_scale = quantize_act_fp8(q.flatten(0, 1))
+            q, w = q.view(-1, self.n_heads, self.head_dim), w * q_scale.view(-1, self.n_heads)
         return q, w
 
-    @staticmethod
-    def scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """q [..., T, H, D], w [..., T, H], k [..., S, D] -> scores [..., T, S] fp32 (torch: the decode
-        step uses it, as it must stay free of host syncs for CUDA-graph capture)."""
-        logits = torch.einsum("...thd,...sd->...ths", q, k).relu_()
-        return torch.einsum("...ths,...th->...ts", logits, w)
-
-    def select(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """scores [..., T, S], valid [..., T, S] bool -> top-k key positions [..., T, index_topk] int32.
-
-        Row t keeps min(index_topk, #valid) keys; the rest of the row is −1. Ties go to the earlier
-        position, as in the reference (several keys can score exactly 0 when every head's relu clips).
-        """
-        scores = scores.masked_fill(~valid, float("-inf"))
-        k = min(self.topk, scores.shape[-1])
-        values, order = scores.sort(dim=-1, descending=True, stable=True)
-        idx = torch.where(torch.isneginf(values[..., :k]), -1, order[..., :k]).to(torch.int32)
-        if k < self.topk:
-            idx = F.pad(idx, (0, self.topk - k), value=-1)
-        return idx
+    def select(self, q: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
+               limit: torch.Tensor, n_keys: int | None = None) -> torch.Tensor:
+        """Top-k key positions [b, t, index_topk] int32 (−1 padded) of queries q [b, t, H, D] with
+        weights w [b, t, H] over the paged key cache: position s of sequence b is a candidate when
+        s <= limit[b, t]; ties go to the earlier position (``paged_indexer_scores``,
+        ``indexer_topk``). n_keys: the width scored (default the block table's capacity)."""
+        scores = paged_indexer_scores(q, w, key_cache, block_table, limit, n_keys=n_keys)
+        return indexer_topk(scores, self.index_topk)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
@@ -121,14 +111,6 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return x @ (h * d**-0.5)
 
 
-def fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """Round x [..., D] to e4m3 with one power-of-two scale per 128 values (``formats.quantize_groups``);
-    returns the dequantised fp32 values (what an fp8 dot with per-group scales computes, up to
-    accumulation order)."""
-    values, scale = quantize_groups(x)
-    return (values.float().unflatten(-1, (-1, FP8_GROUP)) * scale[..., None]).flatten(-2)
-
-
 class MLAAttention(nn.Module):
     """Multi-head latent attention with q-LoRA and kv-LoRA, computed in the absorbed form.
 
@@ -136,24 +118,27 @@ class MLAAttention(nn.Module):
     (normalised latent [T, kv_lora_rank], roped k_rope [T, rope]); ``output`` maps the attention
     output over the latent [T, H, kv_lora_rank] back to the hidden size. MLA rope is interleaved on the
     last ``qk_rope_head_dim`` dims of each head. ``layer_index`` picks this layer's cache, stash and
-    top-k override out of the step context.
+    top-k override out of the step context. ``fp8_weights``: the projections keep the checkpoint's
+    block-fp8 weights (``Fp8Linear``); kv_b's per-head products run on its stored fp8 weight and the
+    value projection hands o_proj its fp8 input directly.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact"):
+    def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact",
+                 fp8_weights: bool = False):
         super().__init__()
-        self.layer_index = layer_index
+        self.layer_index, self.fp8_weights = layer_index, fp8_weights
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.sm_scale = cfg.sm_scale
-        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank, fp8_weights)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = _linear(cfg.q_lora_rank, self.n_heads * (self.nope + self.rope))
-        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope)
+        self.q_b_proj = _linear(cfg.q_lora_rank, self.n_heads * (self.nope + self.rope), fp8_weights)
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, fp8_weights)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = _linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
-        self.o_proj = _linear(self.n_heads * self.v_dim, cfg.hidden_size)
-        self.indexer = LightningIndexer(cfg, indexer_precision) if cfg.is_v32 else None
+        self.kv_b_proj = _linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), fp8_weights)
+        self.o_proj = _linear(self.n_heads * self.v_dim, cfg.hidden_size, fp8_weights)
+        self.indexer = LightningIndexer(cfg, indexer_precision, fp8_weights) if cfg.is_v32 else None
 
     def _kv_b(self) -> torch.Tensor:
         return self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -166,11 +151,19 @@ class MLAAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
         latent = self.kv_a_layernorm(latent)
         k_rope = apply_rope_interleaved(k_rope, cos, sin)
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, self._kv_b()[:, : self.nope])
+        if self.fp8_weights:
+            q_latent = mla_query_absorb(q_nope.to(torch.bfloat16), self.kv_b_proj.weight,
+                                        self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim)
+            q_rope = q_rope.to(torch.bfloat16)
+        else:
+            q_latent = torch.einsum("thn,hnc->thc", q_nope, self._kv_b()[:, : self.nope])
         return torch.cat([q_latent, q_rope], dim=-1), latent, k_rope, qr
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """o_latent [T, H, kv_lora_rank] -> [T, hidden]."""
+        if self.fp8_weights:
+            return self.o_proj(mla_value_proj_fp8(o_latent.to(torch.bfloat16), self.kv_b_proj.weight,
+                                                  self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim))
         o = torch.einsum("thc,hvc->thv", o_latent.to(self.kv_b_proj.weight.dtype), self._kv_b()[:, self.nope :])
         return self.o_proj(o.flatten(1))
 
@@ -188,7 +181,7 @@ class MLAAttention(nn.Module):
         if cache is not None:
             write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), ctx.slots)
             if self.indexer is not None:
-                cache.index_keys[ctx.slots] = self.indexer.keys(x, ctx.cos, ctx.sin)
+                cache.write_index_keys(self.indexer.keys(x, ctx.cos, ctx.sin), ctx.slots)
         override = ctx.topk_override[self.layer_index] if ctx.topk_override is not None else None
         if ctx.is_prefill:
             o_latent = self._prefill(q_abs, latent, k_rope, x, qr, ctx, override)
@@ -223,27 +216,26 @@ class MLAAttention(nn.Module):
         index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin)
         keys = ctx.cache.layers[self.layer_index].index_keys
         topk = []
-        for seg in ctx.segments:
+        for seg in ctx.segments:  # one sequence each: scored over its keys up to the segment's end
             rows = slice(seg.offset, seg.offset + seg.length)
-            key_slots = ctx.cache.slots(torch.tensor(seg.seq, device=x.device), torch.arange(seg.end, device=x.device))
-            scores = lightning_indexer_scores(index_q[rows], keys[key_slots], index_w[rows], ctx.positions[rows])
-            topk.append(indexer_topk(scores, self.indexer.topk))
+            topk.append(self.indexer.select(index_q[None, rows], index_w[None, rows], keys,
+                                            ctx.cache.block_table[seg.seq : seg.seq + 1],
+                                            ctx.positions[None, rows], n_keys=seg.end)[0])
         return torch.cat(topk)
 
     def _decode(self, q_abs, x, qr, ctx: StepContext, override) -> torch.Tensor:
-        """One query token per sequence of ``ctx.block_table``. The indexer scores every position the
-        block table can hold (masked past each sequence's length): shapes stay static and nothing waits
-        on the GPU, so a whole decode step can be captured in a CUDA graph."""
+        """One query token per sequence of ``ctx.block_table``. The indexer reads each sequence's keys
+        up to its position only, with static shapes (the block table's width) and no host sync, so a
+        whole decode step can be captured in a CUDA graph."""
         b, cache = x.shape[0], ctx.cache.layers[self.layer_index]
-        pos = torch.arange(ctx.block_table.shape[1] * ctx.cache.block_size, device=x.device)
         if override is not None:
             topk = override.to(torch.int32)[:, None]
         elif self.indexer is not None:
             index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin)
-            key_slots = ctx.cache.slots(torch.arange(b, device=x.device)[:, None], pos[None, :])
-            scores = self.indexer.scores(index_q[:, None], index_w[:, None], cache.index_keys[key_slots])
-            topk = self.indexer.select(scores, (pos <= ctx.positions[:, None])[:, None])
+            topk = self.indexer.select(index_q[:, None], index_w[:, None], cache.index_keys, ctx.block_table,
+                                       ctx.positions[:, None])
         else:
+            pos = torch.arange(ctx.block_table.shape[1] * ctx.cache.block_size, device=x.device)
             topk = torch.where(pos <= ctx.positions[:, None], pos, -1).to(torch.int32)[:, None]
         o_latent, _ = mla_decode_fp8(q_abs[:, None].to(torch.bfloat16), cache.kv, ctx.block_table, topk,
                                      self.sm_scale, d_v=self.kv_lora_rank)
@@ -251,11 +243,11 @@ class MLAAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8_weights: bool = False):
         super().__init__()
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, fp8_weights)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, fp8_weights)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, fp8_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -263,15 +255,17 @@ class DenseMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One dense decoder layer: x + attn(norm(x)), then + mlp(norm(·)). ``layer_index`` is its place
-    in the model (which cache, stash and top-k override of the step context it uses)."""
+    in the model (which cache, stash and top-k override of the step context it uses); ``fp8_weights``
+    keeps the linear weights block-fp8 as the checkpoint stores them."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact"):
+    def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact",
+                 fp8_weights: bool = False):
         super().__init__()
         self.layer_index = layer_index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer_index, indexer_precision)
+        self.self_attn = MLAAttention(cfg, layer_index, indexer_precision, fp8_weights)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DenseMLP(cfg)
+        self.mlp = DenseMLP(cfg, fp8_weights)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), ctx)
@@ -281,11 +275,12 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """Embedding → decoder layers → norm → lm_head; parameter names are the checkpoint's names."""
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact"):
+    def __init__(self, cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact", fp8_weights: bool = False):
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i, indexer_precision) for i in range(num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i, indexer_precision, fp8_weights)
+                                          for i in range(num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

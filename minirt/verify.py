@@ -28,6 +28,17 @@ TOLERANCES = {
     "decode_logits": (1e-1, "max"),
     "top1_agreement": (0.9, "min"),
 }
+# With fp8 weights every GEMM input is an e4m3 activation (one power-of-two scale per 128 values, as
+# DeepSeek computes): ≈3.6% rms rounding of each, through several GEMMs in series per layer (measured
+# on the tiny preset: hidden 4-6%, logits 6%). The synthetic model's near-equal top logits then swap
+# more often (top-1 agreement 0.79-0.93 over seeds and checkpoints).
+FP8_WEIGHTS_TOLERANCES = TOLERANCES | {
+    "hidden": (1e-1, "max"),
+    "attention_same_topk": (1e-1, "max"),
+    "prefill_logits": (1e-1, "max"),
+    "decode_logits": (1.5e-1, "max"),
+    "top1_agreement": (0.7, "min"),
+}
 
 
 @dataclass
@@ -74,9 +85,9 @@ def topk_overlap(topk: torch.Tensor, ref_topk: torch.Tensor) -> float:
     return sum(scores) / len(scores)
 
 
-def _check(name: str, value: float) -> Check:
-    limit, kind = TOLERANCES[name.split("[")[0]]
-    return Check(name, value, limit, kind)
+def tolerances(engine: Engine) -> dict[str, tuple[float, str]]:
+    """The tolerance table for this engine's weights ("bf16" or "fp8")."""
+    return FP8_WEIGHTS_TOLERANCES if engine.weights == "fp8" else TOLERANCES
 
 
 def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_steps: int, seed: int = 0,
@@ -93,6 +104,12 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need prompt_len >= 1 and decode_steps >= 0, got {prompt_len}, {decode_steps}")
     say = progress or (lambda stage: None)
+    table = tolerances(engine)
+
+    def _check(name: str, value: float) -> Check:
+        limit, kind = table[name.split("[")[0]]
+        return Check(name, value, limit, kind)
+
     cfg, reference = engine.cfg, oracle.model
     total = prompt_len + decode_steps
     tokens = torch.randint(0, cfg.vocab_size, (total,), generator=torch.Generator().manual_seed(seed))

@@ -22,10 +22,11 @@ import triton
 import triton.testing
 from ceilings import measure_ceilings, plot_roofline
 
-from minirt.kernels.kv_cache_fp8 import BYTES_PER_TOKEN, new_kv_cache, positions_to_slots
-from minirt.kernels import sparse_mla_decode_sm90
-from minirt.kernels.sparse_mla_decode import (default_config, default_num_splits,
-                                              mla_decode_fp8, sparse_mla_decode_fp8)
+from minirt.formats import KV_TOKEN_BYTES
+from minirt.kernels import sparse_mla_decode_sm90 as sm90
+from minirt.kernels.kv_cache_fp8 import new_kv_cache, positions_to_slots
+from minirt.kernels.sparse_mla_decode import (default_config, default_num_splits, mla_decode_fp8,
+                                              sparse_mla_decode_fp8, uses_sm90_kernel)
 
 TOPK = 2048
 BLOCK_SIZE = 64
@@ -71,7 +72,7 @@ def build_problem(b, device, seed=0):
         start += n
     cache = new_kv_cache(num_blocks, BLOCK_SIZE, device=device)
     # random fp8 codes (no NaN, |v| <= 416), scales 2^-8..2^-6 (values up to ~6.5), random bf16 rope
-    flat = cache.view(-1, BYTES_PER_TOKEN)
+    flat = cache.view(-1, KV_TOKEN_BYTES)
     flat[:, :512] = torch.randint(0, 0x7E, (flat.shape[0], 512), device=device, dtype=torch.uint8) \
         | (torch.randint(0, 2, (flat.shape[0], 512), device=device, dtype=torch.uint8) << 7)
     flat[:, 512:528] = torch.exp2(torch.randint(-8, -5, (flat.shape[0], 4), device=device).float()) \
@@ -124,13 +125,12 @@ def main() -> None:
             positions = topk_positions(b, s_q, lengths, seed=s_q)
             problems[(h_q, s_q)] = (q, positions, positions_to_slots(positions, table, cache))
         q, positions, slots = problems[(h_q, s_q)]
-        sm90 = config is None and sparse_mla_decode_sm90.supported(q)
-        cfg = default_config(h_q) if config in (None, PORTABLE) else config
-        splits = num_splits or default_num_splits(b * s_q, h_q, TOPK, device, cfg,
-                                                  "sm90" if sm90 else "portable")
-        cfg = None if sm90 else cfg
-        label = ("sm90 Gluon, h64 n64 w8" if sm90 else
-                 f"portable h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
+        cfg = default_config(h_q) if config == PORTABLE else config
+        splits = num_splits or default_num_splits(q, TOPK, cfg)
+        shown = cfg or default_config(h_q)
+        label = (f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} w{sm90.NUM_WARPS.value}"
+                 if uses_sm90_kernel(q, cfg) else
+                 f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}")
         label += " (default)" if config is None else ""
         try:
             run = lambda: sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, num_splits=splits, config=cfg)
@@ -146,7 +146,7 @@ def main() -> None:
             print(rows[-1], flush=True)
             continue
         flops = 2 * b * s_q * h_q * TOPK * (576 + 512)
-        bytes_ = b * s_q * TOPK * BYTES_PER_TOKEN
+        bytes_ = b * s_q * TOPK * KV_TOKEN_BYTES
         tflops, gbps = flops / ms / 1e9, bytes_ / ms / 1e6
         rows.append(f"| {h_q} | {s_q} | {label} | {splits} | {ms * 1e3:.1f} | {tflops:.1f} "
                     f"({100 * tflops / peak_tflops:.0f}%) | {gbps:.0f} ({100 * gbps / copy_gbps:.0f}%) | "

@@ -24,7 +24,7 @@ from triton.testing import do_bench
 
 from ceilings import measure_ceilings, write_report
 
-from minirt.kernels.lightning_indexer import IndexerConfig, _launch, default_config, indexer_topk
+from minirt.kernels.lightning_indexer import IndexerConfig, default_config, indexer_topk, lightning_indexer_scores
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
 
 T, S, H, D, TOPK = 4096, 32768, 64, 128, 2048
@@ -91,11 +91,11 @@ def main():
         return f"{flops / ms / 1e9:.0f} TFLOP/s ({ms:.3f} ms)"
 
     def scores_cell(config):
-        got = _launch(q[check_rows], k, weights[check_rows], limit[check_rows], None, config)
+        got = lightning_indexer_scores(q[check_rows], k, weights[check_rows], limit[check_rows], config=config)
         rel = ((got[finite] - expected[finite]).norm() / expected[finite].norm()).item()
         if not (rel < 1e-4 and torch.equal(torch.isfinite(got), finite)):
             return f"WRONG (rel err {rel:.2g})"
-        return fmt(bench_ms(lambda: _launch(q, k, weights, limit, None, config)))
+        return fmt(bench_ms(lambda: lightning_indexer_scores(q, k, weights, limit, config=config)))
 
     default = default_config(T, H, D)
     matmul_tflops, copy_gbps = measure_ceilings()
@@ -118,11 +118,11 @@ def main():
     row("sparse_mla_prefill (h_q 128, d_qk 576, top-k 2048): the target", attempt(lambda: f"{attention_ms():.3f} ms"))
     row(f"scores, default {default.block_t},{default.block_s},{default.num_warps},{default.num_stages}",
         attempt(lambda: scores_cell(default)))
-    scores = _launch(q, k, weights, limit, None, default)
+    scores = lightning_indexer_scores(q, k, weights, limit, config=default)
     row("indexer_topk(scores, 2048) alone", attempt(lambda: f"{bench_ms(lambda: indexer_topk(scores, TOPK)):.3f} ms"))
     row("torch.topk(scores, 2048) alone (fp32, ties unordered: lower bound)",
         attempt(lambda: f"{bench_ms(lambda: torch.topk(scores, TOPK, dim=-1)):.3f} ms"))
-    row("scores + indexer_topk, default", attempt(lambda: f"{bench_ms(lambda: indexer_topk(_launch(q, k, weights, limit, None, default), TOPK)):.3f} ms"))
+    row("scores + indexer_topk, default", attempt(lambda: f"{bench_ms(lambda: indexer_topk(lightning_indexer_scores(q, k, weights, limit, config=default), TOPK)):.3f} ms"))
     del scores
     row("eager torch scores (chunked bf16 matmul + fp32 head sum)",
         attempt(lambda: fmt(bench_ms(lambda: eager_scores(q, k, weights, limit)))))
@@ -136,7 +136,7 @@ def main():
             dw = torch.randn((n_batch, 1, H), generator=gen, device="cuda") * (H * D) ** -0.5
             dlimit = torch.full((n_batch, 1), S - 1, device="cuda", dtype=torch.int32)
             config = default_config(1, H, D)
-            ms = bench_ms(lambda: _launch(dq, dk, dw, dlimit, None, config))
+            ms = bench_ms(lambda: lightning_indexer_scores(dq, dk, dw, dlimit, config=config))
             return f"{n_batch * S * (2 * D + 4) / ms / 1e6:.0f} GB/s ({ms:.3f} ms)"
         row(f"decode scores, B {n_batch} x 1 query, S {S} each", attempt(decode_cell))
 

@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 from ceilings import measure_ceilings, plot_roofline, write_report
 
-from minirt.kernels.sparse_mla_prefill import PrefillConfig, _launch, default_config, sparse_mla_prefill
+from minirt.kernels.sparse_mla_prefill import PrefillConfig, default_config, sparse_mla_prefill
 
 S_Q, TOPK, D_V = 4096, 2048, 512
 # The issue's target shape first, so a run cut short still reports it.
@@ -38,8 +38,8 @@ def eager_prefill(q, kv, indices, sm_scale, d_v, chunk=256):
 
 def portable(config=None):
     """The portable Triton kernel with a launch config (default_config when None)."""
-    return lambda q, kv, idx, scale: _launch(q, kv, idx, scale, D_V, None, None, None,
-                                             config or default_config(q.shape[1]))
+    return lambda q, kv, idx, scale: sparse_mla_prefill(q, kv, idx, scale, D_V,
+                                                        config=config or default_config(q.shape[1]))
 
 
 def parse_variant(text: str):

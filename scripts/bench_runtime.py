@@ -1,13 +1,16 @@
-"""Runtime throughput on the GPU: prefill and decode tokens/s of a checkpoint at several batch sizes,
-and how close a CUDA-graph decode step comes to the sum of its kernels.
+"""Runtime throughput and memory on the GPU, from short prompts to the model's full context.
 
     minirt init /tmp/minirt-v32 --preset v32 --device cuda
-    python3 scripts/bench_runtime.py /tmp/minirt-v32 --out docs/perf/runtime.md
+    python3 scripts/bench_runtime.py /tmp/minirt-v32 --context 1024,8192,32768,131072,163840 --batch 1,16 \\
+        --out docs/perf/runtime.md
 
-Prompts are random token ids (different per sequence). Everything is warmed up first (Triton
-compiles, the decode graph is captured), then timed with a synchronize around each region. The kernel
-sum of a decode step comes from torch.profiler over one eager step: the device time of every kernel,
-added up, i.e. the step's time with no launch gaps.
+For each loading mode (``--modes``: weights bf16/fp8 x indexer exact/fp8) and each (batch, context)
+with batch * context <= ``--max-tokens``: random prompts of ``context`` tokens, a prefill, then the
+same prefill timed (chunked, the engine's default chunk), peak allocated memory over prefill and decode, and the median
+CUDA-graph decode step at that context, next to one eager step and the sum of its kernels
+(torch.profiler: every kernel's device time added up, i.e. the step with no launch gaps). A warm-up
+prefill and decode compile every kernel first. ``--split`` profiles one prefill of the longest b 1
+context and splits its kernel time into indexer / attention / linear / other.
 """
 from __future__ import annotations
 
@@ -21,7 +24,16 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import minirt
-from ceilings import measure_ceilings
+from ceilings import measure_ceilings, write_report
+
+GIB = 2**30
+# Kernel-name fragments of each part of a prefill (Triton kernels by their function names; cuBLAS,
+# CUTLASS and torch's own kernels by theirs).
+PARTS = {
+    "indexer": ("indexer", "topk", "_tie", "radix", "sort", "gather_topk", "bitonic"),
+    "attention": ("sparse_mla", "_sparse_decode"),
+    "linear": ("gemm", "cutlass", "fp8_gemm", "quantize_act", "mla_head_proj", "nvjet", "sm90_xmma", "cublas"),
+}
 
 
 def timed(fn) -> float:
@@ -32,71 +44,119 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def kernel_sum_seconds(fn) -> float:
+def kernel_times(fn) -> dict[str, float]:
+    """Device seconds of every kernel fn launches, by kernel name."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    # Kernel events only (CPU op events carry their children's device time too).
-    return sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) * 1e-6
+    times: dict[str, float] = {}
+    for e in prof.events():  # kernel events only (CPU op events carry their children's device time too)
+        if e.device_type == DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time_total * 1e-6
+    return times
 
 
-def bench_batch(engine, batch: int, prompt_len: int, steps: int, seed: int) -> dict:
+def split_by_part(times: dict[str, float]) -> dict[str, float]:
+    parts = dict.fromkeys([*PARTS, "other"], 0.0)
+    for name, seconds in times.items():
+        part = next((p for p, keys in PARTS.items() if any(k in name.lower() for k in keys)), "other")
+        parts[part] += seconds
+    return parts
+
+
+def random_prompts(engine, batch: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, engine.cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
-    engine.setup_cache(batch, prompt_len + 2 * steps + 8)
-    next_tokens = engine.prefill(prompts).argmax(-1)  # warm-up: compiles every kernel
-    for _ in range(3):  # the first graphed step runs eagerly and captures; then replays
-        next_tokens = engine.decode(next_tokens).argmax(-1)
+    return torch.randint(0, engine.cfg.vocab_size, (batch, length), generator=gen).tolist()
 
+
+def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
+    prompts = random_prompts(engine, batch, context, seed)
+    engine.setup_cache(batch, context + 2 * steps + 8)
+    torch.cuda.reset_peak_memory_stats()
+    engine.prefill(prompts)  # compiles what the warm-up's shapes did not (Triton specialises on sizes)
     prefill_s = timed(lambda: engine.prefill(prompts))
-    tokens = engine.prefill(prompts).argmax(-1)
-    step_s = []
-    for _ in range(steps):
-        step_s.append(timed(lambda: engine.decode(tokens)))
+    tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device=engine.device)
+    engine.decode(tokens)  # the first step of a batch size captures the graph
+    step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
+    peak = torch.cuda.max_memory_allocated()
     engine.use_cuda_graph = False
-    eager_step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(3))
-    kernels_s = kernel_sum_seconds(lambda: engine.decode(tokens))
+    eager_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(3))
+    kernels_s = sum(kernel_times(lambda: engine.decode(tokens)).values())
     engine.use_cuda_graph = True
-    step = statistics.median(step_s)
-    return {
-        "batch": batch, "prompt_len": prompt_len,
-        "prefill_tok_s": batch * prompt_len / prefill_s, "prefill_ms": prefill_s * 1e3,
-        "decode_tok_s": batch / step, "step_ms": step * 1e3, "eager_step_ms": eager_step_s * 1e3,
-        "kernel_sum_ms": kernels_s * 1e3, "graph_over_kernels": step / kernels_s,
-    }
+    return {"batch": batch, "context": context, "prefill_ms": prefill_s * 1e3,
+            "prefill_tok_s": batch * context / prefill_s, "peak_gib": peak / GIB, "step_ms": step_s * 1e3,
+            "eager_ms": eager_s * 1e3, "kernels_ms": kernels_s * 1e3, "graph_over_kernels": step_s / kernels_s}
+
+
+def warm_up(engine) -> None:
+    """Compile every kernel (prefill of a sparse-length prompt in two chunks, graphed decode steps)."""
+    n = 2 * (engine.cfg.index_topk or 64) + 8
+    engine.setup_cache(2, n + 8)
+    chunk, engine.prefill_chunk = engine.prefill_chunk, n // 2
+    tokens = engine.prefill(random_prompts(engine, 2, n, seed=99)).argmax(-1)
+    engine.prefill_chunk = chunk
+    for _ in range(3):
+        tokens = engine.decode(tokens).argmax(-1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("weights")
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--out", help="write the markdown table here")
+    ap.add_argument("weights_dir")
+    ap.add_argument("--context", default="1024,8192,32768,131072,163840", help="prompt lengths")
+    ap.add_argument("--batch", default="1,16", help="batch sizes")
+    ap.add_argument("--max-tokens", type=int, default=16 * 32768, help="skip rows of more prompt tokens")
+    ap.add_argument("--modes", default="bf16/exact,bf16/fp8,fp8/exact,fp8/fp8",
+                    help="weights/indexer_precision pairs to load")
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per row")
+    ap.add_argument("--split", action="store_true", help="profile the longest b 1 prefill: indexer/attention/linear")
+    ap.add_argument("--out", default="-", help="markdown report file (- for stdout)")
     args = ap.parse_args()
-    engine = minirt.load(args.weights, device="cuda")
-    rows = [bench_batch(engine, int(b), args.prompt_len, args.steps, seed=i)
-            for i, b in enumerate(args.batches.split(","))]
-    cfg = engine.cfg
+    contexts = [int(c) for c in args.context.split(",")]
+    batches = [int(b) for b in args.batch.split(",")]
     matmul_tflops, copy_gbps = measure_ceilings()
-    lines = [
-        f"runtime, {engine.num_layers} layers of {args.weights} (hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
-        f"index_topk {cfg.index_topk}), {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{datetime.date.today()}",
-        f"ceilings measured in the same run: bf16 matmul {matmul_tflops:.0f} TFLOP/s, device copy {copy_gbps:.0f} GB/s",
-        "",
-        "| batch | prompt | prefill tok/s | prefill ms | decode tok/s | graph step ms | eager step ms | kernel sum ms | graph / kernels |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['prefill_tok_s']:,.0f} | {r['prefill_ms']:.1f} | "
-                     f"{r['decode_tok_s']:,.0f} | {r['step_ms']:.2f} | {r['eager_step_ms']:.2f} | "
-                     f"{r['kernel_sum_ms']:.2f} | {r['graph_over_kernels']:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    lines = [f"runtime, {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.date.today()}; "
+             f"checkpoint {args.weights_dir}",
+             f"ceilings measured in the same run: bf16 matmul {matmul_tflops:.0f} TFLOP/s, device copy "
+             f"{copy_gbps:.0f} GB/s", ""]
+    for mode in args.modes.split(","):
+        weights, precision = mode.split("/")
+        torch.cuda.empty_cache()
+        engine = minirt.load(args.weights_dir, device="cuda", weights=weights, indexer_precision=precision)
+        weight_gib = torch.cuda.memory_allocated() / GIB
+        cfg = engine.cfg
+        warm_up(engine)
+        lines += [f"### weights {weights}, indexer {precision}: {engine.num_layers} layers (hidden {cfg.hidden_size}, "
+                  f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
+                  f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
+                  "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "
+                  "| kernel sum ms | graph / kernels |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for batch in batches:
+            for i, context in enumerate(contexts):
+                if batch * context > args.max_tokens:
+                    continue
+                try:
+                    r = bench_row(engine, batch, context, args.steps, seed=i)
+                except torch.cuda.OutOfMemoryError as e:
+                    lines.append(f"| {batch} | {context:,} | out of memory: {str(e).splitlines()[0][:80]} |||||||")
+                    engine.cache = None
+                    torch.cuda.empty_cache()
+                    continue
+                lines.append(f"| {batch} | {context:,} | {r['prefill_ms']:,.1f} | {r['prefill_tok_s']:,.0f} | "
+                             f"{r['peak_gib']:.1f} | {r['step_ms']:.2f} | {r['eager_ms']:.2f} | "
+                             f"{r['kernels_ms']:.2f} | {r['graph_over_kernels']:.2f} |")
+                print(lines[-1], flush=True)
+        if args.split:
+            context = max(c for c in contexts if c <= args.max_tokens)
+            prompts = random_prompts(engine, 1, context, seed=7)
+            engine.setup_cache(1, context + 8)
+            parts = split_by_part(kernel_times(lambda: engine.prefill(prompts)))
+            total = sum(parts.values())
+            lines += ["", f"Kernel time of one b 1 prefill of {context:,} tokens: {total * 1e3:,.0f} ms; "
+                      + ", ".join(f"{p} {s * 1e3:,.0f} ms ({s / total:.0%})" for p, s in parts.items())]
+        lines.append("")
+        del engine
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call (the device tool runs this from the repo root):
-#   scripts/gpu_check.sh STAGE...   stages: tests kernel-tests bench v32 runtime-bench
-# tests:        runtime, CLI and README tests with CUDA tensors (tiny preset, bf16)
+#   DEADLINE=560 scripts/gpu_check.sh STAGE...
+#   stages: tests kernel-tests bench gemm-bench v32 v32-generate runtime-bench (RUNTIME_BENCH_ARGS: more flags)
+# tests:        runtime, CLI, README and embedding tests with CUDA tensors (tiny preset)
 # kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels)
-# bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py;
-#               ceilings measured in the same run
+# bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
+#               bench_indexer_paged.py; ceilings measured in the same run
+# gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
 # v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers), then `minirt verify`
-#               and `minirt generate` at batch 1 and 64
-# runtime-bench: scripts/bench_runtime.py on that checkpoint (prefill/decode tok/s, CUDA-graph step)
-# Logs and tables go to $OUT (default /tmp/minirt-out).
+#               (default fp8 weights; bf16 weights; a prompt longer than one prefill chunk)
+# v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
+# runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
+#               both weight and indexer modes, peak memory, the split of one long prefill)
+# Logs and tables go to $OUT (default /tmp/minirt-out). Every stage is cut off DEADLINE seconds after
+# the start (default 570), so the call ends inside the device tool's 600 s limit with its logs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minirt-out}
@@ -18,11 +23,14 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 
+DEADLINE=${DEADLINE:-570}
 run() {  # run NAME CMD...: tee output to $OUT/NAME.log, remember failures
   local name=$1; shift
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 10 ]; then echo "=== $name: skipped, past the deadline" | tee -a "$OUT/summary.txt"; status=1; return; fi
   echo "=== $name: $*"
   local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout "$left" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" -eq 0 ] || status=1
@@ -30,20 +38,27 @@ run() {  # run NAME CMD...: tee output to $OUT/NAME.log, remember failures
 
 for stage in "$@"; do
   case $stage in
-    tests) run tests python3 -m pytest -q -x tests/test_engine.py tests/test_cli.py tests/test_readme.py tests/test_ops.py ;;
+    tests) run tests python3 -m pytest -q tests/test_engine.py tests/test_layers.py tests/test_cli.py \
+             tests/test_readme.py tests/test_ops.py tests/test_embedding.py ;;
     kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py \
-                    tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py ;;
+                    tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py tests/test_indexer_cache.py \
+                    tests/test_fp8_gemm.py ;;
     bench)
       run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md" --plot "$OUT/prefill.png"
       run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"
-      run bench-indexer python3 scripts/bench_indexer.py --out "$OUT/indexer.md" ;;
-    v32|runtime-bench)
+      run bench-indexer python3 scripts/bench_indexer.py --out "$OUT/indexer.md"
+      run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md" ;;
+    gemm-bench) run bench-gemm python3 scripts/bench_gemm.py --out "$OUT/gemm.md" ;;
+    v32|v32-generate|runtime-bench)
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda ;;&
-    runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --out "$OUT/runtime.md" ;;
+    runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --split --out "$OUT/runtime.md" ${RUNTIME_BENCH_ARGS:-} ;;
     v32)
       run v32-verify minirt verify $V32 --json
-      cp "$OUT/v32-verify.log" "$OUT/verify_v32.json"
+      run v32-verify-bf16 python3 -c "import json, minirt; from minirt.verify import run_verify
+e = minirt.load('$V32', weights='bf16', prefill_chunk=1024); o = minirt.load('$V32', backend='reference')
+print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
+    v32-generate)
       prompt=$(python3 -c 'print(",".join(str((i * 7919) % 129280) for i in range(512)))')
       run v32-generate-b1 minirt generate $V32 --tokens "$prompt" -n 64 --batch 1
       run v32-generate-b64 minirt generate $V32 --tokens "$prompt" -n 64 --batch 64 ;;

@@ -18,9 +18,10 @@ def kernel_path(request, monkeypatch):
     public functions pick (the Gluon kernels on sm_90) and through the portable Triton kernels,
     forced. The CPU (interpreter) has only the portable kernels."""
     if request.param == "portable":
-        from minirt.kernels import sparse_mla_decode_sm90, sparse_mla_prefill_sm90
-        monkeypatch.setattr(sparse_mla_prefill_sm90, "supported", lambda *args: False)
-        monkeypatch.setattr(sparse_mla_decode_sm90, "supported", lambda *args: False)
+        import importlib
+        for name in ("sparse_mla_prefill", "sparse_mla_decode"):   # the modules, not the functions
+            monkeypatch.setattr(importlib.import_module(f"minirt.kernels.{name}"), "uses_sm90_kernel",
+                                lambda *args, **kwargs: False)
     return request.param
 
 

@@ -96,7 +96,8 @@ def test_verify_exits_non_zero_on_mismatch(tiny, monkeypatch):
         engine = real_load(*args, **kwargs)
         if engine.backend == "reference":  # verify loads the oracle through minirt.load too
             return engine
-        w = engine.model.model.layers[0].self_attn.o_proj.weight
+        o_proj = engine.model.model.layers[0].self_attn.o_proj
+        w = getattr(o_proj, "weight_scale_inv", o_proj.weight)  # fp8 weights: scale their block scales
         with torch.no_grad():
             w.mul_(1.5)
         return engine

@@ -8,13 +8,12 @@ from minirt.context import PrefillTrace
 from minirt.errors import InputError
 from minirt.generate import generate
 from minirt.sampling import SamplingParams
-from minirt.synthetic import write_synthetic_checkpoint
-from minirt.verify import TOLERANCES, rel_err, run_verify
+from minirt.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, rel_err, run_verify, tolerances
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", preset="tiny", seed=1)
+def tiny(tiny_master):
+    return tiny_master
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def test_verify_passes_on_tiny(engine, oracle):
 
 
 def test_verify_fails_when_one_weight_is_perturbed(tiny, oracle):
-    engine = minirt.load(tiny, device=DEVICE)
+    engine = minirt.load(tiny, device=DEVICE, weights="bf16")
     w = engine.model.model.layers[1].self_attn.kv_b_proj.weight
     with torch.no_grad():
         w.add_(0.2 * w.std() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)).to(w))
@@ -65,12 +64,12 @@ def test_decode_steps_match_full_sequence_logits(engine, reference):
     for t in range(40, 50):
         logits.append(engine.decode(torch.tensor([seq[t]]), topk_override=[ref.topk_indices[i][t : t + 1] for i in layers]))
     got = torch.cat(logits)  # positions 39 .. 49
-    assert rel_err(got, ref.logits[39:]) < TOLERANCES["decode_logits"][0]
+    assert rel_err(got, ref.logits[39:]) < tolerances(engine)["decode_logits"][0]
     # Free-running (own indexer over the cached keys), greedy choices still agree.
     engine.setup_cache(1, len(seq))
     free = [engine.prefill([seq[:40]])] + [engine.decode(torch.tensor([seq[t]])) for t in range(40, 50)]
     agree = (torch.cat(free).argmax(-1).cpu() == ref.logits[39:].argmax(-1).cpu()).float().mean()
-    assert agree >= TOLERANCES["top1_agreement"][0]
+    assert agree >= tolerances(engine)["top1_agreement"][0]
 
 
 def test_short_prompt_attends_every_earlier_token(engine, reference):
@@ -82,7 +81,7 @@ def test_short_prompt_attends_every_earlier_token(engine, reference):
     for topk in trace.topk:
         for t, row in enumerate(topk.tolist()):
             assert sorted(i for i in row if i >= 0) == list(range(t + 1))
-    assert rel_err(logits, reference.forward(torch.tensor(seq)).logits) < TOLERANCES["prefill_logits"][0]
+    assert rel_err(logits, reference.forward(torch.tensor(seq)).logits) < tolerances(engine)["prefill_logits"][0]
 
 
 def test_batch_of_different_lengths_equals_each_prompt_alone(engine):
@@ -127,7 +126,7 @@ def test_reference_backend_same_api(tiny, engine):
     ref_engine = minirt.load(tiny, device=DEVICE, backend="reference")
     prompt = random_prompt(12, engine.cfg.vocab_size, seed=13)
     a, b = ref_engine.prefill([prompt]), engine.prefill([prompt])
-    assert rel_err(b, a) < TOLERANCES["prefill_logits"][0]
+    assert rel_err(b, a) < tolerances(engine)["prefill_logits"][0]
 
 
 @pytest.mark.parametrize("prompts", [[], [[]], [[0, -1]], [[10**9]]])
@@ -213,3 +212,17 @@ def test_a_cache_the_engine_sized_grows_for_a_longer_prompt(tiny):
     engine.setup_cache(1, 8)  # a capacity the user set is a limit
     with pytest.raises(InputError, match="holds 8"):
         engine.prefill([long_prompt])
+
+
+def test_verify_passes_with_fp8_weights_kept_as_stored(tiny, oracle):
+    engine = minirt.load(tiny, device=DEVICE, weights="fp8")
+    linears = [m for m in engine.model.modules() if hasattr(m, "weight_scale_inv")]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    report = run_verify(engine, oracle, prompt_len=2 * engine.cfg.index_topk + 5, decode_steps=3, seed=3)
+    assert report.ok, report.to_json()
+    assert report.checks[0].name == "hidden[0]" and report.checks[0].limit == FP8_WEIGHTS_TOLERANCES["hidden"][0]
+
+
+def test_unknown_weights_mode_is_refused(tiny):
+    with pytest.raises(InputError, match="weights must be"):
+        minirt.load(tiny, device=DEVICE, weights="int4")

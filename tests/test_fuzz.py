@@ -7,6 +7,7 @@ points to, plus the memory on either side of kv / the cache, holds NaN or Inf: a
 would show up as NaN in the output, an out-of-bounds read as NaN or a crash.
 """
 import json
+import shutil
 import math
 import struct
 import tracemalloc
@@ -22,7 +23,6 @@ from minirt.checkpoint import INDEX_FILE, load_checkpoint, read_safetensors_head
 from minirt.errors import CheckpointError
 from minirt.kernels import dequantize_kv_fp8, mla_decode_fp8, quantize_kv_fp8, sparse_mla_decode_fp8, sparse_mla_prefill
 from minirt.kernels.sparse_mla_decode import DecodeConfig
-from minirt.synthetic import write_synthetic_checkpoint
 
 ON_GPU = DEVICE == "cuda"
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -310,9 +310,9 @@ def test_decode_garbage_positions_and_block_table_match_reference(case):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A one-layer tiny checkpoint whose layer shard (the header with the most entries) gets corrupted."""
-    ckpt = write_synthetic_checkpoint(tmp_path_factory.mktemp("fuzz") / "tiny", preset="tiny", seed=99, num_layers=1)
+def checkpoint(tiny_master, tmp_path_factory):
+    """A copy of the tiny checkpoint whose layer-0 shard (the header with the most entries) gets corrupted."""
+    ckpt = shutil.copytree(tiny_master, tmp_path_factory.mktemp("fuzz") / "tiny")
     shard = ckpt / json.loads((ckpt / INDEX_FILE).read_text())["weight_map"]["model.layers.0.mlp.up_proj.weight"]
     data = shard.read_bytes()
     (header_len,) = struct.unpack("<Q", data[:8])

@@ -10,9 +10,9 @@ import torch
 
 from conftest import DEVICE
 from minirt.errors import InputError
-from minirt.kernels.kv_cache_fp8 import (BYTES_PER_TOKEN, cache_geometry, dequantize_kv_fp8,
-                                         new_kv_cache, positions_to_slots, quantize_kv_fp8,
-                                         write_kv_fp8)
+from minirt.formats import KV_TOKEN_BYTES
+from minirt.kernels.kv_cache_fp8 import (cache_geometry, dequantize_kv_fp8, new_kv_cache, positions_to_slots,
+                                         quantize_kv_fp8, write_kv_fp8)
 
 FP8_NAN_CODES = (0x7F, 0xFF)
 _E4M3_VALUES = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -48,7 +48,7 @@ def exact_scale(tile: torch.Tensor) -> float:
 def test_byte_layout():
     latent, rope = random_tokens(8)
     packed = quantize_kv_fp8(latent, rope)
-    assert packed.shape == (8, BYTES_PER_TOKEN) and packed.dtype == torch.uint8
+    assert packed.shape == (8, KV_TOKEN_BYTES) and packed.dtype == torch.uint8
     scales = packed[:, 512:528].contiguous().view(torch.float32)          # [8, 4]
     for t in range(8):
         for j in range(4):
@@ -131,7 +131,7 @@ def test_dequantize_against_hand_built_bytes():
 
 
 def _packed_view(cache):
-    return cache.view(-1, BYTES_PER_TOKEN) if cache.is_contiguous() else cache.reshape(-1, BYTES_PER_TOKEN)
+    return cache.view(-1, KV_TOKEN_BYTES) if cache.is_contiguous() else cache.reshape(-1, KV_TOKEN_BYTES)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -141,11 +141,11 @@ def test_writer_matches_reference_bit_exactly(dtype, strided):
     latent, rope = random_tokens(n, dtype, seed=3)
     if strided:
         # a cache view whose blocks are 5 tokens further apart than block_size * 656 bytes
-        backing = torch.full((num_blocks, block_size + 5, 1, BYTES_PER_TOKEN), 0xFF, dtype=torch.uint8,
+        backing = torch.full((num_blocks, block_size + 5, 1, KV_TOKEN_BYTES), 0xFF, dtype=torch.uint8,
                              device=DEVICE)
         cache = backing[:, :block_size]
     else:
-        backing = cache = torch.full((num_blocks, block_size, 1, BYTES_PER_TOKEN), 0xFF,
+        backing = cache = torch.full((num_blocks, block_size, 1, KV_TOKEN_BYTES), 0xFF,
                                      dtype=torch.uint8, device=DEVICE)
     slots = torch.randperm(num_blocks * block_size)[:n].to(torch.int32)
     slots[3], slots[11] = -1, num_blocks * block_size          # skipped: padding, out of range
@@ -169,7 +169,7 @@ def test_writer_leading_dims_and_noncontiguous_inputs():
     latent, rope = kv[..., :512], kv[..., 512:]
     slots = torch.tensor([[0, 70, 5], [127, -1, 64]], dtype=torch.int64, device=DEVICE)
     write_kv_fp8(cache, latent, rope, slots)
-    flat = cache.view(-1, BYTES_PER_TOKEN)
+    flat = cache.view(-1, KV_TOKEN_BYTES)
     ref = quantize_kv_fp8(latent, rope)
     for (i, j) in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 2)]:
         assert torch.equal(flat[slots[i, j]], ref[i, j])

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 import minirt
+from conftest import DEVICE
 from minirt.context import PrefillTrace
-from minirt.layers import fp8_fake_quant, hadamard_rotate
-from minirt.synthetic import write_synthetic_checkpoint
+from minirt.layers import hadamard_rotate
+from minirt.rope import rope_cos_sin
 from minirt.verify import topk_overlap
 
 
@@ -18,28 +19,33 @@ def test_hadamard_rotation_is_orthonormal():
         hadamard_rotate(torch.randn(3, 96))
 
 
-def test_fp8_fake_quant_rounds_to_e4m3_with_power_of_two_block_scales():
-    x = torch.randn(4, 256, dtype=torch.float32) * torch.logspace(-3, 3, 4)[:, None]
-    q = fp8_fake_quant(x)
-    blocks, q_blocks = x.unflatten(-1, (2, 128)), q.unflatten(-1, (2, 128))
-    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1, keepdim=True) / 448)))
-    codes = q_blocks / scale
-    assert torch.equal(codes, codes.to(torch.float8_e4m3fn).float())  # exactly representable
-    assert codes.abs().max() <= 448
-    # e4m3: 3 mantissa bits → half-ulp 2^-4 relative; subnormals (below 2^-6) step 2^-9.
-    assert ((q - x).abs() <= torch.maximum(x.abs() * 2**-4, (scale * 2**-10).repeat_interleave(128, -1).flatten(-2))).all()
+def test_fp8_indexer_queries_are_e4m3_with_head_scales_folded_into_the_weights(tiny_master):
+    """fp8 mode: q is the Hadamard-rotated exact q rounded to e4m3 with one power-of-two scale per head,
+    and that scale multiplies the head weight, so q_fp8 · scale = w_fp8 / w_exact · q_fp8 ≈ H(q)."""
+    engines = {p: minirt.load(tiny_master, device=DEVICE, indexer_precision=p) for p in ("exact", "fp8")}
+    x = torch.randn(6, engines["exact"].cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE, engines["exact"].dtype)
+    outs = {}
+    for precision, engine in engines.items():
+        attn = engine.model.model.layers[0].self_attn
+        cos, sin = rope_cos_sin(engine.cfg, torch.arange(6, device=DEVICE), engine.cfg.qk_rope_head_dim)
+        qr = attn.q_a_layernorm(attn.q_a_proj(x))
+        outs[precision] = attn.indexer.queries(x, qr, cos, sin)
+    (q, w), (q8, w8) = outs["exact"], outs["fp8"]
+    assert q8.dtype == torch.float8_e4m3fn and q.dtype == w.dtype == w8.dtype == torch.float32
+    scale = w8 / w
+    assert torch.equal(scale, torch.exp2(torch.round(torch.log2(scale))))  # powers of two
+    rotated = hadamard_rotate(q)
+    assert (q8.float().abs().amax(-1) <= 448).all()
+    err = (q8.float() * scale[..., None] - rotated).abs()
+    assert (err <= torch.maximum(rotated.abs() * 2**-4, scale[..., None] * 2**-10)).all()
+    assert err.max() > 0  # it is rounded, not the exact q
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("fp8idx") / "tiny", preset="tiny", seed=4)
-
-
-def test_fp8_indexer_selects_nearly_the_exact_top_k(tiny):
+def test_fp8_indexer_selects_nearly_the_exact_top_k(tiny_master):
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     traces = {}
     for precision in ("exact", "fp8"):
-        engine = minirt.load(tiny, indexer_precision=precision)
+        engine = minirt.load(tiny_master, device=DEVICE, indexer_precision=precision)
         traces[precision] = PrefillTrace()
         engine.prefill([prompt], trace=traces[precision])
     overlaps = [topk_overlap(f, e) for f, e in zip(traces["fp8"].topk, traces["exact"].topk)]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import DEVICE
 from minirt.errors import InputError
+from minirt.kernels import _indexer_tiles
 from minirt.kernels import lightning_indexer as li
 from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk, lightning_indexer_scores
 
@@ -182,13 +183,13 @@ def test_limit_extremes():
 def test_launch_shapes(monkeypatch, programs, config):
     """Every launch shape the benchmark tries, with the keys split into one chunk per query tile or one
     tile per chunk: chunks whose tiles are partly computed, partly -inf-filled, or all filled."""
-    monkeypatch.setattr(li, "_num_programs_target", lambda device: programs)
+    monkeypatch.setattr(_indexer_tiles, "num_programs_target", lambda device: programs)
     gen = torch.Generator(DEVICE).manual_seed(23)
     n_queries, n_keys = 6, 333
     q, k, weights = random_inputs(gen, (n_queries,), n_keys, 64, 128, torch.bfloat16)
     limit = torch.tensor([5, 70, 0, 200, 31, 64], device=DEVICE)
     out = poisoned((n_queries, n_keys))
-    assert li._launch(q, k, weights, limit, out, config) is out
+    assert lightning_indexer_scores(q, k, weights, limit, out=out, config=config) is out
     check(out, q, k, weights, limit)
 
 
@@ -287,8 +288,8 @@ def test_topk_tie_across_the_boundary_only():
 
 
 def test_topk_masked_ties_take_the_fast_path(monkeypatch):
-    """-inf entries tie, but every one becomes -1: rows of distinct finite scores must not take the
-    exact (int64 keys of the whole row) path, the slow one."""
+    """-inf entries tie, but every one becomes -1: rows of distinct finite scores are never keyed as a
+    whole row (the slow, exact selection); only the selection (topk + 1 per row) is."""
     exact_rows = []
     order_keys = li._order_keys
     monkeypatch.setattr(li, "_order_keys", lambda values, indices: exact_rows.append(values.shape[-1]) or order_keys(values, indices))
@@ -309,6 +310,73 @@ def test_topk_on_indexer_scores():
     scores = lightning_indexer_scores(q, k, weights, torch.arange(n_keys - n_queries, n_keys, device=DEVICE))
     assert (scores == 0).sum() > n_keys, "the case needs many exact-zero ties"
     torch.testing.assert_close(indexer_topk(scores, 100), stable_topk_reference(scores, 100), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows_per_program", [1, 4, 256])
+def test_topk_tie_kernel_repairs_any_selection(monkeypatch, rows_per_program):
+    """The tie kernel on selections torch.topk could have returned: rows whose topk-th and (topk + 1)-th
+    values tie hold the tied keys with the highest indices (the worst arbitrary choice, which CPU
+    torch.topk never makes); after the repair they hold the lowest ones. Rows without such a tie, and
+    rows whose tie is at -inf, are left as they were. Interpreted, programs take several rows (one
+    when compiled): each count of rows per program is tried."""
+    monkeypatch.setattr(li, "_TIE_INTERPRETED_ROWS", rows_per_program)
+    gen = torch.Generator(DEVICE).manual_seed(32)
+    n_rows, n_keys, topk = 6, 400, 60
+    scores = torch.randn((n_rows, n_keys), generator=gen, device=DEVICE)
+    tie_value = scores.sort(-1, descending=True).values[:, topk - 10, None]
+    levels = torch.randint(0, 4, (n_rows, n_keys), generator=gen, device=DEVICE)
+    # Rows 0-2: ~100 keys at one value across the boundary (-0.0 and +0.0 in row 2, ~30 keys above
+    # them); row 3: distinct;
+    # row 4: fewer than topk + 1 finite keys (-inf tie); row 5: the largest value tied everywhere.
+    scores[:3] = torch.where(levels[:3] == 0, tie_value[:3], scores[:3])
+    above = (levels[2] == 1) & (torch.arange(n_keys, device=DEVICE) < 120)
+    scores[2] = torch.where(levels[2] == 0, torch.where(levels[2].roll(1) < 2, -0.0, 0.0),
+                            torch.where(above, scores[2].abs() + 1, -scores[2].abs() - 1))
+    scores[4, 30:] = -math.inf
+    scores[5] = 7.5
+    order = torch.sort(li._order_keys(scores, torch.arange(n_keys, device=DEVICE).expand_as(scores)),
+                       descending=True).values
+    best = li._key_indices(order)[:, :topk + 1]
+    values = scores.gather(-1, best)
+    # Swap the selected tied keys for the highest-indexed keys of the same value.
+    worst = best.clone()
+    for row in range(n_rows):
+        boundary = values[row].min()
+        tied = (scores[row] == boundary).nonzero().flatten()
+        chosen = values[row] == boundary
+        worst[row, chosen] = tied[-int(chosen.sum()):]
+    selected_values, selected_indices = values.clone(), worst.clone()
+    li._resolve_boundary_ties(scores, selected_values, selected_indices)
+    for row in range(n_rows):
+        got = sorted(zip(selected_indices[row].tolist(), selected_values[row].tolist()))
+        repaired = row in (0, 1, 2, 5)
+        expected = best[row] if repaired else worst[row]
+        assert got == sorted(zip(expected.tolist(), scores[row, expected].tolist())), f"row {row}"
+        assert not repaired or not torch.equal(best[row].sort().values, worst[row].sort().values), "test setup"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="host synchronisation and CUDA graphs need a GPU")
+def test_topk_is_sync_free_and_graph_capturable():
+    """indexer_topk on rows with boundary ties raises no host synchronisation (sync debug mode
+    "error"), and a captured graph replays it on new scores to the stable-sort reference. CPU
+    tensors are rejected when compiled (the tie kernel runs on the GPU)."""
+    gen = torch.Generator(DEVICE).manual_seed(33)
+    shape, topk = (16, 5000), 2048
+    scores = tied_scores(gen, shape)
+    with pytest.raises(InputError, match="CUDA"):
+        indexer_topk(scores.cpu(), topk)
+    indexer_topk(scores, topk)                 # compile first: the check is about the steady state
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        indexer_topk(scores, topk)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = indexer_topk(scores, topk)
+    scores.copy_(tied_scores(gen, shape))
+    graph.replay()
+    assert torch.equal(captured, stable_topk_reference(scores, topk))
 
 
 def _valid_args():
@@ -338,6 +406,7 @@ def _valid_args():
     (lambda q, k, w: (q, k.to("meta"), w, {}), "one device"),
     (lambda q, k, w: (q.to("meta"), k.to("meta"), w.to("meta"), {}), "meta"),
     (lambda q, k, w: ("q", k, w, {}), "torch.Tensor"),
+    (lambda q, k, w: (q, k, w, {"config": (4, 64, 8, 3)}), "IndexerConfig"),
 ])
 def test_bad_input_raises_input_error(mutate, message):
     q, k, weights, kwargs = mutate(*_valid_args())

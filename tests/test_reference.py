@@ -415,11 +415,10 @@ def test_bad_inputs_raise():
         ReferenceModel(cfg, reshaped)
 
 
-def test_reference_runs_on_synthetic_tiny_checkpoint(tmp_path):
+def test_reference_runs_on_synthetic_tiny_checkpoint(tiny_master):
     from minirt.checkpoint import load_checkpoint
-    from minirt.synthetic import write_synthetic_checkpoint
 
-    cfg, weights = load_checkpoint(write_synthetic_checkpoint(tmp_path / "tiny", preset="tiny", seed=0))
+    cfg, weights = load_checkpoint(tiny_master)
     T = cfg.index_topk + 8  # longer than top-k: the sparse selection drops keys
     tokens = random_tokens(cfg, T, seed=13)
     model = ReferenceModel(cfg, weights)

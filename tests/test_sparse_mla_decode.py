@@ -5,6 +5,7 @@ Runs the real Triton kernels: compiled with CUDA tensors on a GPU, under TRITON_
 Every call gets NaN-poisoned preallocated out/lse, and every cache slot that no valid index points to
 is filled with 0xFF bytes (NaN in fp8, float32 and bf16).
 """
+import importlib
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, mla_
                                               sparse_mla_decode_fp8)
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
 from minirt.kernels import sparse_mla_decode_sm90 as sm90
+from test_sparse_mla_prefill import record_launches
 
 ON_GPU = DEVICE == "cuda"
 
@@ -303,6 +305,7 @@ def test_bad_inputs_raise_input_error():
         dict(topk_length=torch.zeros(1, dtype=torch.int64, device=DEVICE)),
         dict(out=torch.empty(1, 1, 16, 512, device=DEVICE)), dict(lse=torch.empty(1, 1, 16, device=DEVICE)),
         dict(num_splits=0), dict(indices=idx.to("meta")), dict(q=q.to("meta")),
+        dict(config=(64, 64, 8, 2)),
     ]
     for bad in bad_calls:
         args = dict(q=q, kv_cache=cache, indices=idx, sm_scale=SM_SCALE)
@@ -367,3 +370,31 @@ def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch):
     q = random_q(2, 1, 16, 7)
     check(decode(q, cache, indices, SM_SCALE), reference(q, cache, indices, SM_SCALE))
     assert len(launched) == (1 if kernel_path == "sm90" else 0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sm90_launch_matches_kernel_signature(monkeypatch, num_splits):
+    """The Gluon kernel cannot run on the CPU (no interpreter); its launch can: it passes exactly the
+    kernel's parameters, and its runtime arguments are the portable kernel's (one argument list built
+    for both; at h_q 64 both take 64 heads and 64 slots per step, so the values match too)."""
+    decode = importlib.import_module("minirt.kernels.sparse_mla_decode")
+    _, cache = make_cache(2, 64, 41)
+    indices = random_indices(1, 2, 200, 128, 41).to(DEVICE)
+    q = random_q(1, 2, 64, 41)
+    launches, merges = [], record_launches(monkeypatch, decode, "_merge_splits_kernel")   # nothing to merge
+    for use_sm90, module, name in ((False, decode, "_sparse_decode_kernel"),
+                                   (True, sm90, "_sparse_decode_sm90_kernel")):
+        monkeypatch.setattr(decode, "uses_sm90_kernel", lambda *args, **kwargs: use_sm90)
+        recorded = record_launches(monkeypatch, module, name)
+        sparse_mla_decode_fp8(q, cache, indices, SM_SCALE, num_splits=num_splits)
+        (arguments,) = recorded
+        assert arguments["SPLIT"] == (num_splits > 1)
+        launches.append(arguments)
+    assert len(merges) == (2 if num_splits > 1 else 0)
+    # The runtime parameters are the lower-case ones, the constexprs upper-case.
+    portable, gluon = ({n: v for n, v in a.items() if not n.isupper()} for a in launches)
+    assert list(portable) == list(gluon)
+
+    def described(v):
+        return (v.dtype, v.shape, v.stride()) if isinstance(v, torch.Tensor) else v
+    assert [described(v) for v in portable.values()] == [described(v) for v in gluon.values()]

@@ -2,6 +2,7 @@
 
 Runs the real Triton kernel: compiled with CUDA tensors on a GPU, under TRITON_INTERPRET=1 on the CPU.
 """
+import inspect
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import DEVICE
 from minirt.errors import InputError
-from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
+from minirt.kernels.sparse_mla_prefill import PrefillConfig, default_config, sparse_mla_prefill
 from minirt.kernels import sparse_mla_prefill_sm90 as sm90
 
 ON_GPU = DEVICE == "cuda"
@@ -105,10 +106,10 @@ def kv_with_poisoned_neighbours(s_kv, d_qk, dtype, gen):
     return buf[1:-1]
 
 
-def run_case(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None, strided_out=False):
+def run_case(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None, strided_out=False, config=None):
     s_q, h_q, _ = q.shape
     out = poisoned_outputs(s_q, h_q, d_v, q.dtype, strided_out)
-    got = sparse_mla_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=out)
+    got = sparse_mla_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=out, config=config)
     assert all(g is o for g, o in zip(got, out))
     check(got, reference(q, kv, indices, sm_scale, d_v, attn_sink, topk_length), q.dtype)
     return got
@@ -263,6 +264,21 @@ def test_topk_length_ignores_later_entries():
     assert (out[1] == 0).all() and (out[3] == 0).all() and (lse[1] == math.inf).all()
 
 
+@pytest.mark.parametrize("config", [PrefillConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+                                    PrefillConfig(block_h=32, block_n=16, num_warps=4, num_stages=3)],
+                         ids=lambda c: f"h{c.block_h}-n{c.block_n}")
+def test_other_launch_configs(config):
+    """An explicit config (the benchmark's variants) runs the portable kernel with that launch shape:
+    several head blocks per token, a partial last one, and masked and partial key chunks."""
+    gen = torch.Generator(DEVICE).manual_seed(37)
+    q = torch.randn((3, 40, 576), generator=gen, device=DEVICE).bfloat16()
+    kv = kv_with_poisoned_neighbours(90, 576, torch.bfloat16, gen)
+    indices = torch.randint(-3, 93, (3, 1, 70), generator=gen, device=DEVICE, dtype=torch.int32)
+    indices[1, 0, :40] = -1
+    run_case(q, kv, indices, 0.05, 512, attn_sink=torch.randn(40, generator=gen, device=DEVICE),
+             topk_length=torch.tensor([70, 65, 3], dtype=torch.int32, device=DEVICE), config=config)
+
+
 def test_topk_larger_than_s_kv_and_duplicates():
     gen = torch.Generator(DEVICE).manual_seed(5)
     q = torch.randn((2, 5, 576), generator=gen, device=DEVICE).half()
@@ -347,6 +363,7 @@ def _valid_args():
     (lambda q, kv, i: (q, kv.to("meta"), i, {}), "one device"),
     (lambda q, kv, i: (q.to("meta"), kv.to("meta"), i.to("meta"), {}), "meta"),
     (lambda q, kv, i: (q, kv, i, {"out": (torch.empty(2, 4, 512, device=DEVICE),) * 3}), "preallocated out"),
+    (lambda q, kv, i: (q, kv, i, {"config": (64, 64, 8, 3)}), "PrefillConfig"),
 ])
 def test_bad_input_raises_input_error(mutate, message):
     q, kv, indices, kwargs = mutate(*_valid_args())
@@ -372,3 +389,37 @@ def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch):
     indices = torch.randint(0, 100, (3, 1, 64), generator=gen, device=DEVICE, dtype=torch.int32)
     run_case(q, kv, indices, 0.05, 512)
     assert len(calls) == (1 if kernel_path == "sm90" else 0)
+    run_case(q, kv, indices, 0.05, 512, config=default_config(64))     # an explicit config: portable
+    assert len(calls) == (1 if kernel_path == "sm90" else 0)
+
+
+def record_launches(monkeypatch, module, name):
+    """Replace kernel `name` of `module` by a recorder. Returns the list to which each launch appends its
+    arguments bound to the kernel's signature (launch options left out); binding raises TypeError
+    unless the launch passes every parameter exactly once and nothing else."""
+    signature = inspect.signature(getattr(module, name).fn)
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+                launches.append(signature.bind(*args, **kwargs).arguments)
+            return launch
+    monkeypatch.setattr(module, name, Recorder())
+    return launches
+
+
+@pytest.mark.parametrize("optional", [False, True])
+def test_sm90_launch_matches_kernel_signature(monkeypatch, optional):
+    """The Gluon kernel cannot run on the CPU (no interpreter); its launch can: it passes exactly the
+    kernel's parameters, with the flags of the optional inputs."""
+    launches = record_launches(monkeypatch, sm90, "_sparse_mla_prefill_sm90_kernel")
+    q, kv, indices = _valid_args()
+    sink, lengths = (torch.zeros(4, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)) \
+        if optional else (None, None)
+    out = poisoned_outputs(2, 4, 512, q.dtype)
+    assert all(got is o for got, o in zip(sm90.launch(q, kv, indices, 0.1, sink, lengths, out), out))
+    (arguments,) = launches
+    assert arguments["HAS_ATTN_SINK"] == arguments["HAS_TOPK_LENGTH"] == optional
+    assert arguments["sm_scale_log2"] == 0.1 and arguments["out_ptr"] is out[0]

@@ -1,0 +1,176 @@
+"""Benchmark the paged indexer (scores from the key cache + indexer_topk) on the GPU, in both cache
+formats, with the ceilings measured in the same run.
+
+    python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...]
+
+Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
+block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
+64 in shuffled order; H 64, D 128, top-k 2048. Memory-bound: GB/s counts the keys the rows must read
+(L x 132 bytes fp8, L x 512 exact) plus the scores written (163840 x 4 per row). The runtime's
+current decode indexer (gather every slot's fp32 key, torch einsums, full stable sort) is timed at
+the same shapes for comparison.
+Prefill chunk: one sequence, the last t = 2048 queries of a 131072-token prompt (limit[t] = 129024 +
+t) over its 131072 keys; TFLOP/s counts the causal part needed, 2 H D sum_t (limit[t] + 1). Variants
+(block_t, block_s, num_warps, num_stages) of the launch run at this shape.
+Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
+on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
+measurement is reported in its cell; the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import triton
+
+from bench_indexer import attempt, bench_ms, parse_variant
+from ceilings import measure_ceilings, write_report
+
+from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
+from minirt.kernels.indexer_cache import (dequantize_index_cache, new_index_cache, paged_config,
+                                          paged_indexer_scores, write_index_keys)
+from minirt.kernels.lightning_indexer import indexer_topk
+
+H, D, TOPK, BLOCK_SIZE = 64, 128, 2048, 64
+CAPACITY = 163840
+DECODE_BATCHES = (1, 16)
+DECODE_LENGTHS = (1024, 32768, 131072)
+CHUNK_T, CHUNK_KEYS = 2048, 131072
+DEFAULT_VARIANTS = ["4,128,8,3", "2,64,8,3", "4,64,4,3", "8,64,8,2", "2,128,8,2"]
+FORMATS = ("fp8", "exact")
+
+
+def make_inputs(fmt: str, n_batch: int, n_queries: int, capacity: int, gen: torch.Generator):
+    """A cache with n_batch sequences' pages (random page ids, every slot written), the block
+    table, q and weights."""
+    blocks_per_seq = capacity // BLOCK_SIZE
+    num_blocks = n_batch * blocks_per_seq
+    table = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32).view(n_batch, blocks_per_seq)
+    keys = torch.randn((num_blocks * BLOCK_SIZE, D), generator=gen, device="cuda")
+    slots = torch.arange(num_blocks * BLOCK_SIZE, device="cuda")
+    q = torch.randn((n_batch, n_queries, H, D), generator=gen, device="cuda")
+    if fmt == "fp8":
+        cache = new_index_cache(num_blocks, BLOCK_SIZE, device="cuda")
+        write_index_keys(cache, keys, slots)
+        q = q.to(FP8_DTYPE)
+    else:
+        cache = keys.view(num_blocks, BLOCK_SIZE, D)
+    weights = torch.randn((n_batch, n_queries, H), generator=gen, device="cuda") * (H * D) ** -0.5
+    return q, weights, cache, table
+
+
+def eager_scores(q, weights, cache, table, limit, n_keys):
+    """fp32 torch scores of every row over the dequantised keys at the logical positions."""
+    pages = dequantize_index_cache(cache) if cache.dtype == torch.uint8 else cache
+    pos = torch.arange(n_keys, device="cuda")
+    keys = pages[table[:, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE]             # [b, S, D]
+    logits = torch.einsum("bthd,bsd->bths", q.float(), keys).relu_()
+    scores = torch.einsum("bths,bth->bts", logits, weights)
+    return scores.masked_fill(pos > limit[..., None], float("-inf"))
+
+
+def check(got, expected, fmt) -> str:
+    """'' when got matches expected (same -inf mask, relative error below 1e-4, or 1e-2 for fp8, whose
+    Hopper tensor-core sums keep fewer bits), else the failure."""
+    finite = torch.isfinite(expected)
+    rel = ((got[finite] - expected[finite]).norm() / expected[finite].norm()).item()
+    if rel < (1e-2 if fmt == "fp8" else 1e-4) and torch.equal(torch.isfinite(got), finite):
+        return ""
+    return f"WRONG (rel err {rel:.2g})"
+
+
+def runtime_decode_ms(q, weights, cache, table, limit) -> float:
+    """Today's decode indexer (minirt/layers.py): fp32 keys of every slot the table holds, einsums,
+    a full stable sort of each row."""
+    keys = cache if cache.dtype == torch.float32 else dequantize_index_cache(cache)
+    flat = keys.view(-1, D)
+    pos = torch.arange(table.shape[1] * BLOCK_SIZE, device="cuda")
+    qf = q.float()
+
+    def step():
+        key_slots = table[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        logits = torch.einsum("bthd,bsd->bths", qf, flat[key_slots]).relu_()
+        scores = torch.einsum("bths,bth->bts", logits, weights).masked_fill(pos > limit[..., None], float("-inf"))
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        return torch.where(torch.isneginf(values[..., :TOPK]), -1, order[..., :TOPK])
+    return bench_ms(step)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
+                        help="prefill-chunk launch shapes block_t,block_s,num_warps,num_stages besides the default")
+    args = parser.parse_args()
+
+    matmul_tflops, copy_gbps = measure_ceilings()
+    lines = [
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",
+        f"- ceilings: bf16 matmul 8192^3 {matmul_tflops:.0f} TFLOP/s, device copy {copy_gbps:.0f} GB/s (read + write)",
+        f"- decode: capacity {CAPACITY} (static width), pages of {BLOCK_SIZE} shuffled, H {H}, D {D}, top-k {TOPK}; "
+        f"prefill chunk: t {CHUNK_T} over {CHUNK_KEYS} keys",
+        "",
+        "| what | format | result |",
+        "|---|---|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+
+    def row(name, fmt, cell):
+        lines.append(f"| {name} | {fmt} | {cell} |")
+        print(lines[-1], flush=True)
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    for fmt in FORMATS:
+        key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
+        for n_batch in DECODE_BATCHES:
+            for length in DECODE_LENGTHS:
+                def decode_cells():
+                    q, weights, cache, table = make_inputs(fmt, n_batch, 1, CAPACITY, gen)
+                    limit = torch.full((n_batch, 1), length - 1, dtype=torch.int32, device="cuda")
+                    wrong = check(paged_indexer_scores(q, weights, cache, table, limit),
+                                  eager_scores(q, weights, cache, table, limit, CAPACITY), fmt)
+                    if wrong:
+                        return wrong, wrong, ""
+                    traffic = n_batch * (length * key_bytes + CAPACITY * 4)
+                    scores_ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit))
+                    both_ms = bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK))
+                    today = attempt(lambda: f"{runtime_decode_ms(q, weights, cache, table, limit):.3f} ms")
+                    return (f"{traffic / scores_ms / 1e6:.0f} GB/s ({scores_ms:.3f} ms)", f"{both_ms:.3f} ms", today)
+                cells = attempt(decode_cells)
+                cells = (cells, cells, cells) if isinstance(cells, str) else cells
+                name = f"decode B {n_batch}, L {length}"
+                row(f"{name}: scores", fmt, cells[0])
+                row(f"{name}: scores + indexer_topk", fmt, cells[1])
+                row(f"{name}: today's torch indexer (einsum + full sort)", fmt, cells[2])
+
+    for fmt in FORMATS:
+        q, weights, cache, table = make_inputs(fmt, 1, CHUNK_T, CHUNK_KEYS, gen)
+        limit = (CHUNK_KEYS - CHUNK_T + torch.arange(CHUNK_T, device="cuda"))[None]
+        flops = 2 * H * D * int((limit.long() + 1).sum())
+        sample = torch.cat([torch.arange(0, 16, device="cuda"), torch.arange(CHUNK_T - 16, CHUNK_T, device="cuda")])
+        expected = eager_scores(q[:, sample], weights[:, sample], cache, table, limit[:, sample], CHUNK_KEYS)
+        default = paged_config(CHUNK_T, H, D, fmt == "fp8")
+
+        def chunk_cell(config):
+            out = paged_indexer_scores(q, weights, cache, table, limit, config=config)
+            wrong = check(out[:, sample], expected, fmt)
+            if wrong:
+                return wrong
+            ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out, config=config))
+            return f"{flops / ms / 1e9:.0f} TFLOP/s ({ms:.3f} ms)"
+
+        name = f"prefill chunk t {CHUNK_T} / {CHUNK_KEYS} keys"
+        row(f"{name}: scores, default {default.block_t},{default.block_s},{default.num_warps},{default.num_stages}",
+            fmt, attempt(lambda: chunk_cell(default)))
+        row(f"{name}: scores + indexer_topk", fmt, attempt(lambda: f"{bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK)):.3f} ms"))
+        for text in args.variants:
+            row(f"{name}: scores, variant {text}", fmt, attempt(lambda: chunk_cell(parse_variant(text))))
+        del q, weights, cache, table
+
+    write_report("\n".join(lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""Block-scaled fp8 GEMM, its activation quantiser, the fused MLA kv_b head projections and Fp8Linear.
+
+Oracles: minirt.formats.quantize_groups (the quantiser, bit for bit) and fp64 torch products of the
+dequantised operands (blockfp8.dequantize_block_fp8). Runs the real Triton kernels: compiled with CUDA
+tensors on a GPU, under TRITON_INTERPRET=1 on the CPU. Inputs come from seeded generators, with
+magnitudes varying per 128-block so that a scale applied to the wrong block shows; outputs are
+NaN-poisoned before each call. Errors are normalised by the magnitude |A| . |B|^T (the sum of the
+absolute products), which bounds what a fp32 sum can get wrong independently of cancellation.
+"""
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from minirt.blockfp8 import dequantize_block_fp8, quantize_block_fp8
+from minirt.errors import InputError
+from minirt.formats import ACT_MIN_SCALE, E4M3_MAX, FP8_DTYPE, FP8_GROUP, pow2_scale, quantize_groups
+from minirt.fp8_linear import Fp8Linear
+from minirt.kernels.fp8_gemm import (PREFILL_CONFIG, Fp8GemmConfig, decode_config, fp8_gemm,
+                                     quantize_act_fp8)
+from minirt.kernels.mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
+
+ON_GPU = DEVICE == "cuda"
+# fp8_gemm accumulation error as a fraction of |A| . |B|^T. The fp8 products are exact (4 x 4
+# significant bits). CPU: fp32 sums only (at most 128 + K/128 roundings of 2^-24 each: elementwise
+# far below 2^-16, norm-wise about 2^-24 * sqrt(terms), below 2^-20 ~ 1e-6). GPU: Hopper's fp8 MMA
+# keeps about 13-14 bits while it accumulates one 128-wide k block (DeepSeek-V3 report, sec.
+# 3.3.2), then the block is promoted into fp32: a few roundings (truncations, so they may all lean
+# one way) of ~2^-13 per block, 2^-9 elementwise with room for a handful, 2^-11 (~5e-4) norm-wise.
+GEMM_ELEMENT_TOL = 2.0**-9 if ON_GPU else 2.0**-16
+GEMM_NORM_TOL = 2.0**-11 if ON_GPU else 2.0**-20
+# The head projections multiply bf16 activations with e4m3 weights converted to bf16 (exact) with
+# fp32 accumulation (tensor cores compiled, numpy fp32 interpreted): fp32 sums of at most 512 terms.
+HEAD_ELEMENT_TOL = 2.0**-14
+# Relative rounding of a stored result: nearest bf16 / fp16 (8 / 11 significant bits); the
+# interpreter's float32 -> bf16 cast truncates (< 1 ulp: 2^-7).
+ROUNDING = {torch.bfloat16: 2.0**-8 if ON_GPU else 2.0**-7, torch.float16: 2.0**-11}
+BF16_ROUNDING = ROUNDING[torch.bfloat16]
+E4M3_ROUNDING = 2.0**-4          # relative, round to nearest e4m3 normal (4 significant bits)
+E4M3_SUBNORMAL_STEP = 2.0**-9    # in units of the group scale
+ACT_MIN_EXPONENT = math.ceil(math.log2(ACT_MIN_SCALE))
+
+
+def generator(seed):
+    return torch.Generator(DEVICE).manual_seed(seed)
+
+
+def varied(gen, rows, cols, row_block):
+    """randn [rows, cols] float32, each (row_block x 128) block scaled by its own 2^e, e in [-6, 6)."""
+    blocks = (-(-rows // row_block), -(-cols // FP8_GROUP))
+    exponents = torch.randint(-6, 6, blocks, generator=gen, device=DEVICE).float()
+    factors = torch.exp2(exponents).repeat_interleave(row_block, 0)[:rows].repeat_interleave(FP8_GROUP, 1)[:, :cols]
+    return torch.randn((rows, cols), generator=gen, device=DEVICE) * factors
+
+
+def random_weight(gen, n, k, rescale=False):
+    """A block fp8 weight [n, k] as checkpoints store it. rescale: scales multiplied by random
+    factors in [0.5, 2) (not powers of two, as in DeepSeek-V3's checkpoints)."""
+    w_fp8, scales = quantize_block_fp8(varied(gen, n, k, 128))
+    if rescale:
+        scales = scales * (0.5 + 1.5 * torch.rand(scales.shape, generator=gen, device=DEVICE))
+    return w_fp8, scales
+
+
+def random_activations(gen, m, k):
+    """(a_fp8 [m, k], scales [m, ceil(k / 128)]) by the activation rule (a K that is not a multiple
+    of 128 ends in a partial group)."""
+    padded = torch.nn.functional.pad(varied(gen, m, k, 1), (0, -k % FP8_GROUP))
+    a_fp8, scales = quantize_groups(padded)
+    return a_fp8[:, :k].contiguous(), scales
+
+
+def dequantize_groups(values, scales):
+    """values [..., K] e4m3 * scales [..., ceil(K / 128)] per 128 columns, float64."""
+    k = values.shape[-1]
+    return (values.double() * scales.double().repeat_interleave(FP8_GROUP, -1)[..., :k])
+
+
+def gemm_reference(a_fp8, a_scales, w_fp8, w_scales):
+    """(product, magnitude) in float64: A . W^T and |A| . |W|^T of the dequantised operands."""
+    a = dequantize_groups(a_fp8, a_scales)
+    w = dequantize_block_fp8(w_fp8, w_scales, dtype=torch.float64)
+    return a @ w.T, a.abs() @ w.abs().T
+
+
+def check_gemm(out, ref, magnitude, rounding=0.0):
+    """out within the accumulation tolerance of ref (plus `rounding` * |ref| for the output dtype)."""
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all(), "every output element must be written and finite"
+    err = (out.double() - ref).abs()
+    excess = err - GEMM_ELEMENT_TOL * magnitude - rounding * ref.abs()
+    assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the elementwise bound"
+    if rounding == 0.0:
+        rel = (err.norm() / magnitude.norm()).item()
+        assert rel < GEMM_NORM_TOL, f"relative error {rel:.3g}"
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, math.nan, dtype=dtype, device=DEVICE)
+
+
+# ----------------------------------------------------------------------------------------------
+# activation quantiser
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m, k", [(1, 128), (7, 1024), (33, 640)])
+def test_quantize_act_is_quantize_groups(dtype, m, k):
+    gen = generator(m * k)
+    x = varied(gen, m, k, 1)
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    x = x.to(dtype)
+    values, scales = quantize_act_fp8(x)
+    ref_values, ref_scales = quantize_groups(x)
+    assert values.dtype == FP8_DTYPE and scales.dtype == torch.float32
+    assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)
+
+
+def boundary_groups(dtype):
+    """Groups of 128 values that probe every edge of the rule, one group per row:
+    e4m3 rounding midpoints (ties to even, normal and subnormal) at several scales with amax =
+    448 * scale exactly; amax just above 448 * 2^k (next scale up); an all-zero group; a group whose
+    amax is below the ACT_MIN_SCALE floor; huge values (float32 only); signed zeros."""
+    codes = torch.arange(0, 127, dtype=torch.uint8, device=DEVICE)      # 0 .. 448, 0x7f is NaN
+    grid = codes.view(FP8_DTYPE).float()
+    midpoints = (grid[:-1] + grid[1:]) / 2                               # 126 values
+    signs = torch.where(torch.arange(126, device=DEVICE) % 3 == 0, -1.0, 1.0)
+    ties = torch.cat([torch.tensor([E4M3_MAX, -0.0], device=DEVICE), midpoints * signs])
+    rows = [ties * 2.0**e for e in (-12, -3, 0, 5)]
+    rows.append(torch.full((128,), E4M3_MAX * 4, device=DEVICE))
+    rows.append(torch.zeros(128, device=DEVICE))
+    rows.append(torch.linspace(-1e-6, 1e-6, 128, device=DEVICE))
+    if dtype == torch.float32:
+        rows.append(ties * 2.0**100)
+    x = torch.stack(rows).to(dtype)
+    # Row 4: the next value of the dtype above 448 * 4 (one bit more in the integer view).
+    bits = x.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    bits[4] += 1
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_act_boundaries(dtype):
+    x = boundary_groups(dtype)
+    values, scales = quantize_act_fp8(x)
+    ref_values, ref_scales = quantize_groups(x)
+    assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)
+    assert torch.isfinite(scales).all() and (scales > 0).all()
+    assert scales[5].item() == 2.0**ACT_MIN_EXPONENT, "an all-zero group gets the smallest scale"
+
+
+def test_quantize_act_rejects_bad_input():
+    with pytest.raises(InputError, match="multiple of 128"):
+        quantize_act_fp8(torch.ones(2, 100, device=DEVICE))
+    with pytest.raises(InputError, match="2-D"):
+        quantize_act_fp8(torch.ones(128, device=DEVICE))
+    with pytest.raises(InputError, match="bfloat16, float16 or float32"):
+        quantize_act_fp8(torch.ones(2, 128, dtype=torch.int32, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 GEMM
+# ----------------------------------------------------------------------------------------------
+
+CONFIGS = {
+    "default": lambda m: None,
+    "prefill": lambda m: PREFILL_CONFIG,
+    "decode": decode_config,
+}
+
+
+@pytest.mark.parametrize("config, m, n, k", [
+    (c, m, n, k) for m in (1, 3, 64, 300) for c in CONFIGS for n, k in ((576, 384), (200, 320))
+    if (c != "decode" or m <= 128) and (m < 300 or n == 200)])
+def test_fp8_gemm_matches_dequantised_product(config, m, n, k):
+    """Ragged N (576 rows = 5 weight blocks, 200 = 2), K = 320: two and a half k blocks. The decode
+    launch is for M <= 128; M = 300 (3 tiles, the last ragged) runs on the smaller shape (CPU time)."""
+    gen = generator(m * 1000 + n + k)
+    a_fp8, a_scales = random_activations(gen, m, k)
+    w_fp8, w_scales = random_weight(gen, n, k)
+    out = poisoned((m, n), torch.float32)
+    got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=CONFIGS[config](m), out=out)
+    assert got is out
+    check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales))
+
+
+@pytest.mark.parametrize("config", [decode_config(64), PREFILL_CONFIG])
+def test_fp8_gemm_model_k(config):
+    """K = 7168 (56 k blocks, hidden size of V3.2) with non-power-of-two weight scales; the decode
+    launch splits K over programs (auto split-K) and sums the partials."""
+    gen = generator(7168)
+    a_fp8, a_scales = random_activations(gen, 64, 7168)
+    w_fp8, w_scales = random_weight(gen, 128, 7168, rescale=True)
+    got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=config,
+                   out=poisoned((64, 128), torch.float32))
+    check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales))
+
+
+def test_fp8_gemm_explicit_split_k():
+    """8 k blocks in 3 splits of 3, 3 and 2 (the last split runs out of k blocks early)."""
+    gen = generator(3)
+    a_fp8, a_scales = random_activations(gen, 5, 1024)
+    w_fp8, w_scales = random_weight(gen, 192, 1024)
+    config = Fp8GemmConfig(block_m=16, block_n=64, swap_ab=True, split_k=3, group_m=1, num_warps=4, num_stages=3)
+    got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=config,
+                   out=poisoned((5, 192), torch.float32))
+    check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemm_16_bit_output_into_strided_out(out_dtype):
+    """Rounded once to the output dtype; a preallocated non-contiguous out (a column window of a
+    NaN buffer) is written exactly in its window."""
+    gen = generator(16)
+    a_fp8, a_scales = random_activations(gen, 70, 256)
+    w_fp8, w_scales = random_weight(gen, 144, 256)
+    buffer = poisoned((70, 150), out_dtype)
+    got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, out_dtype, out=buffer[:, 3:147])
+    assert got.dtype == out_dtype
+    check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales), rounding=ROUNDING[out_dtype])
+    assert buffer[:, :3].isnan().all() and buffer[:, 147:].isnan().all(), "wrote outside out"
+    default = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales)
+    assert default.dtype == torch.bfloat16 and default.shape == (70, 144)
+
+
+def test_fp8_gemm_empty_and_bad_input():
+    gen = generator(0)
+    a_fp8, a_scales = random_activations(gen, 4, 256)
+    w_fp8, w_scales = random_weight(gen, 128, 256)
+    assert fp8_gemm(a_fp8[:0], a_scales[:0], w_fp8, w_scales).shape == (0, 128)
+    with pytest.raises(InputError, match="multiple of 16"):
+        fp8_gemm(a_fp8[:, :120], a_scales, w_fp8[:, :120], w_scales)
+    with pytest.raises(InputError, match="K differs"):
+        fp8_gemm(a_fp8, a_scales, w_fp8[:, :128], w_scales[:, :1])
+    with pytest.raises(InputError, match="b_scales"):
+        fp8_gemm(a_fp8, a_scales, w_fp8, w_scales.T.contiguous())
+    with pytest.raises(InputError, match="a_scales"):
+        fp8_gemm(a_fp8, a_scales.double(), w_fp8, w_scales)
+    with pytest.raises(InputError, match="float8_e4m3fn"):
+        fp8_gemm(a_fp8.float(), a_scales, w_fp8, w_scales)
+    with pytest.raises(InputError, match="out must be"):
+        fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, out=torch.zeros(4, 128, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------
+# fused kv_b head projections
+# ----------------------------------------------------------------------------------------------
+
+HEAD_DIMS = {"tiny": (4, 64, 128), "v32": (2, 128, 128)}    # heads, qk_nope_head_dim, v_head_dim
+LATENT = 512
+
+
+def kv_b_weight(gen, heads, nope, v_dim):
+    """kv_b_proj.weight [H * (nope + v), 512] fp8 with non-power-of-two block scales, and its fp64
+    dequantised [H, nope + v, 512] view."""
+    w_fp8, scales = random_weight(gen, heads * (nope + v_dim), LATENT, rescale=True)
+    return w_fp8, scales, dequantize_block_fp8(w_fp8, scales, dtype=torch.float64).view(heads, nope + v_dim, LATENT)
+
+
+@pytest.mark.parametrize("tokens", [1, 19, 70])
+@pytest.mark.parametrize("dims", list(HEAD_DIMS))
+def test_value_proj_fp8(dims, tokens):
+    """o = o_lat . W_v^T per head, written as e4m3 + power-of-two scales per 128 values: the scales
+    are the rule's scales of the exact product, the values its e4m3 rounding; an all-zero o_lat row
+    gives zeros with the smallest (finite) scale."""
+    heads, nope, v_dim = HEAD_DIMS[dims]
+    gen = generator(tokens * 10 + heads)
+    w_fp8, w_scales, w = kv_b_weight(gen, heads, nope, v_dim)
+    o_lat = varied(gen, tokens * heads, LATENT, 1).view(tokens, heads, LATENT).bfloat16()
+    o_lat[tokens // 2, heads - 1] = 0.0
+    out = (torch.full((tokens, heads * v_dim), 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE),
+           poisoned((tokens, heads * v_dim // FP8_GROUP), torch.float32))
+    values, scales = mla_value_proj_fp8(o_lat, w_fp8, w_scales, nope, v_dim, out=out)
+    assert values is out[0] and scales is out[1]
+
+    ref = torch.einsum("thc,hjc->thj", o_lat.double(), w[:, nope:]).reshape(tokens, heads * v_dim)
+    magnitude = torch.einsum("thc,hjc->thj", o_lat.double().abs(), w[:, nope:].abs()).reshape(ref.shape)
+    got = dequantize_groups(values, scales)
+    assert torch.isfinite(got).all() and torch.isfinite(scales).all(), "every value and scale written"
+    ref_scales = pow2_scale(ref.float().unflatten(-1, (-1, FP8_GROUP)).abs().amax(-1), ACT_MIN_SCALE)
+    assert torch.equal(scales, ref_scales)
+    group_scale = scales.double().repeat_interleave(FP8_GROUP, -1)
+    bound = (E4M3_ROUNDING * ref.abs() + E4M3_SUBNORMAL_STEP / 2 * group_scale
+             + HEAD_ELEMENT_TOL * magnitude * (1 + E4M3_ROUNDING))
+    excess = (got - ref).abs() - bound
+    assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the e4m3 rounding bound"
+    zero = slice((heads - 1) * v_dim, heads * v_dim)
+    assert (got[tokens // 2, zero] == 0).all()
+    assert (scales[tokens // 2, zero.start // FP8_GROUP:] == 2.0**ACT_MIN_EXPONENT).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 70])
+@pytest.mark.parametrize("dims", list(HEAD_DIMS))
+def test_query_absorb(dims, tokens):
+    """q_lat = q_nope . W_k per head from a view q[..., :nope] of the full query (no copy), rounded
+    once to bf16."""
+    heads, nope, v_dim = HEAD_DIMS[dims]
+    gen = generator(tokens * 20 + heads)
+    w_fp8, w_scales, w = kv_b_weight(gen, heads, nope, v_dim)
+    q = varied(gen, tokens * heads, nope + 64, 1).view(tokens, heads, nope + 64).bfloat16()
+    q_nope = q[..., :nope]
+    out = poisoned((tokens, heads, LATENT), torch.bfloat16)
+    got = mla_query_absorb(q_nope, w_fp8, w_scales, nope, v_dim, out=out)
+    assert got is out and torch.isfinite(got).all()
+    ref = torch.einsum("thn,hnc->thc", q_nope.double(), w[:, :nope])
+    magnitude = torch.einsum("thn,hnc->thc", q_nope.double().abs(), w[:, :nope].abs())
+    excess = (got.double() - ref).abs() - BF16_ROUNDING * ref.abs() - HEAD_ELEMENT_TOL * magnitude
+    assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the bf16 rounding bound"
+
+
+def test_head_proj_rejects_unsupported():
+    gen = generator(1)
+    heads, nope, v_dim = HEAD_DIMS["tiny"]
+    w_fp8, w_scales, _ = kv_b_weight(gen, heads, nope, v_dim)
+    o_lat = torch.randn((2, heads, LATENT), generator=gen, device=DEVICE).bfloat16()
+    with pytest.raises(InputError, match="whole scale groups"):
+        mla_value_proj_fp8(o_lat, w_fp8, w_scales, nope + 64, v_dim - 64)
+    with pytest.raises(InputError, match="multiple of 16"):
+        mla_value_proj_fp8(o_lat, w_fp8, w_scales, nope + 8, v_dim - 8)
+    with pytest.raises(InputError, match="H = 4"):
+        mla_value_proj_fp8(o_lat[:, :3], w_fp8, w_scales, nope, v_dim)
+    with pytest.raises(InputError, match="weight_scale_inv"):
+        mla_value_proj_fp8(o_lat, w_fp8, w_scales[:-1], nope, v_dim)
+    with pytest.raises(InputError, match="bfloat16 or float16"):
+        mla_query_absorb(o_lat[..., :nope].float(), w_fp8, w_scales, nope, v_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fp8Linear
+# ----------------------------------------------------------------------------------------------
+
+def test_fp8_linear_takes_checkpoint_tensors_and_both_inputs():
+    """load_state_dict takes weight / weight_scale_inv as stored; a float input and its
+    pre-quantised pair give the same result, within bf16 rounding of the fp64 product."""
+    gen = generator(5)
+    w_fp8, w_scales = random_weight(gen, 576, 256)
+    layer = Fp8Linear(256, 576, device=DEVICE)
+    layer.load_state_dict({"weight": w_fp8, "weight_scale_inv": w_scales})
+    x = varied(gen, 6, 256, 1).view(2, 3, 256).bfloat16()
+    y = layer(x)
+    assert y.shape == (2, 3, 576) and y.dtype == torch.bfloat16
+    x_fp8, x_scales = quantize_groups(x)
+    assert torch.equal(layer((x_fp8, x_scales)), y)
+    ref, magnitude = gemm_reference(x_fp8.view(6, 256), x_scales.view(6, 2), w_fp8, w_scales)
+    check_gemm(y.view(6, 576), ref, magnitude, rounding=BF16_ROUNDING)
+
+
+def test_value_proj_feeds_o_proj():
+    """The fused value projection's output is o_proj's input as it is: o_proj(fp8 pair) equals the
+    fp8 GEMM of the same pair dequantised, with no bf16 round trip in between."""
+    heads, nope, v_dim = HEAD_DIMS["tiny"]
+    gen = generator(6)
+    w_fp8, w_scales, _ = kv_b_weight(gen, heads, nope, v_dim)
+    o_lat = varied(gen, 3 * heads, LATENT, 1).view(3, heads, LATENT).bfloat16()
+    o_proj = Fp8Linear(heads * v_dim, 256, device=DEVICE)
+    o_weight, o_scales = random_weight(gen, 256, heads * v_dim)
+    o_proj.load_state_dict({"weight": o_weight, "weight_scale_inv": o_scales})
+    pair = mla_value_proj_fp8(o_lat, w_fp8, w_scales, nope, v_dim)
+    y = o_proj(pair)
+    ref, magnitude = gemm_reference(*pair, o_weight, o_scales)
+    check_gemm(y, ref, magnitude, rounding=BF16_ROUNDING)
