@@ -48,6 +48,10 @@ WeightsArg = Annotated[Optional[Path], typer.Argument(
     show_default=False)]
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", "-l", help="Load the first N layers (default: all dense layers).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")]
+WeightsOpt = Annotated[Optional[str], typer.Option(
+    "--weights", show_default=False,
+    help="fp8 (the checkpoint's block-fp8 weights, fp8 GEMMs) or bf16 (dequantised at load). Default: fp8 for an "
+    "fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else bf16.")]
 PrefillChunkOpt = Annotated[Optional[str], typer.Option(
     "--prefill-chunk", metavar="N", show_default=False,
     help="Prompt tokens per prefill step (default 2048): bounds prefill's memory, not its results.")]
@@ -190,7 +194,7 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     Needs only config.json and the index: shards not downloaded yet are listed with an estimate of their size."""
     from .cache import cache_bytes_per_token
     from .checkpoint import plan_load
-    from .download import plan_shards
+    from .download import memory_text, plan_shards
 
     path, cfg = _checkpoint(weights)
     shards = plan_shards(path, layers)
@@ -220,8 +224,7 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
                  ("tensors / bytes to read", f"{len(plan.tensor_names)} / {decimal(plan.num_bytes)}")]
     rows += [
         ("parameters", f"{shards.num_parameters:,}"),
-        ("memory for the weights", f"{decimal(shards.memory_bytes(2))} bf16 (cuda) · {decimal(shards.memory_bytes(4))} fp32 "
-                                   "(cpu, and the eager reference)"),
+        ("memory for the weights", memory_text(shards)),
         ("cache per token", f"{cache_bytes_per_token(cfg, n, 'exact'):,} B (exact indexer) · "
                             f"{cache_bytes_per_token(cfg, n, 'fp8'):,} B (fp8 indexer)"),
     ]
@@ -261,14 +264,14 @@ def download(
         console.print(f"ready: minirt generate {out} --layers {n}   ·   minirt verify {out} --layers {n}")
 
 
-def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None):
+def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
     from . import load
     from .checkpoint import plan_load
 
     order = list(plan_load(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
     with _ProgressBar(f"loading ({backend})", order) as bar:
         return load(path, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
-                    prefill_chunk=prefill_chunk, progress=bar)
+                    prefill_chunk=prefill_chunk, weights=weights, progress=bar)
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls, DEL; tab and newline stay
@@ -353,6 +356,7 @@ def generate(
     backend: Annotated[str, typer.Option(help="triton (kernels, fp8 cache) or reference (eager oracle).")] = "triton",
     indexer_precision: Annotated[str, typer.Option(help="exact (fp32 scores) or fp8 (official Hadamard + fp8).")] = "exact",
     prefill_chunk: PrefillChunkOpt = None,
+    weights_format: WeightsOpt = None,
 ):
     """Generate text (or token ids) and report why it stopped and the prefill and decode tokens/s.
 
@@ -388,7 +392,7 @@ def generate(
     check_generation_length(cfg, len(ids), n)
     if device is not None:
         resolve_device(device)
-    engine = _load(path, layers, device, backend, indexer_precision, chunk)
+    engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format)
 
     out = _TextOut()
     as_text = tokenizer is not None and tokens is None  # token ids in, token ids out
@@ -435,8 +439,9 @@ def available_memory(device) -> int:
 
 def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
     """Estimated peak memory of ``minirt verify`` over ``num_tokens`` tokens on ``device``: both models'
-    weights (the runtime's bf16 on cuda, fp32 on cpu; the reference's fp32), the runtime's cache and its
-    two runs' logits, and the eager reference's activations (``reference.forward_peak_bytes``)."""
+    weights (the runtime's bf16 on cuda, an upper bound for its fp8 weights, fp32 on cpu; the reference's
+    fp32), the runtime's cache and its two runs' logits, and the eager reference's activations
+    (``reference.forward_peak_bytes``)."""
     from .cache import cache_bytes_per_token
     from .checkpoint import tensor_specs
     from .reference import forward_peak_bytes
@@ -480,6 +485,7 @@ def verify(
     seed: Annotated[int, typer.Option(help="Seed of the random prompt tokens.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     prefill_chunk: PrefillChunkOpt = None,
+    weights_format: WeightsOpt = None,
 ):
     """Run the kernel runtime and the eager reference on the same random tokens and compare them.
 
@@ -501,7 +507,7 @@ def verify(
         raise InputError(f"need --prompt-len >= 1 and --decode-steps >= 0, got {prompt_len}, {decode_steps}")
     _check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
 
-    engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk)
+    engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)
     oracle = _load(path, num_layers, str(dev), "reference")
     with Live(console=console, transient=True) as live:  # the stage now running, redrawn at once
         report = run_verify(engine, oracle, prompt_len, decode_steps, seed,
@@ -511,8 +517,9 @@ def verify(
         print(report.to_json())
     else:
         out = Console(highlight=False, soft_wrap=True)
-        out.print(f"minirt verify {escape(str(path))}: the runtime against the eager fp32 reference, {engine.num_layers} layer(s), "
-                  f"{prompt_len} prompt tokens + {decode_steps} decode steps, {engine.device}")
+        out.print(f"minirt verify {escape(str(path))}: the runtime ({engine.weights} weights) against the eager fp32 "
+                  f"reference, {engine.num_layers} layer(s), {prompt_len} prompt tokens + {decode_steps} decode steps, "
+                  f"{engine.device}")
         t = Table()
         for col, justify in (("check", "left"), ("value", "right"), ("limit", "left"), ("result", "left")):
             t.add_column(col, justify=justify)

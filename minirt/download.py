@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
 
+from .blockfp8 import block_scale_shape
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, _weight_map, plan_load, tensor_specs
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, MinirtError, WriteError
@@ -35,7 +36,9 @@ class ShardPlan:
     """Which shards hold what loading ``num_layers`` layers reads, from config.json and the index alone
     (no shard needs to be present): ``shards`` file names, sorted; ``index_shards`` how many shards the
     whole checkpoint has; ``index_total_size`` the index's ``metadata.total_size`` (bytes of all tensors)
-    or None; ``num_parameters`` the weights' elements (scales not counted)."""
+    or None; ``num_parameters`` the weights' elements (scales not counted); ``fp8_weight_bytes`` the
+    loaded weights with the linear ones kept in fp8 as stored (``minirt.load(weights="fp8")``: e4m3 and
+    their block scales, the rest bf16), None for a checkpoint without fp8 weights."""
 
     config: ModelConfig
     num_layers: int
@@ -43,6 +46,7 @@ class ShardPlan:
     index_shards: int
     index_total_size: int | None
     num_parameters: int
+    fp8_weight_bytes: int | None
 
     def memory_bytes(self, itemsize: int) -> int:
         """Bytes of the loaded weights at ``itemsize`` bytes per parameter (2: bf16 on cuda, 4: fp32)."""
@@ -72,8 +76,13 @@ def plan_shards(path: str | Path, num_layers: int | None = None) -> ShardPlan:
         metadata = json.loads((path / INDEX_FILE).read_text()).get("metadata")
         size = metadata.get("total_size") if isinstance(metadata, dict) else None
         total_size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    fp8_bytes = None
+    if cfg.quantization is not None:
+        block = cfg.quantization.weight_block_size
+        fp8_bytes = sum(math.prod(spec.shape) + 4 * math.prod(block_scale_shape(spec.shape, block)) if spec.quantized
+                        else 2 * math.prod(spec.shape) for spec in specs.values())
     return ShardPlan(cfg, num_layers, tuple(sorted({weight_map[n] for n in needed})), len(set(weight_map.values())),
-                     total_size, sum(math.prod(spec.shape) for spec in specs.values()))
+                     total_size, sum(math.prod(spec.shape) for spec in specs.values()), fp8_bytes)
 
 
 def _hub_error(e: Exception, repo_id: str, filename: str, endpoint: str) -> MinirtError:
@@ -220,6 +229,12 @@ def describe_plan(plan: DownloadPlan, free_bytes: int) -> str:
         f"{s.index_shards} shard(s): {', '.join(s.shards)}",
         f"disk: {decimal(sum(plan.sizes.values()))} for those shards{here}; {decimal(plan.bytes_to_fetch)} to fetch, "
         f"{decimal(free_bytes)} free",
-        f"memory: {s.num_parameters:,} parameters: {decimal(s.memory_bytes(2))} as bf16 (on cuda), "
-        f"{decimal(s.memory_bytes(4))} as fp32 (on cpu, and the eager reference; verify holds both)",
+        f"memory: {s.num_parameters:,} parameters: {memory_text(s)}",
     ])
+
+
+def memory_text(s: ShardPlan) -> str:
+    """The loaded weights' memory in each format: fp8 (cuda sm_90+, its default there), bf16, fp32."""
+    fp8 = f"{decimal(s.fp8_weight_bytes)} fp8 (cuda sm_90+) · " if s.fp8_weight_bytes is not None else ""
+    return (f"{fp8}{decimal(s.memory_bytes(2))} bf16 (cuda) · {decimal(s.memory_bytes(4))} fp32 (cpu, and the "
+            "eager reference; verify holds it too)")

@@ -2,6 +2,7 @@
 entry point (``python -m minirt`` in a subprocess, on a pseudo-terminal where the defect is about what a
 terminal shows). Cheaper extra cases of the same defect run in-process through typer's runner."""
 import json
+import math
 import os
 import pty
 import re
@@ -236,8 +237,8 @@ def test_verify_shows_stages_and_a_verdict_and_the_bar_human_sizes(tiny_master):
                  tty=("stderr",))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == (f"minirt verify {tiny_master}: the runtime against the eager fp32 reference, 1 layer(s), "
-                        "40 prompt tokens + 2 decode steps, cpu")
+    assert lines[0] == (f"minirt verify {tiny_master}: the runtime (bf16 weights) against the eager fp32 reference, "
+                        "1 layer(s), 40 prompt tokens + 2 decode steps, cpu")
     assert re.search(r"check\s+┃\s+value\s+┃\s+limit\s+┃\s+result\s+┃", result.stdout)
     checks = sum(1 for line in lines if re.search(r"│ (ok|FAIL)\s+│", line))
     assert lines[-1] == f"PASS: all {checks} checks within tolerance"
@@ -343,7 +344,7 @@ def test_prefill_chunk_reaches_the_engine(tiny_master, monkeypatch):
 def test_info_prints_cache_per_token_disk_and_memory(tiny_master):
     from minirt.download import plan_shards
 
-    result = runner.invoke(app, ["info", str(tiny_master), "--layers", "1"])
+    result = runner.invoke(app, ["info", str(tiny_master), "--layers", "1"], env={"COLUMNS": "250"})  # rows unwrapped
     assert result.exit_code == 0, result.output
     plan = plan_shards(tiny_master, 1)
     cfg = plan.config
@@ -353,3 +354,7 @@ def test_info_prints_cache_per_token_disk_and_memory(tiny_master):
     disk = sum((tiny_master / s).stat().st_size for s in plan.shards)
     assert re.search(rf"disk \(those shards\)\s+│ {disk / 1e6:.1f} MB", result.stdout)
     assert f"{plan.num_parameters * 2 / 1e6:.1f} MB bf16 (cuda) · {plan.num_parameters * 4 / 1e6:.1f} MB fp32" in result.stdout
+    stored = plan_load(tiny_master, 1)  # fp8 weights in memory as in the shards, the others as bf16
+    fp8_bytes = sum(stored.stored[n].nbytes + stored.stored[n + "_scale_inv"].nbytes if spec.quantized
+                    else 2 * math.prod(spec.shape) for n, spec in stored.specs.items())
+    assert f"{fp8_bytes / 1e6:.1f} MB fp8 (cuda sm_90+)" in result.stdout
