@@ -141,7 +141,7 @@ def test_generate_says_it_stopped_at_the_end_of_sequence_token(tiny):
     config = json.loads((tiny / "config.json").read_text())
     config["eos_token_id"] = first  # the first token sampled is then the end of the sequence
     (tiny / "config.json").write_text(json.dumps(config))
-    result = run("generate", str(tiny), "--prompt", prompt, "-n", "16", "--backend", "reference")
+    result = run("generate", str(tiny), "--prompt", prompt, "-n", "16", "--backend", "reference", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert f"stopped: the end-of-sequence token (id {first}) after 1 of at most 16 tokens" in result.stderr
 
@@ -181,8 +181,14 @@ def test_generate_bad_n_is_one_line_before_loading(tiny_master, n, no_loading):
     assert result.stderr.splitlines() == [f"minirt: error: --max-new-tokens must be a whole number >= 1, got {n!r}"]
 
 
-def test_generate_long_run_says_how_long(tiny_master):
-    proc = subprocess.Popen([sys.executable, "-m", "minirt", "generate", str(tiny_master), "-n", "100000"],
+def test_generate_long_run_says_how_long(tiny):
+    # The eager reference on the CPU: slow enough for the note on any machine (a GPU would finish sooner);
+    # no end-of-sequence token in the config, so the run cannot stop before the note.
+    config = json.loads((tiny / "config.json").read_text())
+    del config["eos_token_id"]
+    (tiny / "config.json").write_text(json.dumps(config))
+    proc = subprocess.Popen([sys.executable, "-m", "minirt", "generate", str(tiny), "-n", "100000",
+                             "--backend", "reference", "--device", "cpu"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
     deadline = threading.Timer(180, proc.kill)  # no note by then: the line read below comes back empty
     deadline.start()
@@ -193,7 +199,7 @@ def test_generate_long_run_says_how_long(tiny_master):
     finally:
         deadline.cancel()
         proc.kill()
-    assert re.fullmatch(r"minirt: 99,9\d\d more tokens at [\d.]+ tok/s take about [\d.]+ (h|min); Ctrl-C stops\n", note), note
+    assert re.fullmatch(r"minirt: 9\d,\d\d\d more tokens at [\d.]+ tok/s take about [\d.]+ (h|min); Ctrl-C stops\n", note), note
 
 
 # 5. generated text: whole characters, control characters escaped on a terminal ---------------------
@@ -222,7 +228,7 @@ def test_generated_text_on_a_terminal_is_whole_and_escaped(tiny_master):
     else:
         pytest.fail("no seed gives the continuation this test needs")
     result = run("generate", str(tiny_master), "--prompt", prompt, "-n", "24", "--temperature", "1", "--seed",
-                 str(seed), "--backend", "reference", tty=("stdout",))
+                 str(seed), "--backend", "reference", "--device", "cpu", tty=("stdout",))
     assert result.returncode == 0, result.stderr
     shown = SGR.sub("", result.stdout)
     assert shown == prompt + escape_controls(text) + "\n"
@@ -237,8 +243,8 @@ def test_verify_shows_stages_and_a_verdict_and_the_bar_human_sizes(tiny_master):
                  tty=("stderr",))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == (f"minirt verify {tiny_master}: the runtime (bf16 weights) against the eager fp32 reference, "
-                        "1 layer(s), 40 prompt tokens + 2 decode steps, cpu")
+    assert re.fullmatch(rf"minirt verify {re.escape(str(tiny_master))}: the runtime \((bf16|fp8) weights\) against the "
+                        r"eager fp32 reference, 1 layer\(s\), 40 prompt tokens \+ 2 decode steps, (cpu|cuda:\d)", lines[0])
     assert re.search(r"check\s+┃\s+value\s+┃\s+limit\s+┃\s+result\s+┃", result.stdout)
     checks = sum(1 for line in lines if re.search(r"│ (ok|FAIL)\s+│", line))
     assert lines[-1] == f"PASS: all {checks} checks within tolerance"
