@@ -1,94 +1,185 @@
-"""The ``minirt`` command line: init, info, generate, verify.
+"""The ``minirt`` command line: init, info, download, generate, verify.
 
-Errors on bad input print one line on stderr and exit with code 2 (``--debug`` shows the traceback).
+Errors on bad input print one line on stderr and exit with code 2 (``--debug`` adds the traceback).
+Arguments are checked before any weights are loaded.
 """
 from __future__ import annotations
 
 import functools
+import math
+import os
+import re
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.filesize import decimal
+from rich.live import Live
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.spinner import Spinner
 from rich.table import Table
 
-from .errors import MinirtError
+from . import default_weights_dir
+from .errors import InputError, MinirtError
+
+DEFAULT_PROMPT = "The quick brown fox"
+TINY_DIR = default_weights_dir() / "tiny"
 
 app = typer.Typer(
     help="minirt: run the first dense layers of a DeepSeek-V3.2 checkpoint with sparse-MLA Triton kernels, "
     "and check them against an eager reference.\n\n"
-    "Start with `minirt generate` (no arguments: a tiny synthetic checkpoint is made under weights/) "
-    "and `minirt verify`.",
+    f"Start with `minirt generate` and `minirt verify`: without a checkpoint argument every command uses the "
+    f"tiny synthetic one (random weights) in {TINY_DIR}, written on first use. The real model's layers: "
+    "`minirt download deepseek-ai/DeepSeek-V3.2 --layers 3 --dry-run` (README: \"Running DeepSeek-V3.2's layers\").",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)  # paths may hold [brackets]
 _state = {"debug": False}
 
 WeightsArg = Annotated[Optional[Path], typer.Argument(
-    help="Hugging Face checkpoint directory (config.json + safetensors). Default: the tiny synthetic one.",
+    help=f"Hugging Face checkpoint directory (config.json + safetensors). Default: the tiny synthetic one in {TINY_DIR}.",
     show_default=False)]
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", "-l", help="Load the first N layers (default: all dense layers).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")]
+WeightsOpt = Annotated[Optional[str], typer.Option(
+    "--weights", show_default=False,
+    help="fp8 (the checkpoint's block-fp8 weights, fp8 GEMMs) or bf16 (dequantised at load). Default: fp8 for an "
+    "fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else bf16.")]
+PrefillChunkOpt = Annotated[Optional[str], typer.Option(
+    "--prefill-chunk", metavar="N", show_default=False,
+    help="Prompt tokens per prefill step (default 2048): bounds prefill's memory, not its results.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"minirt {version('minirt')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("minirt (not installed)")
+        raise typer.Exit()
 
 
 @app.callback()
-def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False):
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an error too.")] = False,
+          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False):
     _state["debug"] = debug
 
 
 def _errors_to_exit_code(fn):
-    """MinirtError → 'minirt: error: …' on stderr, exit 2; everything else propagates."""
+    """MinirtError → 'minirt: error: …' on stderr (after the traceback with --debug), exit 2."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except MinirtError as e:
             if _state["debug"]:
-                raise
+                traceback.print_exc()
             print(f"minirt: error: {e}", file=sys.stderr)
             raise typer.Exit(2) from None
     return wrapper
 
 
-class _ProgressBar:
-    """A rich progress bar behind the ``progress(done, total, name)`` callback the loaders take."""
+def _whole_number(text: str | None, option: str, minimum: int) -> int | None:
+    """An option's text as an int >= minimum, or InputError naming the option (typer's own error is a box)."""
+    if text is None:
+        return None
+    if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < minimum:
+        raise InputError(f"{option} must be a whole number >= {minimum}, got {text!r}")
+    return int(text)
 
-    def __init__(self, what: str):
+
+def _duration(seconds: float) -> str:
+    minutes, hours = seconds / 60, seconds / 3600
+    return f"{hours:.1f} h" if hours >= 1 else f"{minutes:.0f} min" if minutes >= 1 else f"{seconds:.0f} s"
+
+
+class _ProgressBar:
+    """A rich progress bar (sizes in kB/MB/GB) behind the ``progress(done, total, name)`` callback of the
+    loader, the synthetic writer and the downloader; shown on a terminal only, from the first call on.
+
+    ``order``: names in the order the loader reads them. The loader reports a tensor once it is read, so
+    the bar then names the next one: the tensor in flight."""
+
+    def __init__(self, what: str, order: list[str] | None = None):
         # Only on a terminal: a transient bar still leaves a blank line on a redirected stderr.
-        self.bar = Progress(TextColumn(f"{what} " + "{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal)
+        self.bar = Progress(TextColumn(what), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                            TextColumn("{task.description}"), console=console, transient=True,
+                            disable=not console.is_terminal)
+        self.next_name = {} if order is None else dict(zip(order, order[1:]))
         self.task = None
 
     def __enter__(self):
-        self.bar.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
+        if self.task is not None:
+            self.bar.stop()
+
+    def description(self, name: str) -> str:
+        return self.next_name.get(name, name)[-48:]
 
     def __call__(self, done: int, total: int, name: str) -> None:
         if self.task is None:
-            self.task = self.bar.add_task(name, total=total)
-        self.bar.update(self.task, completed=done, description=name[-48:])
+            self.task = self.bar.add_task(self.description(name), total=total, completed=done)
+            self.bar.start()
+        else:
+            self.bar.update(self.task, completed=done, total=total, description=self.description(name))
+
+
+def _checkpoint(weights: Path | None):
+    """(directory, config) of the checkpoint argument, or the tiny default (written on first use); a
+    path that is not a checkpoint directory is an error that says so, before anything else is read."""
+    from . import default_checkpoint
+    from .config import ModelConfig
+    from .errors import CheckpointError
+
+    if weights is None:
+        with _ProgressBar("writing the tiny default checkpoint") as bar:
+            path = default_checkpoint(progress=bar)
+    else:
+        path = weights
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such directory (a checkpoint is a directory with config.json and "
+                                  "safetensors shards)")
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: not a checkpoint directory (a checkpoint is a directory with config.json "
+                                  "and safetensors shards)")
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
+    return path, ModelConfig.from_file(path / "config.json")
 
 
 @app.command()
 @_errors_to_exit_code
 def init(
-    out: Annotated[Path, typer.Argument(help="Directory to write (must be empty or absent; see --force).")] = Path("weights/tiny"),
+    out: Annotated[Optional[Path], typer.Argument(
+        help=f"Directory to write (empty or absent; see --force). Default: {default_weights_dir()}/PRESET, the "
+        "tiny one being what every command uses without a checkpoint argument.", show_default=False)] = None,
     preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB.")] = "tiny",
-    layers: LayersOpt = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Number of (dense) layers to write (default: the preset's, tiny 2, v32 3).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every tensor's generator.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty directory.")] = False,
     device: Annotated[str, typer.Option(help="Where to generate the tensors (cuda is faster for v32).")] = "cpu",
 ):
-    """Write a deterministic synthetic checkpoint in the real Hugging Face layout (fp8 block-quantised)."""
-    from .synthetic import write_synthetic_checkpoint
+    """Write a deterministic synthetic checkpoint (random weights) in the real Hugging Face layout (fp8 block-quantised).
 
+    Done already (the same preset, layers, seed and device there, complete): says so and exits 0."""
+    from .synthetic import is_synthetic_checkpoint, write_synthetic_checkpoint
+
+    out = out if out is not None else default_weights_dir() / preset
+    if not force and is_synthetic_checkpoint(out, preset, seed, layers, device):
+        console.print(f"{preset} checkpoint (seed {seed}) already complete in {out.resolve()}; --force rewrites it")
+        return
     with _ProgressBar("writing") as bar:
         path = write_synthetic_checkpoint(out, preset=preset, seed=seed, num_layers=layers, force=force,
                                           device=device, progress=bar)
@@ -98,15 +189,19 @@ def init(
 @app.command()
 @_errors_to_exit_code
 def info(weights: WeightsArg = None, layers: LayersOpt = None):
-    """Show a checkpoint's config and what loading N layers would read (shards, parameters, bytes)."""
-    from . import default_checkpoint
-    from .checkpoint import plan_load
+    """Show a checkpoint's config, and what loading N layers takes: shards, disk, memory, cache per token.
 
-    plan = plan_load(weights or default_checkpoint(), layers)
-    cfg = plan.config
-    out = Console()
-    t = Table(title=str(plan.path), show_header=False)
-    for key, value in [
+    Needs only config.json and the index: shards not downloaded yet are listed with an estimate of their size."""
+    from .cache import cache_bytes_per_token
+    from .checkpoint import plan_load
+    from .download import memory_text, plan_shards
+
+    path, cfg = _checkpoint(weights)
+    shards = plan_shards(path, layers)
+    n = shards.num_layers
+    missing = [s for s in shards.shards if not (path / s).is_file()]
+    on_disk = sum((path / s).stat().st_size for s in shards.shards if s not in missing)
+    rows = [
         ("model_type", cfg.model_type), ("layers (dense / total)", f"{cfg.num_dense_layers} / {cfg.num_hidden_layers}"),
         ("hidden / heads", f"{cfg.hidden_size} / {cfg.num_attention_heads}"),
         ("q_lora / kv_lora", f"{cfg.q_lora_rank} / {cfg.kv_lora_rank}"),
@@ -114,82 +209,269 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
         ("indexer heads × dim, top-k", f"{cfg.index_n_heads} × {cfg.index_head_dim}, {cfg.index_topk}" if cfg.is_v32 else "none (V3)"),
         ("softmax scale", f"{cfg.sm_scale:.6f}"),
         ("quantization", f"fp8 e4m3, blocks {cfg.quantization.weight_block_size}" if cfg.quantization else "none"),
-        ("layers to load", str(plan.num_layers)),
-        ("shards to open", ", ".join(f.name for f in plan.shard_files)),
-        ("tensors / parameters", f"{len(plan.tensor_names)} / {plan.num_parameters:,}"),
-        ("bytes to read", f"{plan.num_bytes:,}"),
-    ]:
+        ("max positions", f"{cfg.max_position_embeddings:,}"),
+        ("layers to load", str(n)),
+        ("shards to open", f"{', '.join(shards.shards)} ({len(shards.shards)} of {shards.index_shards})"),
+    ]
+    if missing:
+        each = shards.estimated_shard_bytes()
+        estimate = f"; the {len(missing)} not here: about {decimal(each * len(missing))} more (the index's mean shard size)" if each else ""
+        rows.append(("disk", f"{decimal(on_disk)} here{estimate}"))
+        rows.append(("not downloaded", ", ".join(missing)))
+    else:
+        plan = plan_load(path, n)
+        rows += [("disk (those shards)", decimal(on_disk)),
+                 ("tensors / bytes to read", f"{len(plan.tensor_names)} / {decimal(plan.num_bytes)}")]
+    rows += [
+        ("parameters", f"{shards.num_parameters:,}"),
+        ("memory for the weights", memory_text(shards)),
+        ("cache per token", f"{cache_bytes_per_token(cfg, n, 'exact'):,} B (exact indexer) · "
+                            f"{cache_bytes_per_token(cfg, n, 'fp8'):,} B (fp8 indexer)"),
+    ]
+    out = Console(highlight=False, markup=False)
+    out.print(str(path))
+    t = Table(show_header=False)
+    for key, value in rows:
         t.add_row(key, value)
     out.print(t)
 
 
-def _load(weights, layers, device, backend, indexer_precision="exact"):
-    from . import load
+@app.command()
+@_errors_to_exit_code
+def download(
+    repo_id: Annotated[str, typer.Argument(help="Hugging Face repository, e.g. deepseek-ai/DeepSeek-V3.2.", show_default=False)],
+    out: Annotated[Optional[Path], typer.Argument(help=f"Directory to fill. Default: {default_weights_dir()}/NAME (NAME: the repository's).",
+                                                  show_default=False)] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Fetch what the first N layers need (default: all dense layers).")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit (default: main).")] = None,
+    endpoint: Annotated[Optional[str], typer.Option(help="Hub URL (default: $HF_ENDPOINT, else https://huggingface.co).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Fetch config, index and tokenizer only; print the shards, disk and memory.")] = False,
+):
+    """Fetch config.json, the index, tokenizer.json and only the shards the first N layers need from the hub.
 
-    with _ProgressBar("loading") as bar:
-        return load(weights, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
-                    progress=bar)
+    Those shards hold layers 0..N-1, the embedding, the final norm and lm_head. It prints the shards, the disk
+    and the memory first (--dry-run: only that); a rerun skips the files already complete."""
+    from .download import download_checkpoint
+
+    out = out if out is not None else default_weights_dir() / repo_id.rstrip("/").split("/")[-1]
+    with _ProgressBar("downloading") as bar:
+        plan = download_checkpoint(repo_id, out, layers, revision=revision, endpoint=endpoint, dry_run=dry_run,
+                                   progress=bar, report=console.print)
+    n = plan.shards.num_layers
+    if dry_run:
+        console.print(f"dry run: nothing more fetched; without --dry-run the shards go to {out}")
+    else:
+        console.print(f"ready: minirt generate {out} --layers {n}   ·   minirt verify {out} --layers {n}")
+
+
+def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
+    from . import load
+    from .checkpoint import plan_load
+
+    order = list(plan_load(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
+    with _ProgressBar(f"loading ({backend})", order) as bar:
+        return load(path, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
+                    prefill_chunk=prefill_chunk, weights=weights, progress=bar)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls, DEL; tab and newline stay
+
+
+def escape_controls(text: str) -> str:
+    """Control characters as visible escapes (``\\x1b``), so generated text cannot drive the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class _TextOut:
+    """Generated text on stdout as it arrives: on a terminal with control characters escaped (and the
+    prompt dimmed), elsewhere the exact text."""
+
+    def __init__(self):
+        self.terminal = sys.stdout.isatty()
+        self.rich = Console(highlight=False, markup=False, soft_wrap=True, emoji=False)
+
+    def write(self, text: str, dim: bool = False) -> None:
+        if self.terminal:
+            self.rich.print(escape_controls(text), style="dim" if dim else None, end="")
+        else:
+            sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+class _LongRunNote:
+    """Once decoding has run a few seconds and the rest would take over a minute, say so on stderr."""
+
+    AFTER_S, OVER_S = 3.0, 60.0
+
+    def __init__(self, total: int):
+        self.total, self.said = total, False
+        self.start = self.first = None  # time and token count of the first token
+
+    def __call__(self, produced: int, interrupting_text: bool) -> None:
+        now = time.perf_counter()
+        if self.start is None:
+            self.start, self.first = now, produced
+            return
+        elapsed = now - self.start
+        if self.said or elapsed < self.AFTER_S:
+            return
+        rate = (produced - self.first) / elapsed
+        left = (self.total - produced) / rate
+        if left > self.OVER_S:
+            self.said = True
+            sep = "\n" if interrupting_text else ""
+            print(f"{sep}minirt: {self.total - produced:,} more tokens at {rate:.2f} tok/s take about {_duration(left)}; "
+                  "Ctrl-C stops", file=sys.stderr, flush=True)
+
+
+def _stop_line(reasons: list[str], tokens: list[list[int]], max_new_tokens: int, eos: int | None) -> str:
+    from .generate import STOP_EOS
+
+    at_eos = sum(r == STOP_EOS for r in reasons)
+    eos_text = f"the end-of-sequence token (id {eos})"
+    if len(reasons) == 1:
+        if at_eos:
+            return f"stopped: {eos_text} after {len(tokens[0])} of at most {max_new_tokens} tokens"
+        return f"stopped: {max_new_tokens} tokens, the --max-new-tokens limit"
+    return (f"stopped: {at_eos} of {len(reasons)} sequences at {eos_text}, {len(reasons) - at_eos} at "
+            f"--max-new-tokens ({max_new_tokens})")
 
 
 @app.command()
 @_errors_to_exit_code
 def generate(
     weights: WeightsArg = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Text prompt (needs tokenizer.json in the checkpoint).")] = None,
-    tokens: Annotated[Optional[str], typer.Option(help="Prompt as comma-separated token ids, e.g. 1,2,3.")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 32,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", show_default=False,
+                                                  help=f"Text prompt (needs tokenizer.json in the checkpoint). Default: {DEFAULT_PROMPT!r}.")] = None,
+    tokens: Annotated[Optional[str], typer.Option(help="Prompt as comma-separated token ids, e.g. 1,2,3 (then token ids come out).")] = None,
+    max_new_tokens: Annotated[str, typer.Option("--max-new-tokens", "-n", metavar="N",
+                                                help="Tokens to generate at most; fewer when the end-of-sequence token comes.")] = "32",
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampling generator (with --temperature > 0).")] = 0,
     batch: Annotated[int, typer.Option(help="Run the prompt this many times as one batch (throughput).")] = 1,
     layers: LayersOpt = None,
     device: DeviceOpt = None,
     backend: Annotated[str, typer.Option(help="triton (kernels, fp8 cache) or reference (eager oracle).")] = "triton",
     indexer_precision: Annotated[str, typer.Option(help="exact (fp32 scores) or fp8 (official Hadamard + fp8).")] = "exact",
+    prefill_chunk: PrefillChunkOpt = None,
+    weights_format: WeightsOpt = None,
 ):
-    """Generate text (or token ids) and report prefill and decode tokens/s."""
-    from . import default_checkpoint
-    from .errors import InputError
+    """Generate text (or token ids) and report why it stopped and the prefill and decode tokens/s.
+
+    The text goes to stdout (control characters escaped on a terminal), everything else to stderr."""
+    from .backend import check_prompts
+    from .checkpoint import resolve_device
+    from .generate import check_generation_length
     from .generate import generate as run_generate
     from .sampling import SamplingParams
-    from .tokenizer import load_tokenizer
+    from .tokenizer import IncrementalDecoder, load_tokenizer
 
-    path = weights or default_checkpoint()
-    tokenizer = load_tokenizer(path)
     if prompt is not None and tokens is not None:
         raise InputError("give either --prompt or --tokens, not both")
+    n = _whole_number(max_new_tokens, "--max-new-tokens", 1)
+    chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
+    if batch < 1:
+        raise InputError(f"--batch must be >= 1, got {batch}")
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
     if tokens is not None:
         try:
             ids = [int(t) for t in tokens.split(",") if t.strip()]
         except ValueError:
             raise InputError(f"--tokens must be comma-separated integers, got {tokens!r}") from None
-    else:
+    path, cfg = _checkpoint(weights)
+    tokenizer = load_tokenizer(path)
+    if tokens is None:
         if tokenizer is None:
             raise InputError(f"{path} has no tokenizer.json: pass the prompt as --tokens 1,2,3")
         if prompt == "":
             raise InputError("the prompt is empty")
-        ids = tokenizer.encode(prompt if prompt is not None else "The quick brown fox")
-    if batch < 1:
-        raise InputError(f"--batch must be >= 1, got {batch}")
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    engine = _load(path, layers, device, backend, indexer_precision)
-    eos = engine.cfg.eos_token_id
-    out = Console(highlight=False)
+        ids = tokenizer.encode(prompt if prompt is not None else DEFAULT_PROMPT)
+    check_prompts([ids], cfg.vocab_size)
+    check_generation_length(cfg, len(ids), n)
+    if device is not None:
+        resolve_device(device)
+    engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format)
 
+    out = _TextOut()
     as_text = tokenizer is not None and tokens is None  # token ids in, token ids out
+    detok = IncrementalDecoder(tokenizer) if as_text else None
+    note = _LongRunNote(n)
+    produced = 0
 
     def stream(seq: int, token: int) -> None:
-        if seq == 0:
-            out.print(tokenizer.decode([token]) if as_text else f"{token} ", end="")
+        nonlocal produced
+        if seq != 0:
+            return
+        produced += 1
+        out.write(detok.push(token) if as_text else f"{token} ")
+        note(produced, interrupting_text=out.terminal and console.is_terminal)
 
     if as_text:
-        out.print(tokenizer.decode(ids), end="", style="dim")
-    result = run_generate(engine, [ids] * batch, max_new_tokens, sampling, eos, stream)
-    out.print()
+        out.write(tokenizer.decode(ids), dim=True)
+    result = run_generate(engine, [ids] * batch, n, sampling, cfg.eos_token_id, stream)
+    if as_text:
+        out.write(detok.flush())
+    out.write("\n")
+    console.print(_stop_line(result.stop_reasons, result.tokens, n, cfg.eos_token_id))
     console.print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:,.1f} tok/s | "
-                  f"decode: {result.decode_steps} steps × {batch}, {result.decode_tokens_per_s:,.1f} tok/s "
+                  f"decode: {result.decode_steps} steps × batch {batch}, {result.decode_tokens_per_s:,.1f} tok/s "
                   f"({engine.backend}, {engine.device})")
+
+
+def available_memory(device) -> int:
+    """Bytes that can still be allocated on ``device``: CUDA's free memory, or the CPU's available RAM
+    (MemAvailable in /proc/meminfo; elsewhere free physical pages)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
+    """Estimated peak memory of ``minirt verify`` over ``num_tokens`` tokens on ``device``: both models'
+    weights (the runtime's bf16 on cuda, an upper bound for its fp8 weights, fp32 on cpu; the reference's
+    fp32), the runtime's cache and its two runs' logits, and the eager reference's activations
+    (``reference.forward_peak_bytes``)."""
+    from .cache import cache_bytes_per_token
+    from .checkpoint import tensor_specs
+    from .reference import forward_peak_bytes
+
+    params = sum(math.prod(spec.shape) for spec in tensor_specs(cfg, num_layers).values())
+    weights = params * ((2 if device.type == "cuda" else 4) + 4)
+    runtime = cache_bytes_per_token(cfg, num_layers) * num_tokens + 2 * num_tokens * cfg.vocab_size * 4
+    return weights + runtime + forward_peak_bytes(cfg, num_layers, num_tokens)
+
+
+def _check_verify_fits(cfg, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
+    """InputError, with the numbers, when verify's tokens exceed the positions or its memory estimate
+    exceeds what the device has free: before anything is loaded."""
+    total = prompt_len + decode_steps
+    if total > cfg.max_position_embeddings:
+        raise InputError(f"--prompt-len ({prompt_len}) + --decode-steps ({decode_steps}) = {total} tokens exceeds the "
+                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
+    need, free = verify_memory_bytes(cfg, num_layers, total, device), available_memory(device)
+    if need > free:
+        fits, low, high = 0, 1, total  # the largest token count that fits (the estimate grows with it)
+        while low <= high:
+            mid = (low + high) // 2
+            if verify_memory_bytes(cfg, num_layers, mid, device) <= free:
+                fits, low = mid, mid + 1
+            else:
+                high = mid - 1
+        advice = (f"at most --prompt-len {fits - decode_steps} with --decode-steps {decode_steps} fits"
+                  if fits > decode_steps else "not even one prompt token fits")
+        raise InputError(f"verify over {total} tokens needs about {decimal(need)} on {device.type} (the eager reference "
+                         f"holds [heads, T, T] attention scores), {decimal(free)} is available: {advice}")
 
 
 @app.command()
@@ -200,34 +482,57 @@ def verify(
     device: DeviceOpt = None,
     prompt_len: Annotated[Optional[int], typer.Option(help="Prompt tokens (default: 2·index_topk + 8, so top-k is sparse).")] = None,
     decode_steps: Annotated[int, typer.Option(help="Decode steps after the prompt.")] = 8,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the random prompt tokens.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    prefill_chunk: PrefillChunkOpt = None,
+    weights_format: WeightsOpt = None,
 ):
-    """Run the kernel runtime and the eager reference on the same tokens and compare them.
+    """Run the kernel runtime and the eager reference on the same random tokens and compare them.
 
-    Exit 0 when every row is within its tolerance (README: "verify tolerances"), 1 otherwise."""
-    from . import default_checkpoint
+    Exit 0 when every row is within its tolerance (README: "verify tolerances"), 1 otherwise. Refuses (exit 2)
+    a length past max_position_embeddings or one whose eager reference would not fit in memory."""
+    import torch
+
+    from .checkpoint import resolve_device, tensor_specs
     from .verify import run_verify
 
-    path = weights or default_checkpoint()
-    engine = _load(path, layers, device, "triton")
-    oracle = _load(path, engine.num_layers, str(engine.device), "reference")
-    cfg = engine.cfg
+    chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
+    path, cfg = _checkpoint(weights)
+    dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    num_layers = layers if layers is not None else cfg.num_dense_layers
+    tensor_specs(cfg, num_layers)  # MoE layers asked for: the loader's error, now
     if prompt_len is None:
         prompt_len = 2 * (cfg.index_topk or 32) + 8
-    report = run_verify(engine, oracle, prompt_len, decode_steps, seed)
+    if prompt_len < 1 or decode_steps < 0:
+        raise InputError(f"need --prompt-len >= 1 and --decode-steps >= 0, got {prompt_len}, {decode_steps}")
+    _check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
+
+    engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)
+    oracle = _load(path, num_layers, str(dev), "reference")
+    with Live(console=console, transient=True) as live:  # the stage now running, redrawn at once
+        report = run_verify(engine, oracle, prompt_len, decode_steps, seed,
+                            progress=lambda stage: live.update(Spinner("dots", f"verify: {stage}"), refresh=True))
+    failures = report.failures()
     if as_json:
         print(report.to_json())
     else:
-        t = Table(title=f"minirt verify: {prompt_len} prompt tokens + {decode_steps} decode steps, {engine.device}")
-        for col in ("check", "value", "limit", ""):
-            t.add_column(col)
+        out = Console(highlight=False, soft_wrap=True)
+        out.print(f"minirt verify {escape(str(path))}: the runtime ({engine.weights} weights) against the eager fp32 "
+                  f"reference, {engine.num_layers} layer(s), {prompt_len} prompt tokens + {decode_steps} decode steps, "
+                  f"{engine.device}")
+        t = Table()
+        for col, justify in (("check", "left"), ("value", "right"), ("limit", "left"), ("result", "left")):
+            t.add_column(col, justify=justify)
         for c in report.checks:
             t.add_row(c.name, f"{c.value:.3e}", f"{'≤' if c.kind == 'max' else '≥'} {c.limit:g}",
                       "[green]ok[/]" if c.ok else "[red]FAIL[/]")
-        Console().print(t)
-    if not report.ok:
-        names = ", ".join(c.name for c in report.failures())
-        print(f"minirt: verify failed: {names} outside tolerance", file=sys.stderr)
+        out.print(t)
+        if failures:
+            out.print(f"[red]FAIL[/]: {len(failures)} of {len(report.checks)} checks outside tolerance: "
+                      + ", ".join(c.name for c in failures))
+        else:
+            out.print(f"[green]PASS[/]: all {len(report.checks)} checks within tolerance")
+    if failures:
+        if as_json:
+            print(f"minirt: verify failed: {', '.join(c.name for c in failures)} outside tolerance", file=sys.stderr)
         raise typer.Exit(1)
-

@@ -11,13 +11,21 @@ from .errors import InputError
 from .sampling import SamplingParams, sample
 
 
+STOP_EOS, STOP_LENGTH = "eos", "length"
+
+
 @dataclass
 class GenerationResult:
-    tokens: list[list[int]]  # new tokens of each prompt, stopping after eos
+    """tokens: the new tokens of each prompt (the first comes from prefill, each later one from a decode
+    step), ending with eos when it was sampled; stop_reasons: per prompt why it stopped, ``"eos"`` (the
+    end-of-sequence token was sampled) or ``"length"`` (max_new_tokens reached)."""
+
+    tokens: list[list[int]]
     prefill_tokens: int
     prefill_seconds: float
     decode_steps: int
     decode_seconds: float
+    stop_reasons: list[str]
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -35,6 +43,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def check_generation_length(cfg, longest_prompt: int, max_new_tokens: int) -> None:
+    """InputError unless 1 <= max_new_tokens and the longest prompt plus max_new_tokens fits in the
+    model's ``max_position_embeddings`` (the CLI checks this before it loads any weights)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if longest_prompt + max_new_tokens > cfg.max_position_embeddings:
+        raise InputError(f"prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+
+
 def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              eos_token_id: int | None = None,
              on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
@@ -42,14 +60,11 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
 
     ``on_token(sequence_index, token)`` is called for every new token as soon as it is sampled (streaming).
     The cache is sized for the longest prompt plus ``max_new_tokens``; more than the model's
-    ``max_position_embeddings`` in total is an InputError.
+    ``max_position_embeddings`` in total is an InputError. The result says why each sequence stopped
+    (``GenerationResult.stop_reasons``).
     """
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest = max((len(p) for p in prompts), default=0)
-    if longest + max_new_tokens > engine.cfg.max_position_embeddings:
-        raise InputError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_position_embeddings ({engine.cfg.max_position_embeddings})")
+    check_generation_length(engine.cfg, longest, max_new_tokens)
     device = engine.device
     generator = torch.Generator().manual_seed(sampling.seed)
     engine.setup_cache(len(prompts), longest + max_new_tokens)
@@ -61,19 +76,22 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
     prefill_seconds = time.perf_counter() - start
 
     out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
+    stop: list[str | None] = [None] * len(prompts)
     steps, start = 0, time.perf_counter()
     while True:
         for i, t in enumerate(next_tokens.tolist()):
-            if done[i]:
+            if stop[i] is not None:
                 continue
             out[i].append(t)
             if on_token is not None:
                 on_token(i, t)
-            done[i] = t == eos_token_id or len(out[i]) >= max_new_tokens
-        if all(done):
+            if t == eos_token_id:
+                stop[i] = STOP_EOS
+            elif len(out[i]) >= max_new_tokens:
+                stop[i] = STOP_LENGTH
+        if all(reason is not None for reason in stop):
             break
         next_tokens = sample(engine.decode(next_tokens), sampling, generator)
         steps += 1
     _sync(device)
-    return GenerationResult(out, sum(len(p) for p in prompts), prefill_seconds, steps, time.perf_counter() - start)
+    return GenerationResult(out, sum(len(p) for p in prompts), prefill_seconds, steps, time.perf_counter() - start, stop)

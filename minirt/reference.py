@@ -313,3 +313,39 @@ class ReferenceEngine:
         for seq, t in zip(self.sequences, tokens):
             seq.append(t)
         return torch.stack([self.model.forward(torch.tensor(s)).logits[-1].float() for s in self.sequences])
+
+
+def forward_peak_bytes(cfg: ModelConfig, num_layers: int, num_tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    """Estimated peak bytes of what :meth:`ReferenceModel.forward` (``absorbed=False``) allocates for
+    ``num_tokens`` tokens, weights not included; ``verify`` checks it against the free memory first.
+
+    Counted, with T = num_tokens, e = dtype's item size and H heads:
+
+    * kept in the ``ReferenceOutput`` per layer: hidden state and attention output ``[T, hidden]``; V3.2
+      also the indexer scores ``[T, T]`` and the top-k ``[T, index_topk]`` int64;
+    * the fullest moment of one layer, the largest of:
+      :func:`mla_attention`: four ``[H, T, T]`` tensors alive at once (rope scores, masked scores and the
+      softmax with its zero-row ``where``; scaled scores before that) plus ``[T, T]`` bool masks;
+      :func:`select_topk`: the stable sort's values ``[T, T]`` and int64 indices;
+      :func:`lightning_indexer`: the running ``[T, T]`` sum, a head's product and its relu;
+    * the layer's ``[T, width]`` projections and MLP activations, and the final ``[T, vocab]`` logits.
+
+    The ``[H, T, T]`` term dominates from a few hundred tokens on (128 heads: 2 KiB · T²).
+    """
+    T, e, H = num_tokens, dtype.itemsize, cfg.num_attention_heads
+    square = T * T
+    kept = 2 * T * cfg.hidden_size * e
+    if cfg.is_v32:
+        kept += square * e + T * cfg.index_topk * 8
+    attention = 4 * H * square * e + 2 * square
+    stage = attention
+    if cfg.is_v32:
+        stage = max(attention, square * (e + 8), 2 * square * e + 2 * square)
+    widths = (H * (cfg.qk_head_dim + cfg.qk_nope_head_dim + cfg.v_head_dim)  # q, k_nope, v
+              + cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim + 3 * cfg.hidden_size
+              + 3 * cfg.intermediate_size)
+    if cfg.is_v32:
+        widths += cfg.index_n_heads * cfg.index_head_dim
+    layer = stage + T * widths * e
+    logits = T * cfg.vocab_size * e
+    return num_layers * kept + max(layer, logits)

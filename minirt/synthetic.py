@@ -19,7 +19,7 @@ import json
 import math
 import shutil
 import struct
-import tempfile
+import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +28,14 @@ from typing import Any, Iterator
 import torch
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
-from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, resolve_device, tensor_specs
+from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, plan_load, resolve_device, tensor_specs
 from .config import Fp8Quantization, ModelConfig, YarnScaling
-from .errors import InputError, WriteError
+from .errors import InputError, MinirtError, WriteError
+from .tokenizer import TOKENIZER_FILE
 
-TOKENIZER_FILE = "tokenizer.json"
 BOS_TOKEN, EOS_TOKEN = "<bos>", "<eos>"
 CHUNK_ELEMENTS = 1 << 24  # rows per generated chunk ≈ this / columns (64 MiB of float32)
+GENERATOR_KEY = "minirt_synthetic"  # in the index's metadata: what wrote the checkpoint (preset, seed, device)
 
 _SAFETENSORS_DTYPE_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
 
@@ -312,7 +313,13 @@ def _os_reason(e: OSError) -> str:
     return f"{reason}: {e.filename}" if e.filename else reason
 
 
-def _write_files(tmp: Path, preset: Preset, cfg: ModelConfig, seed: int, device: torch.device, progress: Progress | None) -> None:
+def _generator_record(preset: str, seed: int, device: torch.device) -> dict[str, Any]:
+    return {"preset": preset, "seed": seed, "device": device.type}  # the bytes depend on the device type
+
+
+def _write_files(tmp: Path, preset_name: str, cfg: ModelConfig, seed: int, device: torch.device,
+                 progress: Progress | None) -> None:
+    preset = PRESETS[preset_name]
     num_layers = cfg.num_hidden_layers
     specs = tensor_specs(cfg, num_layers)
     block = cfg.quantization.weight_block_size if cfg.quantization else None
@@ -342,7 +349,8 @@ def _write_files(tmp: Path, preset: Preset, cfg: ModelConfig, seed: int, device:
                         progress(done, total, name)
         weight_map |= {n: shard_name for n in shard_layout}
 
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    metadata = {"total_size": total, GENERATOR_KEY: _generator_record(preset_name, seed, device)}
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     if preset.tokenizer:
         byte_level_tokenizer(cfg.bos_token_id, cfg.eos_token_id).save(str(tmp / TOKENIZER_FILE))
@@ -363,7 +371,9 @@ def write_synthetic_checkpoint(
     num_hidden_layers and first_k_dense_replace are both set to it. device: where values are generated
     and quantised ("cuda" speeds up v32; output differs from "cpu" but is deterministic per device type).
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
-    removed on any failure. Raises InputError for an unknown preset, a bad num_layers, or an out_dir that
+    removed on any failure; directories and files get the usual permissions (the umask's). The index's
+    metadata records preset, seed and device type (``GENERATOR_KEY``, read by ``is_synthetic_checkpoint``).
+    Raises InputError for an unknown preset, a bad num_layers, or an out_dir that
     is a file or a non-empty directory (unless force=True, which replaces it); WriteError when the
     operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
     name)``, if given, is called after each chunk written with bytes written so far and in total.
@@ -376,11 +386,13 @@ def write_synthetic_checkpoint(
     try:
         _check_out_dir(out_dir, force)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+        # mkdir, not tempfile.mkdtemp: mkdtemp's mode 0700 would become the checkpoint's; this gets the umask's.
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
     except OSError as e:
         raise WriteError(f"{out_dir}: cannot create the checkpoint there ({_os_reason(e)})") from e
     try:
-        _write_files(tmp, PRESETS[preset], cfg, seed, device, progress)
+        _write_files(tmp, preset, cfg, seed, device, progress)
         _check_out_dir(out_dir, force)
         if out_dir.exists():
             # Move the old directory aside first so a failed rename can put it back.
@@ -401,3 +413,19 @@ def write_synthetic_checkpoint(
                              f"{out_dir} is left as it was") from e
         raise
     return out_dir
+
+
+def is_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, num_layers: int | None = None,
+                            device: str | torch.device = "cpu") -> bool:
+    """Whether ``out_dir`` already holds the complete checkpoint ``write_synthetic_checkpoint`` would write
+    with these arguments: the same config, a generator record of the same preset, seed and device type,
+    and every shard present with valid headers (``checkpoint.plan_load``). Tensor data is not read."""
+    cfg = preset_config(preset, num_layers)
+    out_dir = Path(out_dir)
+    try:
+        plan = plan_load(out_dir)
+        index = json.loads((out_dir / INDEX_FILE).read_text())
+    except (MinirtError, OSError, ValueError):
+        return False
+    record = index.get("metadata", {}).get(GENERATOR_KEY) if isinstance(index, dict) else None
+    return plan.config == cfg and record == _generator_record(preset, seed, resolve_device(device))

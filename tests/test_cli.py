@@ -105,7 +105,8 @@ def test_verify_exits_non_zero_on_mismatch(tiny, monkeypatch):
     monkeypatch.setattr(minirt, "load", perturbed_load)
     result = runner.invoke(app, ["verify", str(tiny), "--prompt-len", "40", "--decode-steps", "1"])
     assert result.exit_code == 1
-    assert "verify failed" in result.output and "hidden[0]" in result.output
+    verdict = result.stdout.splitlines()[-1]
+    assert verdict.startswith("FAIL: ") and "hidden[0]" in verdict
 
 
 def test_missing_checkpoint_is_one_line_exit_2(tmp_path: Path):
