@@ -60,7 +60,8 @@ class KVStash:
 class PrefillTrace:
     """Per-layer intermediates of one prefill, for ``verify``: ``hidden_states[i]`` the residual
     stream after layer i [N, hidden] fp32 and ``topk[i]`` the positions layer i attended [N, k], over
-    all prompt tokens packed (the pieces of every chunk joined in order)."""
+    all prompt tokens packed (the pieces of every chunk joined in order; top-k pieces narrower than the
+    widest, as dense V3 steps are, padded with −1)."""
 
     _pieces: dict = field(default_factory=lambda: defaultdict(list))
 
