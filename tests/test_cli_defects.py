@@ -244,7 +244,7 @@ def test_verify_shows_stages_and_a_verdict_and_the_bar_human_sizes(tiny_master):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert re.fullmatch(rf"minirt verify {re.escape(str(tiny_master))}: the runtime \((bf16|fp8) weights\) against the "
-                        r"eager fp32 reference, 1 layer\(s\), 40 prompt tokens \+ 2 decode steps, (cpu|cuda:\d)", lines[0])
+                        r"eager fp32 reference, 1 layer\(s\), 40 prompt tokens \+ 2 decode steps, (cpu|cuda(:\d+)?)", lines[0])
     assert re.search(r"check\s+┃\s+value\s+┃\s+limit\s+┃\s+result\s+┃", result.stdout)
     checks = sum(1 for line in lines if re.search(r"│ (ok|FAIL)\s+│", line))
     assert lines[-1] == f"PASS: all {checks} checks within tolerance"
