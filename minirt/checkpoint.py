@@ -238,7 +238,7 @@ class LoadPlan:
         return tuple(self.stored)
 
 
-def _weight_map(path: Path) -> tuple[str, dict[str, str]]:
+def read_weight_map(path: Path) -> tuple[str, dict[str, str]]:
     """(file the map comes from, tensor name → shard file name): the index, else the single file's header."""
     index_path = path / INDEX_FILE
     if index_path.is_file():
@@ -298,7 +298,7 @@ def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
         else:
             expected[name] = (UNQUANTIZED_DTYPES, spec.shape)
 
-    map_file, weight_map = _weight_map(path)
+    map_file, weight_map = read_weight_map(path)
     shard_of: dict[str, Path] = {}
     for name in expected:
         if name not in weight_map:

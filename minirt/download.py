@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
 
 from .blockfp8 import block_scale_shape
-from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, _weight_map, plan_load, tensor_specs
+from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, plan_load, read_weight_map, tensor_specs
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, MinirtError, WriteError
 from .tokenizer import TOKENIZER_FILE
@@ -66,7 +66,7 @@ def plan_shards(path: str | Path, num_layers: int | None = None) -> ShardPlan:
     cfg = ModelConfig.from_file(path / CONFIG_FILE)
     num_layers = cfg.num_dense_layers if num_layers is None else num_layers
     specs = tensor_specs(cfg, num_layers)
-    map_file, weight_map = _weight_map(path)
+    map_file, weight_map = read_weight_map(path)
     needed = [n + suffix for n, spec in specs.items() for suffix in (("", SCALE_SUFFIX) if spec.quantized else ("",))]
     for name in needed:
         if name not in weight_map:
