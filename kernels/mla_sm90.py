@@ -33,12 +33,19 @@ ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))    # per-head vectors of
 
 
 @gluon.jit
-def load_q(q_base, stride_h, head0, h_q, q_lat_smem, q_rope_smem):
-    """Heads head0..head0+63 of one query row (q_base points at its head 0, 576 contiguous values
-    per head) into the two shared-memory tiles; heads >= h_q become zero rows."""
+def load_q(q_base, stride_h, head0, h_q, q_lat_smem, q_rope_smem, HAS_ROPE: gl.constexpr = True):
+    """Heads head0..head0+63 of one query row (q_base points at its head 0, 512 latent then 64 rope
+    values per head) into the two shared-memory tiles; heads >= h_q become zero rows. Without
+    HAS_ROPE (d_qk 512) only the latent tile is loaded."""
     h_lat = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LAT_L))
     q_lat_smem.store(gl.load(q_base + h_lat[:, None] * stride_h + gl.arange(0, D_LAT, gl.SliceLayout(0, LAT_L))[None, :],
                              mask=(h_lat < h_q)[:, None], other=0.0))
+    if HAS_ROPE:
+        _load_q_rope(q_base, stride_h, head0, h_q, q_rope_smem)
+
+
+@gluon.jit
+def _load_q_rope(q_base, stride_h, head0, h_q, q_rope_smem):
     h_rope = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
     q_rope_smem.store(gl.load(q_base + h_rope[:, None] * stride_h + D_LAT
                               + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
@@ -55,8 +62,10 @@ def chunk_indices(row_ptr, stride, start, end, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem, valid, sm_scale_log2, m_i, l_i, acc):
-    """One online-softmax step over a chunk of 64 keys in shared memory (k_lat doubles as V).
+def attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem, valid, sm_scale_log2, m_i, l_i, acc,
+                 HAS_ROPE: gl.constexpr = True):
+    """One online-softmax step over a chunk of 64 keys in shared memory (k_lat doubles as V; without
+    HAS_ROPE the scores are q_lat . k_lat alone and the rope tiles are not read: d_qk 512).
 
     valid [64] (COL_S): keys to attend; the others get probability 0. m_i (running max of the scores
     scaled by sm_scale_log2, i.e. in base 2; -inf before any valid key), l_i (ROW_S) and acc [64, 512]
@@ -64,7 +73,8 @@ def attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem, valid, sm_sca
     so a fully masked chunk gives alpha = exp2(-inf) = 0 and p = 0, never exp2(-inf - -inf) = NaN."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q_lat_smem, k_lat_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_rope_smem, k_rope_smem.permute((1, 0)), s, is_async=True)
+    if HAS_ROPE:
+        s = warpgroup_mma(q_rope_smem, k_rope_smem.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))

@@ -168,8 +168,8 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config) -> N
 
 def uses_sm90_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: Optional[PrefillConfig] = None) -> bool:
     """Whether sparse_mla_prefill runs the Gluon kernel (sparse_mla_prefill_sm90) on these checked inputs:
-    compiled (not interpreted), no explicit config, and inputs that kernel supports (sm_90 GPU, d_qk 576,
-    d_v 512, contiguous 16-byte aligned rows)."""
+    compiled (not interpreted), no explicit config, and inputs that kernel supports (sm_90 GPU, d_qk 576
+    or 512, d_v 512, contiguous 16-byte aligned rows)."""
     return config is None and not INTERPRET and sm90.supported(q, kv, d_v)
 
 
@@ -248,8 +248,8 @@ def sparse_mla_prefill(
             shape. Default: see below.
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
-    are honoured, nothing is copied. On sm_90 GPUs, calls without a config with d_qk 576 / d_v 512 and
-    contiguous q and kv rows (16-byte aligned kv rows) run the Gluon kernel of sparse_mla_prefill_sm90
+    are honoured, nothing is copied. On sm_90 GPUs, calls without a config with d_qk 576 or 512, d_v 512
+    and contiguous q and kv rows (16-byte aligned kv rows) run the Gluon kernel of sparse_mla_prefill_sm90
     (uses_sm90_kernel); all others run the portable Triton kernel here, with default_config(h_q) when
     config is None. Both kernels have the semantics below.
 

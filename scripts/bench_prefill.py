@@ -2,7 +2,7 @@
 
     python3 scripts/bench_prefill.py [--out results.md] [--variants 64,8,2 32,8,3 ...]
 
-TFLOP/s counts 2 * sum(valid topk) * h_q * (d_qk + d_v). The ceilings (bf16 8192^3 matmul, device
+TFLOP/s counts 2 * (attended keys) * h_q * (d_qk + d_v), attended = s_q * topk or sum(topk_length). The ceilings (bf16 8192^3 matmul, device
 copy) are measured in the same run; times are triton.testing.do_bench medians. Indices are uniform
 random rows of kv, all valid, unsorted. Every kernel variant is first checked against the eager
 baseline on 64 query rows.
@@ -20,26 +20,35 @@ from ceilings import measure_ceilings, plot_roofline, write_report
 
 from minirt.kernels.sparse_mla_prefill import PrefillConfig, default_config, sparse_mla_prefill
 
-S_Q, TOPK, D_V = 4096, 2048, 512
-# The issue's target shape first, so a run cut short still reports it.
-SHAPES = [(s_kv, h_q, d_qk) for d_qk in (576, 512) for s_kv in (32768, 8192) for h_q in (128, 64)]
+S_Q, D_V = 4096, 512
+# (s_kv, h_q, d_qk, topk, attn_sink and topk_length): FlashMLA's benchmark shapes, V3.2's (d_qk 576)
+# and V4's (d_qk 512). The extras row draws topk_length uniformly in [0, topk].
+SHAPES = [(32768, 128, 576, 2048, False), (8192, 128, 576, 2048, False), (32768, 64, 576, 2048, False),
+          (8192, 64, 576, 2048, False), (32768, 64, 512, 512, False), (32768, 128, 512, 1024, False),
+          (32768, 128, 512, 2048, False), (32768, 128, 576, 2048, True)]
 
 
-def eager_prefill(q, kv, indices, sm_scale, d_v, chunk=256):
-    """Gather + bf16 matmuls + fp32 softmax, chunked over s_q to bound the gathered copy."""
+def eager_prefill(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None, chunk=256):
+    """Gather + bf16 matmuls + fp32 softmax, chunked over s_q to bound the gathered copy; the keys at
+    and past topk_length are masked, the sink joins the softmax's denominator."""
     out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
     for start in range(0, q.shape[0], chunk):
         k = kv[:, 0][indices[start:start + chunk, 0].long()]                 # [c, topk, d_qk]
         logits = torch.matmul(q[start:start + chunk], k.transpose(1, 2)).float() * sm_scale
-        p = torch.softmax(logits, -1).to(q.dtype)
+        if topk_length is not None:
+            masked = torch.arange(k.shape[1], device=q.device) >= topk_length[start:start + chunk, None, None]
+            logits = logits.masked_fill(masked, float("-inf"))
+        if attn_sink is not None:
+            logits = torch.cat([logits, attn_sink[None, :, None].expand(logits.shape[0], -1, 1)], -1)
+        p = torch.softmax(logits, -1).nan_to_num()[..., :k.shape[1]].to(q.dtype)
         out[start:start + chunk] = torch.matmul(p, k[..., :d_v])
     return out
 
 
 def portable(config=None):
     """The portable Triton kernel with a launch config (default_config when None)."""
-    return lambda q, kv, idx, scale: sparse_mla_prefill(q, kv, idx, scale, D_V,
-                                                        config=config or default_config(q.shape[1]))
+    return lambda q, kv, idx, scale, **extras: sparse_mla_prefill(
+        q, kv, idx, scale, D_V, config=config or default_config(q.shape[1]), **extras)
 
 
 def parse_variant(text: str):
@@ -56,7 +65,7 @@ def main():
     args = parser.parse_args()
     # "default" is the public function: the Gluon kernel on sm_90 for d_qk 576, the portable kernel
     # otherwise; "portable" forces the Triton kernel with its default config.
-    variants = ([("default", lambda q, kv, idx, scale: sparse_mla_prefill(q, kv, idx, scale, D_V)),
+    variants = ([("default", lambda q, kv, idx, scale, **extras: sparse_mla_prefill(q, kv, idx, scale, D_V, **extras)),
                  ("portable", portable())] + [(v, parse_variant(v)) for v in args.variants])
     points = []
 
@@ -65,49 +74,57 @@ def main():
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",
         f"- ceilings: bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s, device copy {copy_gbs:.0f} GB/s (read + write)",
-        f"- s_q {S_Q}, topk {TOPK} (all valid, uniform random, unsorted), d_v {D_V}; TFLOP/s (ms)",
+        f"- s_q {S_Q}, indices uniform random over s_kv (unsorted), d_v {D_V}; TFLOP/s (ms)",
         f"- portable kernel's default config: {default_config(128)}",
         "",
-        "| s_kv | h_q | d_qk | eager torch | " + " | ".join(name for name, _ in variants) + " |",
-        "|---:|---:|---:|---:|" + "---:|" * len(variants),
+        "| s_kv | h_q | d_qk | topk | eager torch | " + " | ".join(name for name, _ in variants) + " |",
+        "|---:|---:|---:|---:|---:|" + "---:|" * len(variants),
     ]
     print("\n".join(lines), flush=True)
 
-    for s_kv, h_q, d_qk in SHAPES:
+    for s_kv, h_q, d_qk, topk, with_extras in SHAPES:
         gen = torch.Generator("cuda").manual_seed(0)
         q = torch.randn((S_Q, h_q, d_qk), generator=gen, device="cuda").bfloat16()
         kv = torch.randn((s_kv, 1, d_qk), generator=gen, device="cuda").bfloat16()
-        indices = torch.randint(0, s_kv, (S_Q, 1, TOPK), generator=gen, device="cuda", dtype=torch.int32)
+        indices = torch.randint(0, s_kv, (S_Q, 1, topk), generator=gen, device="cuda", dtype=torch.int32)
+        extras = {}
+        attended = S_Q * topk
+        if with_extras:
+            extras = {"attn_sink": torch.randn(h_q, generator=gen, device="cuda"),
+                      "topk_length": torch.randint(0, topk + 1, (S_Q,), generator=gen, device="cuda", dtype=torch.int32)}
+            attended = int(extras["topk_length"].sum())
+        first = {k: v[:64] if k == "topk_length" else v for k, v in extras.items()}
         sm_scale = d_qk**-0.5
-        flops = 2 * S_Q * TOPK * h_q * (d_qk + D_V)
-        expected = eager_prefill(q[:64], kv, indices[:64], sm_scale, D_V).float()
+        flops = 2 * attended * h_q * (d_qk + D_V)
+        expected = eager_prefill(q[:64], kv, indices[:64], sm_scale, D_V, **first).float()
 
         def fmt(ms):
             return f"{flops / ms / 1e9:.0f} ({ms:.2f})"
 
-        cells = [fmt(do_bench(lambda: eager_prefill(q, kv, indices, sm_scale, D_V), return_mode="median"))]
+        cells = [fmt(do_bench(lambda: eager_prefill(q, kv, indices, sm_scale, D_V, **extras), return_mode="median"))]
         for name, run in variants:
             try:
-                got = run(q[:64], kv, indices[:64], sm_scale)[0].float()
+                got = run(q[:64], kv, indices[:64], sm_scale, **first)[0].float()
                 rel = ((got - expected).norm() / expected.norm()).item()
                 if not rel < 1e-2:
                     cells.append(f"WRONG (rel err {rel:.2g})")
                     continue
-                ms = do_bench(lambda: run(q, kv, indices, sm_scale), return_mode="median")
+                ms = do_bench(lambda: run(q, kv, indices, sm_scale, **extras), return_mode="median")
                 cells.append(fmt(ms))
                 if name == "default":  # fewest bytes: q, each gathered kv row once, indices, out
-                    nbytes = 2 * S_Q * (h_q * d_qk + TOPK * d_qk + h_q * D_V) + 4 * S_Q * TOPK
+                    nbytes = 2 * (S_Q * h_q * (d_qk + D_V) + attended * d_qk) + 4 * S_Q * topk
                     points.append((f"h{h_q} kv{s_kv // 1024}k d{d_qk}", flops, nbytes, ms * 1e-3))
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
                 cells.append(f"failed: {type(e).__name__}")
-        row = f"| {s_kv} | {h_q} | {d_qk} | " + " | ".join(cells) + " |"
+        name = f"{topk}" + (" +sink +topk_length" if with_extras else "")
+        row = f"| {s_kv} | {h_q} | {d_qk} | {name} | " + " | ".join(cells) + " |"
         lines.append(row)
         print(row, flush=True)
         del q, kv, indices
         torch.cuda.empty_cache()
 
     if args.plot:
-        plot_roofline(args.plot, f"sparse_mla_prefill, s_q {S_Q}, topk {TOPK}", points, mm_tflops, copy_gbs)
+        plot_roofline(args.plot, f"sparse_mla_prefill, s_q {S_Q}", points, mm_tflops, copy_gbs)
     text = "\n".join(lines) + "\n"
     write_report(text, args.out)
 

@@ -379,13 +379,14 @@ def test_cpu_tensors_rejected_when_compiled():
 
 
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
-def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch):
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch, d_qk):
     calls = []
     launch = sm90.launch
     monkeypatch.setattr(sm90, "launch", lambda *args, **kw: calls.append(1) or launch(*args, **kw))
     gen = torch.Generator(DEVICE).manual_seed(5)
-    q = torch.randn((3, 64, 576), generator=gen, device=DEVICE).to(torch.bfloat16)
-    kv = torch.randn((100, 1, 576), generator=gen, device=DEVICE).to(torch.bfloat16)
+    q = torch.randn((3, 64, d_qk), generator=gen, device=DEVICE).to(torch.bfloat16)
+    kv = torch.randn((100, 1, d_qk), generator=gen, device=DEVICE).to(torch.bfloat16)
     indices = torch.randint(0, 100, (3, 1, 64), generator=gen, device=DEVICE, dtype=torch.int32)
     run_case(q, kv, indices, 0.05, 512)
     assert len(calls) == (1 if kernel_path == "sm90" else 0)
