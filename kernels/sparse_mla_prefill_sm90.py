@@ -1,12 +1,23 @@
 """Hopper (sm_90) fast path of sparse_mla_prefill, written in Gluon (Triton's explicit-layout dialect).
 
-Same semantics as the portable Triton kernel in sparse_mla_prefill.py, for d_v 512 with d_qk 576 (V3.2:
-512 latent + 64 rope) or 512 (V4: the rope inside the 512 columns, so K and V are the same columns). What the portable kernel cannot express and this one does:
-the gather of key chunk i+1 (cp.async into the other half of a double buffer) is issued before the
-tensor-core work of chunk i, so its latency hides behind that work, and chunk i+2's indices are
-loaded one step earlier still. Triton 3.6's pipeliner issues the gather after chunk i's math and
-waits for it at once (docs/perf/prefill.md). One program = one query token x 64 heads, 8 warps; the
-attention step itself is mla_sm90.attend_chunk.
+Same semantics as the portable Triton kernel in sparse_mla_prefill.py, for d_v 512 and d_qk 576 (V3.2:
+512 latent + 64 rope) or 512 (V4: the rope sits inside the 512 columns, so K and V are the same
+columns). One program = one query token x 64 heads, warp-specialised into three warpgroups that
+meet at mbarriers, so the tensor cores keep working while a warpgroup runs its softmax:
+
+- the producer gathers the key rows of two 64-key blocks (A, B) per step with cp.async, in four
+  pieces (A left, B right, A right, B left: left = latent columns 0..255, right = 256..511 plus the
+  rope), each refilled as soon as its readers release it;
+- consumer 0 computes the scores of block A, consumer 1 those of block B (64 x 64 each, all of d_qk);
+- for O = P.V each consumer owns 256 of the 512 output columns and multiplies both blocks' P: its own
+  from registers, the other's through shared memory. The running max is chained: consumer 0's max
+  (old max and block A) goes to consumer 1, whose max (and block B) comes back as the step's max.
+
+So consumer 1's score MMAs run during consumer 0's softmax, and each one's P.V during the other's
+exchange. The schedule is FlashMLA's sm90 sparse prefill (csrc/sm90/prefill/sparse/phase1.cuh), written
+here in Gluon from its description. What decides the speed in Gluon is register pressure: the three
+partitions share 512 registers per thread slot (192 / 240 / 72 here), and nothing may spill
+(docs/perf/prefill.md: 222 TFLOP/s with spills, 439 without).
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_prefill dispatches to it
 there (uses_sm90_kernel) and to the portable kernel everywhere else (CPU interpreter, other GPUs, other
@@ -19,10 +30,43 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
-from .mla_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_LAT, D_ROPE, LAT_L, LN2, LOG2E, NUM_WARPS, O_LAYOUT, ROPE_L,
-                       ROW_O, ROW_S, attend_chunk, chunk_indices, load_q)
+from minirt import formats
+
+BLOCK_H = gl.constexpr(64)                        # heads per program: one wgmma M tile
+BLOCK_N = gl.constexpr(64)                        # keys per block; a step takes two blocks
+HALF = gl.constexpr(formats.KV_LATENT_DIM // 2)   # latent columns per piece and per consumer's output
+D_ROPE = gl.constexpr(formats.KV_ROPE_DIM)
+LOG2E = gl.constexpr(formats.LOG2E)
+LN2 = gl.constexpr(formats.LN2)
+# The running max starts finite: exp2(start - start) = 1, never exp2(-inf - -inf) = NaN, so a fully
+# masked block needs no guard; masked scores are -inf and weigh 0. (No real logit in base 2 is below.)
+NO_MAX = gl.constexpr(-1.0e30)
+
+# Every partition has 4 warps (one warpgroup).
+S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+P_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L.value, k_width=2))
+ROW_S = gl.constexpr(gl.SliceLayout(1, S_L.value))   # per-head vectors of the softmax
+COL_S = gl.constexpr(gl.SliceLayout(0, S_L.value))   # per-key vectors of the scores
+ROW_O = gl.constexpr(gl.SliceLayout(1, O_L.value))   # per-head vectors of the output
+# Register layouts of [rows, 256] and [rows, 64] copies: 16-byte vectors along the contiguous dim.
+HALF_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+ROPE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+VEC_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+VEC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+
+# Buffers of blocks A and B. A piece is (buffer, half), half 0 = left, 1 = right; its ready and free
+# barriers sit at slot 2 * buffer + half.
+A = gl.constexpr(0)
+B = gl.constexpr(1)
+LEFT = gl.constexpr(0)
+RIGHT = gl.constexpr(1)
+# Exchanges between the consumers: max of consumer 0 / 1, P of block A / B stored, row sums; and the
+# producer's kv row indices of a step (two slots: steps alternate).
+M0, M1, PA, PB, L0, L1, VALID = (gl.constexpr(i) for i in range(7))
 
 
 @gluon.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks"])
@@ -35,90 +79,358 @@ def _sparse_mla_prefill_sm90_kernel(
     HAS_TOPK_LENGTH: gl.constexpr, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    LAT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], dtype)
-    ROPE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype)
+    HALF_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
+    TILE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype)
     pid = gl.program_id(0)
     token = (pid // n_head_blocks).to(gl.int64)
     head0 = (pid % n_head_blocks) * BLOCK_H
-
-    q_lat_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LAT], LAT_SMEM)
-    q_rope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], ROPE_SMEM)
-    load_q(q_ptr + token * stride_q_s, stride_q_h, head0, h_q, q_lat_smem, q_rope_smem, HAS_ROPE)
-
     n_keys = topk
     if HAS_TOPK_LENGTH:
         n_keys = gl.minimum(gl.maximum(gl.load(topk_length_ptr + token * stride_tl_s), 0), topk)
-    k_lat_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_LAT], LAT_SMEM)
-    k_rope_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_ROPE], ROPE_SMEM)
-    idx_row = indices_ptr + token * stride_idx_s
-    LAT_ROWS: gl.constexpr = gl.SliceLayout(1, LAT_L)
-    
-    # Prologue: gather chunk 0, load chunk 1's indices.
-    _gather(kv_ptr, stride_kv_s, s_kv, chunk_indices(idx_row, stride_idx_k, 0, n_keys, LAT_ROWS),
-            idx_row, stride_idx_k, 0, n_keys, k_lat_smem.index(0), k_rope_smem.index(0), HAS_ROPE)
-    idx_next = chunk_indices(idx_row, stride_idx_k, BLOCK_N, n_keys, LAT_ROWS)
+    n_steps = gl.cdiv(n_keys, 2 * BLOCK_N)
 
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+    # Shared memory, 226 KiB at d_qk 576: q (72), two key blocks (144), P of block B (8). P of block
+    # A lives in block A's rope tile, free once A's scores are done (FlashMLA does the same). q is
+    # [2, ...] and [1, ...] so that the loops can index it with an opaque zero (see _opaque_zero).
+    q_halves = gl.allocate_shared_memory(dtype, [2, BLOCK_H, HALF], HALF_SMEM)
+    k_left = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], HALF_SMEM)
+    k_right = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], HALF_SMEM)
+    p_b = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], TILE_SMEM)
+    if HAS_ROPE:
+        q_rope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], TILE_SMEM)
+        k_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_ROPE], TILE_SMEM)
+        p_a = p_b          # unused: P of block A lives in its rope tile
+    else:
+        q_rope = k_left    # unused placeholders: every use sits under HAS_ROPE
+        k_rope = k_left
+        p_a = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], TILE_SMEM)
+    row_max = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC_SMEM)
+    row_sums = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
+    key_rows = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N], VEC_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        # Every producer thread arrives once its own copies have landed (cp.async's noinc arrive).
+        mbarrier.init(ready.index(i), count=128)
+        mbarrier.init(free.index(i), count=1)
+    for i in gl.static_range(8):
+        mbarrier.init(sync.index(i), count=1)
+
+    q_row = q_ptr + token * stride_q_s
+    _load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
+    _load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
+    if HAS_ROPE:
+        h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
+        q_rope.index(0).store(gl.load(q_row + h[:, None] * stride_q_h + 2 * HALF
+                                      + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
+                                      mask=(h < h_q)[:, None], other=0.0))
+    fence_async_shared()
+
+    smem = (q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync)
+    # The tuples are written out in the call: a tuple bound to a name first would turn its
+    # constexprs into tensors.
+    gl.warp_specialize([
+        (_consumer_a, (smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, sm_scale_log2, stride_sink_h,
+                       stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK, HAS_ROPE)),
+        (_consumer_b, (smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q, n_steps, token, head0,
+                       sm_scale_log2, stride_sink_h, stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h,
+                       stride_lse_s, stride_lse_h, HAS_ATTN_SINK, HAS_ROPE)),
+        (_producer, (smem, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv_s, stride_idx_s, stride_idx_k,
+                     HAS_ROPE)),
+    ], [4, 4], [192, 72])
+
+
+@gluon.jit
+def _load_q_half(q_row, stride_q_h, head0, h_q, col0, dst):
+    """Latent columns col0..col0+255 of heads head0..head0+63 into dst; heads >= h_q become zero rows."""
+    h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
+    dst.store(gl.load(q_row + h[:, None] * stride_q_h + col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))[None, :],
+                      mask=(h < h_q)[:, None], other=0.0))
+
+
+@gluon.jit
+def _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, block, n_keys, LAYOUT: gl.constexpr):
+    """The 64 kv row indices of key block `block` in a 1-D layout; -1 at and past n_keys."""
+    offs = block * BLOCK_N + gl.arange(0, BLOCK_N, LAYOUT)
+    return gl.load(indices_ptr + token * stride_idx_s + offs * stride_idx_k, mask=offs < n_keys, other=-1)
+
+
+@gluon.jit
+def _producer(smem, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv_s, stride_idx_s, stride_idx_k,
+              HAS_ROPE: gl.constexpr):
+    """Gather the kv rows of blocks A and B of each step, piece by piece, each into its buffer once the
+    consumers have released it (block A first: its right piece, released last, is on consumer 0's
+    path to its next scores). Invalid rows are never read: the masked copies zero-fill."""
+    q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
+    rows_a = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 0, n_keys, VEC_L)
+    rows_b = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 1, n_keys, VEC_L)
+    for step in range(n_steps):
+        parity = (step & 1) ^ 1     # a fresh barrier counts as released: its phase "-1" is complete
+        slot = step & 1
+        # The step's kv row indices, for the consumers' masks and this partition's gathers; double-
+        # buffered by step: slot `slot` was last read two steps ago, and this producer passed the
+        # barriers of the step between, which both consumers' masking precedes.
+        key_rows.index(2 * slot).store(rows_a)
+        key_rows.index(2 * slot + 1).store(rows_b)
+        _publish_done(sync.index(VALID + slot))
+        # The next step's indices load behind this step's gathers (loaded just before their use,
+        # their latency stalled every gather).
+        rows_a = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 2 * step + 2, n_keys, VEC_L)
+        rows_b = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 2 * step + 3, n_keys, VEC_L)
+        mbarrier.wait(free.index(2 * A + LEFT), parity)
+        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot), 0, k_left.index(A), k_rope, A, False,
+                ready.index(2 * A + LEFT))
+        mbarrier.wait(free.index(2 * A + RIGHT), parity)
+        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot), HALF, k_right.index(A), k_rope, A, HAS_ROPE,
+                ready.index(2 * A + RIGHT))
+        mbarrier.wait(free.index(2 * B + RIGHT), parity)
+        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot + 1), HALF, k_right.index(B), k_rope, B, HAS_ROPE,
+                ready.index(2 * B + RIGHT))
+        mbarrier.wait(free.index(2 * B + LEFT), parity)
+        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot + 1), 0, k_left.index(B), k_rope, B, False,
+                ready.index(2 * B + LEFT))
+
+
+@gluon.jit
+def _gather(kv_ptr, stride_kv_s, s_kv, block_rows, col0, dst, k_rope, buf, WITH_ROPE: gl.constexpr, ready_bar):
+    """cp.async latent columns col0..col0+255 of the kv rows block_rows (shared, one key block) into
+    dst (and their rope columns into k_rope[buf] when WITH_ROPE), then have ready_bar count this
+    thread's arrival once its copies have landed. Invalid rows are never read: masked copies zero-fill."""
+    rows = block_rows.load(gl.SliceLayout(1, HALF_L))
+    valid = (rows >= 0) & (rows < s_kv)
+    src = kv_ptr + gl.where(valid, rows, 0).to(gl.int64) * stride_kv_s + col0
+    cp.async_copy_global_to_shared(dst, src[:, None] + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))[None, :],
+                                   mask=valid[:, None])
+    if WITH_ROPE:
+        rows = block_rows.load(gl.SliceLayout(1, ROPE_L))
+        valid = (rows >= 0) & (rows < s_kv)
+        src = kv_ptr + gl.where(valid, rows, 0).to(gl.int64) * stride_kv_s + 2 * HALF
+        cp.async_copy_global_to_shared(k_rope.index(buf),
+                                       src[:, None] + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
+                                       mask=valid[:, None])
+    cp.mbarrier_arrive(ready_bar, increment_count=False)
+
+
+@gluon.jit
+def _wait_piece(ready, slot, parity):
+    """Wait until a piece has landed; cp.async writes through the generic proxy, wgmma reads through
+    the async one, hence the fence."""
+    mbarrier.wait(ready.index(slot), parity)
+    fence_async_shared()
+
+
+@gluon.jit
+def _score_piece(q, k, s, first: gl.constexpr):
+    return warpgroup_mma(q, k.permute((1, 0)), s, use_acc=not first, is_async=True)
+
+
+@gluon.jit
+def _masked_scores(s, key_rows, sync, step, role: gl.constexpr, s_kv, sm_scale_log2):
+    """Scores in base 2 (times sm_scale_log2), -inf where the key's kv row index (from the producer,
+    role: block A 0, B 1) is invalid. Read from shared memory: loaded here, the indices would hold 16
+    addresses per thread."""
+    mbarrier.wait(sync.index(VALID + (step & 1)), (step >> 1) & 1)
+    rows = key_rows.index(2 * (step & 1) + role).load(COL_S)
+    return gl.where(((rows >= 0) & (rows < s_kv))[None, :], s * sm_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _publish_done(bar):
+    """Signal bar once every warp of this partition has passed here (with its shared-memory stores:
+    the arrive releases them to the partition that waits)."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _publish(buf, value, bar):
+    """Store an MMA operand for the other consumer and signal bar: the fence hands the stores over to
+    the tensor cores' (async) proxy. Only operands need it: it also waits for this thread's
+    outstanding memory operations."""
+    buf.store(value)
+    fence_async_shared()
+    _publish_done(bar)
+
+
+@gluon.jit
+def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, sm_scale_log2, stride_sink_h,
+                stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr):
+    """Scores of block A; output columns 0..255."""
+    q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
+    m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
-    acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, O_LAYOUT)
-    for i in range(gl.cdiv(n_keys, BLOCK_N)):
-        buf = i % 2
-        # Chunk i has landed (this thread's copies: wait_group; everyone's: the barrier, which also
-        # means every warp is done with chunk i-1, so its buffer can be refilled).
-        cp.wait_group(0)
-        fence_async_shared()
-        gl.thread_barrier()
-        _gather(kv_ptr, stride_kv_s, s_kv, idx_next, idx_row, stride_idx_k, (i + 1) * BLOCK_N, n_keys,
-                k_lat_smem.index(1 - buf), k_rope_smem.index(1 - buf), HAS_ROPE)
-        idx_next = chunk_indices(idx_row, stride_idx_k, (i + 2) * BLOCK_N, n_keys, LAT_ROWS)
-        idx_s = chunk_indices(idx_row, stride_idx_k, i * BLOCK_N, n_keys, COL_S)
-        m_i, l_i, acc = attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem.index(buf), k_rope_smem.index(buf),
-                                     (idx_s >= 0) & (idx_s < s_kv), sm_scale_log2, m_i, l_i, acc, HAS_ROPE)
-    cp.wait_group(0)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+    if n_steps > 0:
+        s = _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, 0, A, HAS_ROPE)
+        s = warpgroup_mma_wait(0, deps=(s,))
+    for step in range(n_steps):
+        parity = step & 1
+        a = _opaque_zero(step)     # buffer A (0), and B (a + 1)
+        b = a + 1
+        s = _masked_scores(s, key_rows, sync, step, 0, s_kv, sm_scale_log2)
+        m_a = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_a)
+        p = gl.exp2(s - m_a[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        row_max.store(m_a)
+        _publish_done(sync.index(M0))
+        # P is rounded to the operand dtype for the tensor cores, as in FlashMLA.
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p.to(p_b.dtype), P_L), k_left.index(a), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(free.index(2 * A + LEFT))
 
-    # As in the portable kernel: l_i == 0 means no valid key (out 0, lse +inf, max_logits -inf).
+        # Consumer 1 folds block B into the max; P of A moves to that max and goes to consumer 1.
+        mbarrier.wait(sync.index(M1), parity)
+        m_ab = row_max.load(ROW_S)
+        rescale = gl.exp2(m_a - m_ab)
+        m_i = m_ab
+        _publish(_p_a_tile(p_a, k_rope, a, HAS_ROPE), (p * rescale[:, None]).to(p_b.dtype), sync.index(PA))
+        l_i = l_i * rescale
+        acc = acc * gl.convert_layout(rescale, ROW_O)[:, None]
+        mbarrier.wait(sync.index(PB), parity)
+        # (Each branch issues P.V itself: a value of a runtime branch must keep its type, and an
+        # issued MMA's result is not yet a tensor.)
+        if step + 1 < n_steps:
+            # The next step's scores are issued behind this P.V.
+            acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
+            s = _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, parity ^ 1, a, HAS_ROPE)
+            if HAS_ROPE:    # P.V is done when at most the 3 score MMAs issued after it are pending
+                acc = warpgroup_mma_wait(3, deps=(acc,))
+            else:
+                acc = warpgroup_mma_wait(2, deps=(acc,))
+            mbarrier.arrive(free.index(2 * B + LEFT))
+            s = warpgroup_mma_wait(0, deps=(s,))
+        else:
+            acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(free.index(2 * B + LEFT))
+    l_i = _total_row_sums(l_i, row_sums, sync, 0)
+    _store_out(acc, m_i, l_i, 0, q_halves.index(0), attn_sink_ptr, out_ptr, token, head0, h_q, stride_sink_h,
+               stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK)
+
+
+@gluon.jit
+def _opaque_zero(step):
+    """0 for every real step (< 2^30), but not a constant to the compiler. Buffer indices built on it
+    keep the wgmma descriptors inside the loop: with constant indices they are loop-invariant, hoisted
+    out of it, and ~100 of them spill (a consumer at 208 registers spilled 235 times)."""
+    return step >> 30
+
+
+@gluon.jit
+def _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, parity, a, HAS_ROPE: gl.constexpr):
+    """Issue the score MMAs of block A (left piece first: the producer fills it first)."""
+    _wait_piece(ready, 2 * A + LEFT, parity)
+    s = _score_piece(q_halves.index(a), k_left.index(a), s, True)
+    _wait_piece(ready, 2 * A + RIGHT, parity)
+    s = _score_piece(q_halves.index(a + 1), k_right.index(a), s, False)
+    if HAS_ROPE:
+        s = _score_piece(q_rope.index(a), k_rope.index(a), s, False)
+    return s
+
+
+@gluon.jit
+def _p_a_tile(p_a, k_rope, a, HAS_ROPE: gl.constexpr):
+    """Where P of block A goes: block A's rope tile (its scores are done) when there is one."""
+    if HAS_ROPE:
+        return k_rope.index(a)
+    else:
+        return p_a
+
+
+@gluon.jit
+def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q, n_steps, token, head0, sm_scale_log2,
+                stride_sink_h, stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h, stride_lse_s,
+                stride_lse_h, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr):
+    """Scores of block B; output columns 256..511; writes max_logits and lse."""
+    q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
+    m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+    for step in range(n_steps):
+        parity = step & 1
+        a = _opaque_zero(step)     # buffer A (0), and B (a + 1)
+        b = a + 1
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+        _wait_piece(ready, 2 * B + RIGHT, parity)
+        s = _score_piece(q_halves.index(b), k_right.index(b), s, True)
+        if HAS_ROPE:
+            s = _score_piece(q_rope.index(a), k_rope.index(b), s, False)
+        _wait_piece(ready, 2 * B + LEFT, parity)
+        s = _score_piece(q_halves.index(a), k_left.index(b), s, False)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        s = _masked_scores(s, key_rows, sync, step, 1, s_kv, sm_scale_log2)
+
+        # Consumer 0's max covers the old max and block A; block B completes the step's max.
+        mbarrier.wait(sync.index(M0), parity)
+        m_ab = gl.maximum(row_max.load(ROW_S), gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_ab)
+        m_i = m_ab
+        p = gl.exp2(s - m_ab[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        row_max.store(m_ab)
+        _publish_done(sync.index(M1))
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        p_op = p.to(p_b.dtype)
+        acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_right.index(b), acc, is_async=True)
+        mbarrier.wait(sync.index(PA), parity)
+        acc = warpgroup_mma(_p_a_tile(p_a, k_rope, a, HAS_ROPE), k_right.index(a), acc, is_async=True)
+        _publish(p_b, p_op, sync.index(PB))
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(free.index(2 * B + RIGHT))
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(free.index(2 * A + RIGHT))
+    l_i = _total_row_sums(l_i, row_sums, sync, 1)
+    _store_out(acc, m_i, l_i, HALF, q_halves.index(1), attn_sink_ptr, out_ptr, token, head0, h_q, stride_sink_h,
+               stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK)
+    # l_i == 0: no valid key (out 0, lse +inf, max_logits -inf), as in the portable kernel.
     has_keys = l_i > 0.0
-    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = gl.where(has_keys, l_i, 1.0)
     offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
     h_mask = offs_h < h_q
-    if HAS_ATTN_SINK:
-        sink = gl.load(attn_sink_ptr + offs_h * stride_sink_h, mask=h_mask, other=0.0)
-        denom += gl.exp2(sink * LOG2E - m_ref)
-    out = acc * gl.convert_layout(gl.where(has_keys, 1.0 / denom, 0.0), ROW_O)[:, None]
-    offs_ho = head0 + gl.arange(0, BLOCK_H, ROW_O)
-    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, O_LAYOUT))
-    gl.store(out_ptr + token * stride_o_s + offs_ho[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
-             out.to(out_ptr.dtype.element_ty), mask=(offs_ho < h_q)[:, None])
-    lse = gl.where(has_keys, (m_ref + gl.log2(gl.where(has_keys, l_i, 1.0))) * LN2, float("inf"))
-    gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, m_i * LN2, mask=h_mask)
+    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * LN2, float("inf"))
+    gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, gl.where(has_keys, m_i * LN2, float("-inf")),
+             mask=h_mask)
     gl.store(lse_ptr + token * stride_lse_s + offs_h * stride_lse_h, lse, mask=h_mask)
 
 
 @gluon.jit
-def _gather(kv_ptr, stride_kv_s, s_kv, idx_lat, idx_row, stride_idx_k, start, n_keys, lat_smem, rope_smem,
-            HAS_ROPE: gl.constexpr):
-    """cp.async the kv rows of one chunk (idx_lat: its indices in the latent copy layout; the rope
-    copy loads them in its own) into shared memory. Invalid rows are never read: the masked copies
-    zero-fill their smem rows, so no NaN from unreferenced rows reaches the MMAs."""
-    valid = (idx_lat >= 0) & (idx_lat < s_kv)
-    rows = kv_ptr + gl.where(valid, idx_lat, 0).to(gl.int64) * stride_kv_s
-    cp.async_copy_global_to_shared(lat_smem, rows[:, None] + gl.arange(0, D_LAT, gl.SliceLayout(0, LAT_L))[None, :],
-                                   mask=valid[:, None])
-    if HAS_ROPE:
-        idx_rope = chunk_indices(idx_row, stride_idx_k, start, n_keys, gl.SliceLayout(1, ROPE_L))
-        valid = (idx_rope >= 0) & (idx_rope < s_kv)
-        rows = kv_ptr + gl.where(valid, idx_rope, 0).to(gl.int64) * stride_kv_s
-        cp.async_copy_global_to_shared(rope_smem, rows[:, None] + D_LAT
-                                       + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :], mask=valid[:, None])
-    cp.commit_group()
+def _total_row_sums(l_i, row_sums, sync, me: gl.constexpr):
+    """Both consumers' row sums added (both are relative to the same final max)."""
+    row_sums.index(me).store(l_i)
+    _publish_done(sync.index(L0 + me))
+    mbarrier.wait(sync.index(L1 - me), 0)
+    return l_i + row_sums.index(1 - me).load(ROW_S)
+
+
+@gluon.jit
+def _store_out(acc, m_i, l_i, col0, staging, attn_sink_ptr, out_ptr, token, head0, h_q, stride_sink_h, stride_o_s,
+               stride_o_h, stride_o_d, HAS_ATTN_SINK: gl.constexpr):
+    """out[:, col0:col0+256] = acc / (row sum + the sink's weight); 0 for rows without a valid key.
+    Staged through shared memory (this consumer's half of q, no longer read): stored from the MMA
+    layout directly, each thread would hold 128 addresses."""
+    has_keys = l_i > 0.0
+    denom = gl.where(has_keys, l_i, 1.0)
+    if HAS_ATTN_SINK:
+        offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
+        denom += gl.exp2(gl.load(attn_sink_ptr + offs_h * stride_sink_h, mask=offs_h < h_q, other=0.0) * LOG2E - m_i)
+    out = acc * gl.convert_layout(gl.where(has_keys, 1.0 / denom, 0.0), ROW_O)[:, None]
+    staging.store(out.to(staging.dtype))
+    gl.thread_barrier()
+    offs_h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
+    offs_d = col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))
+    gl.store(out_ptr + token * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
+             staging.load(HALF_L).to(out_ptr.dtype.element_ty), mask=(offs_h < h_q)[:, None])
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU, d_v 512 with d_qk 576 or 512, and q / kv rows
     that are contiguous with 16-byte aligned kv rows (the copies move 16-byte vectors)."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.shape[2] in (D_LAT + D_ROPE, D_LAT) and d_v == D_LAT and q.stride(2) == 1 and kv.stride(2) == 1
+            and q.shape[2] in (2 * HALF + D_ROPE, 2 * HALF) and d_v == 2 * HALF
+            and q.stride(2) == 1 and kv.stride(2) == 1
             and kv.stride(0) * kv.element_size() % 16 == 0 and kv.data_ptr() % 16 == 0)
 
 
@@ -136,7 +448,7 @@ def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out):
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
         sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
         lse.stride(0), lse.stride(1),
-        HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, HAS_ROPE=d_qk > D_LAT,
-        num_warps=NUM_WARPS,
+        HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, HAS_ROPE=d_qk > 2 * HALF,
+        num_warps=4, maxnreg=168,
     )
     return o, max_logits, lse

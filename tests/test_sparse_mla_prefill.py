@@ -404,7 +404,7 @@ def record_launches(monkeypatch, module, name):
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages", "maxnreg")}
                 launches.append(signature.bind(*args, **kwargs).arguments)
             return launch
     monkeypatch.setattr(module, name, Recorder())
