@@ -6,7 +6,7 @@ columns). One program = one query token x 64 heads, warp-specialised into three 
 meet at mbarriers, so the tensor cores keep working while a warpgroup runs its softmax:
 
 - the producer gathers the key rows of two 64-key blocks (A, B) per step with cp.async, in four
-  pieces (A left, B right, A right, B left: left = latent columns 0..255, right = 256..511 plus the
+  pieces (A left, A right, B right, B left: left = latent columns 0..255, right = 256..511 plus the
   rope), each refilled as soon as its readers release it;
 - consumer 0 computes the scores of block A, consumer 1 those of block B (64 x 64 each, all of d_qk);
 - for O = P.V each consumer owns 256 of the 512 output columns and multiplies both blocks' P: its own
@@ -66,7 +66,7 @@ LEFT = gl.constexpr(0)
 RIGHT = gl.constexpr(1)
 # Exchanges between the consumers: max of consumer 0 / 1, P of block A / B stored, row sums; and the
 # producer's kv row indices of a step (two slots: steps alternate).
-M0, M1, PA, PB, L0, L1, VALID = (gl.constexpr(i) for i in range(7))
+M0, M1, PA, PB, L0, L1, ROWS = (gl.constexpr(i) for i in range(7))
 
 
 @gluon.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks"])
@@ -173,7 +173,7 @@ def _producer(smem, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv
         # barriers of the step between, which both consumers' masking precedes.
         key_rows.index(2 * slot).store(rows_a)
         key_rows.index(2 * slot + 1).store(rows_b)
-        _publish_done(sync.index(VALID + slot))
+        _publish_done(sync.index(ROWS + slot))
         # The next step's indices load behind this step's gathers (loaded just before their use,
         # their latency stalled every gather).
         rows_a = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 2 * step + 2, n_keys, VEC_L)
@@ -230,7 +230,7 @@ def _masked_scores(s, key_rows, sync, step, role: gl.constexpr, s_kv, sm_scale_l
     """Scores in base 2 (times sm_scale_log2), -inf where the key's kv row index (from the producer,
     role: block A 0, B 1) is invalid. Read from shared memory: loaded here, the indices would hold 16
     addresses per thread."""
-    mbarrier.wait(sync.index(VALID + (step & 1)), (step >> 1) & 1)
+    mbarrier.wait(sync.index(ROWS + (step & 1)), (step >> 1) & 1)
     rows = key_rows.index(2 * (step & 1) + role).load(COL_S)
     return gl.where(((rows >= 0) & (rows < s_kv))[None, :], s * sm_scale_log2, float("-inf"))
 
