@@ -1,0 +1,94 @@
+"""Compile the Gluon sparse-prefill kernel for sm_90a on this machine (no GPU needed) and report each
+warp partition's register budget and the kernel's spill instructions.
+
+    python3 scripts/sm90_registers.py        # exit status 1 if any partition spills
+
+The kernel is specialised exactly as the JIT would specialise a real launch (the launch is recorded
+with CPU tensors of DeepSeek shapes, then bound by Triton's own binder), compiled with the wheel's
+ptxas, and its SASS read with the wheel's cuobjdump. Spills decide this kernel's speed on the H200
+(222 TFLOP/s with them, 439 without: docs/perf/prefill.md), and this check needs no device time.
+"""
+from __future__ import annotations
+
+import os
+
+# Gluon kernels call triton's library functions compiled; minirt picks the interpreter on a machine
+# without a GPU unless told otherwise, before its kernels are defined.
+os.environ["TRITON_INTERPRET"] = "0"
+
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from minirt.kernels import sparse_mla_prefill_sm90 as sm90  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def recorded_launch(d_qk: int, with_options: bool):
+    """(args, kwargs) that sm90.launch passes to the kernel for s_q 4, h_q 128, topk 2048."""
+    q = torch.empty((4, 128, d_qk), dtype=torch.bfloat16)
+    kv = torch.empty((4096, 1, d_qk), dtype=torch.bfloat16)
+    indices = torch.empty((4, 1, 2048), dtype=torch.int32)
+    out = (torch.empty((4, 128, 512), dtype=torch.bfloat16), torch.empty((4, 128)), torch.empty((4, 128)))
+    sink = torch.empty(128) if with_options else None
+    lengths = torch.empty(4, dtype=torch.int32) if with_options else None
+    recorded = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.update(args=args, kwargs=kwargs)
+
+    kernel = sm90._sparse_mla_prefill_sm90_kernel
+    sm90._sparse_mla_prefill_sm90_kernel = Recorder()
+    try:
+        sm90.launch(q, kv, indices, 0.1, sink, lengths, out)
+    finally:
+        sm90._sparse_mla_prefill_sm90_kernel = kernel
+    return recorded["args"], recorded["kwargs"]
+
+
+def compile_for_sm90(kernel, args, kwargs):
+    """The JIT's own path from arguments to a compiled kernel, for TARGET instead of the local device."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__)
+
+
+def sass(compiled) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def main() -> int:
+    spilling = 0
+    for d_qk in (576, 512):
+        for with_options in (False, True):
+            code = sass(compile_for_sm90(sm90._sparse_mla_prefill_sm90_kernel, *recorded_launch(d_qk, with_options)))
+            # setmaxnreg: the partitions' register budgets as the warps enter and leave them.
+            budgets = [int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", code)]
+            spills = len(re.findall(r"\b(?:STL|LDL)\b", code))
+            spilling += spills > 0
+            print(f"d_qk {d_qk}, attn_sink and topk_length {'on' if with_options else 'off'}: "
+                  f"setmaxnreg {budgets}, spill instructions {spills}")
+    return 1 if spilling else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
