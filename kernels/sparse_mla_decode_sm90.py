@@ -4,8 +4,8 @@ Same semantics, runtime arguments and launch geometry as the portable Triton ker
 sparse_mla_decode.py (programs = query rows x blocks of 64 heads x top-k splits; split partials are
 merged by that module's merge kernel). The 656-byte tokens of chunk i+1 are gathered by cp.async into
 a double buffer while chunk i is dequantised (fp8 * scale -> bf16 in shared memory) and multiplied on
-the tensor cores. Fewer than 64 heads are padded to 64 (zero query rows): wgmma needs M = 64. One program = one
-query row x 64 heads x one split, 8 warps; the attention step itself is attend_chunk.
+the tensor cores. Fewer than 64 heads are padded to 64 (zero query rows): wgmma needs M = 64. One
+program = one query row x 64 heads x one split, 8 warps; the attention step itself is attend_chunk.
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_decode_fp8 dispatches to it
 there (uses_sm90_kernel) and to the portable kernel everywhere else.

@@ -2,9 +2,9 @@
 
     python3 scripts/bench_prefill.py [--out results.md] [--variants 64,8,2 32,8,3 ...]
 
-TFLOP/s counts 2 * (attended keys) * h_q * (d_qk + d_v), attended = s_q * topk or sum(topk_length). The ceilings (bf16 8192^3 matmul, device
-copy) are measured in the same run; times are triton.testing.do_bench medians. Indices are uniform
-random rows of kv, all valid, unsorted. Every kernel variant is first checked against the eager
+TFLOP/s counts 2 * attended * h_q * (d_qk + d_v), attended = s_q * topk, or sum(topk_length) where
+given. The ceilings (bf16 8192^3 matmul, device copy) are measured in the same run; times are
+triton.testing.do_bench medians. Indices are uniform random rows of kv, all valid, unsorted. Every kernel variant is first checked against the eager
 baseline on 64 query rows.
 """
 from __future__ import annotations
@@ -63,8 +63,8 @@ def main():
                         help="extra portable-kernel configs block_n,num_warps,num_stages (block_h 64)")
     parser.add_argument("--plot", help="write a roofline PNG of the default config here")
     args = parser.parse_args()
-    # "default" is the public function: the Gluon kernel on sm_90 for d_qk 576, the portable kernel
-    # otherwise; "portable" forces the Triton kernel with its default config.
+    # "default" is the public function: the Gluon kernel on sm_90 (d_qk 576 and 512), the portable
+    # kernel otherwise; "portable" forces the Triton kernel with its default config.
     variants = ([("default", lambda q, kv, idx, scale, **extras: sparse_mla_prefill(q, kv, idx, scale, D_V, **extras)),
                  ("portable", portable())] + [(v, parse_variant(v)) for v in args.variants])
     points = []
@@ -90,9 +90,10 @@ def main():
         extras = {}
         attended = S_Q * topk
         if with_extras:
-            extras = {"attn_sink": torch.randn(h_q, generator=gen, device="cuda"),
-                      "topk_length": torch.randint(0, topk + 1, (S_Q,), generator=gen, device="cuda", dtype=torch.int32)}
-            attended = int(extras["topk_length"].sum())
+            sink = torch.randn(h_q, generator=gen, device="cuda")   # drawn first, as in the recorded runs
+            lengths = torch.randint(0, topk + 1, (S_Q,), generator=gen, device="cuda", dtype=torch.int32)
+            extras = {"attn_sink": sink, "topk_length": lengths}
+            attended = int(lengths.sum())
         first = {k: v[:64] if k == "topk_length" else v for k, v in extras.items()}
         sm_scale = d_qk**-0.5
         flops = 2 * attended * h_q * (d_qk + D_V)
