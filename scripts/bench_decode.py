@@ -2,14 +2,26 @@
 
     python3 scripts/bench_decode.py --out docs/perf/decode_run.md
 
-Shapes (DeepSeek-V3.2 decode): b = 128 sequences of 4096..8192 cached tokens each (pages of 64 in
-shuffled order, ~0.5 GB of fp8 cache, far beyond L2), top-k 2048 distinct random valid positions per
-query token, s_q = 1 and 2. h_q = 128 is compute-bound: TFLOP/s with FLOPs = 2 b s_q h_q topk (576 +
-512). h_q = 16 is memory-bound: effective GB/s counting 656 bytes per attended token,
-b s_q topk 656. Ceilings: a bf16 8192^3 torch matmul (TFLOP/s) and a 1 GiB device copy (GB/s,
-bytes read + written). Each variant's output is compared with the default configuration's
-(max |diff|), so a fast but wrong variant shows. Times are medians of triton.testing.do_bench,
+Shapes (DeepSeek-V3.2 decode, as the peer bench's decode cases): b = 128 sequences of 32768 cached
+tokens each, in pages of 64 tokens in shuffled order (2.75 GB of fp8 cache, far beyond L2); each query
+token attends to topk = 2048 distinct random positions of its sequence. Rows: the public default path
+(config=None, default splits) at s_q 1 with h_q 128, 64, 32, 16; s_q 2, 3, 4 with h_q 128 (multi-token
+prediction, compared per query token: time / s_q); s_q 2, h_q 128 with topk_length drawn uniformly in
+[0, topk] per sequence; the portable Triton kernel (config=PORTABLE) at h_q 128 s_q 2 and h_q 16 s_q 1;
+mla_decode_fp8 (positions -> slots + decode) at h_q 128 s_q 2.
+
+Counting: attended = b * s_q * topk, or sum(topk_length) * s_q where given.
+TFLOP/s = 2 * attended * h_q * (576 + 512) / t. Effective GB/s = (attended * 656 + q + out) / t with q
+b s_q h_q 576 and out b s_q h_q 512 bfloat16 values. Ceilings: a bf16 8192^3 torch matmul (TFLOP/s)
+and a 1 GiB device copy (GB/s, bytes read + written). Times are medians of triton.testing.do_bench,
 which clears L2 before every repetition.
+
+Correctness: every row's output on the query tokens of 4 sequences is compared with an fp32 torch
+attention over the dequantised selected tokens (relative Frobenius error and max |diff| of out, max
+|diff| of lse), so a fast but wrong variant shows (WRONG when the out rel. error or the lse max |diff|
+is not below 1e-2). One CUDA-graph check on the default path (h_q 128, s_q 2): the call captured with
+preallocated out/lse, replayed into NaN-poisoned outputs, compared with the eager output and timed
+(replay, L2 cleared as above); the table's notes give the result.
 """
 from __future__ import annotations
 
@@ -20,36 +32,37 @@ import time
 import torch
 import triton
 import triton.testing
-from ceilings import measure_ceilings, plot_roofline
+from ceilings import measure_ceilings, plot_roofline, write_report
 
-from minirt.formats import KV_TOKEN_BYTES
+from minirt.formats import KV_ROPE_AT, KV_SCALES_AT, KV_TOKEN_BYTES
 from minirt.kernels import sparse_mla_decode_sm90 as sm90
-from minirt.kernels.kv_cache_fp8 import new_kv_cache, positions_to_slots
-from minirt.kernels.sparse_mla_decode import (default_config, default_num_splits, mla_decode_fp8,
+from minirt.kernels.kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache
+from minirt.kernels.sparse_mla_decode import (D_QK, D_V, default_config, default_num_splits, mla_decode_fp8,
                                               sparse_mla_decode_fp8, uses_sm90_kernel)
 
+SEQLEN = 32768
 TOPK = 2048
 BLOCK_SIZE = 64
 SM_SCALE = 0.135234   # (qk_nope + qk_rope)^-0.5 * mscale^2 for V3.2 (192^-0.5 * 1.3689^2)
+REF_SEQUENCES = 4     # sequences whose query tokens are checked against the fp32 reference
+WRONG_REL = 1e-2      # out rel. error (and lse max |diff|) above which a row is marked WRONG
 
-# (h_q, s_q, config, num_splits or None for the heuristic). config None: the public default (the
-# Gluon kernel on sm_90 GPUs); PORTABLE: the portable Triton kernel with default_config(h_q); a
-# DecodeConfig: the portable kernel with that launch shape.
-PORTABLE = "portable"
+# (h_q, s_q, kind, topk_length). kind DEFAULT: the public default (config=None: the Gluon kernel on sm_90
+# GPUs, default splits); PORTABLE: the portable Triton kernel with default_config(h_q); WRAPPER:
+# mla_decode_fp8 (block table + positions, the runtime's call). topk_length: drawn in [0, topk] per sequence.
+DEFAULT, PORTABLE, WRAPPER = "default", "portable", "mla_decode_fp8"
 VARIANTS = [
-    (128, 2, None, None),
-    (128, 2, PORTABLE, None),
-    (128, 2, None, 2),
-    (128, 1, None, None),
-    (128, 1, PORTABLE, None),
-    (128, 1, None, 3),
-    (16, 1, None, None),
-    (16, 1, PORTABLE, None),
-    (16, 1, None, 3),
-    (16, 1, None, 4),
-    (16, 2, None, None),
-    (16, 2, PORTABLE, None),
-    (16, 2, None, 2),
+    (128, 2, DEFAULT, False),
+    (128, 1, DEFAULT, False),
+    (64, 1, DEFAULT, False),
+    (32, 1, DEFAULT, False),
+    (16, 1, DEFAULT, False),
+    (128, 3, DEFAULT, False),
+    (128, 4, DEFAULT, False),
+    (128, 2, DEFAULT, True),
+    (128, 2, PORTABLE, False),
+    (16, 1, PORTABLE, False),
+    (128, 2, WRAPPER, False),
 ]
 
 
@@ -57,117 +70,215 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def build_problem(b, device, seed=0):
-    """Paged cache of b sequences with 4096..8192 tokens, block table, random (valid) cache bytes."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    lengths = torch.randint(4096, 8193, (b,), generator=g)
-    pages = (lengths + BLOCK_SIZE - 1) // BLOCK_SIZE
-    num_blocks = int(pages.sum())
-    order = torch.randperm(num_blocks, generator=g).to(torch.int32)
-    max_pages = int(pages.max())
-    table = torch.full((b, max_pages), -1, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(pages.tolist()):
-        table[i, :n] = order[start:start + n]
-        start += n
-    cache = new_kv_cache(num_blocks, BLOCK_SIZE, device=device)
-    # random fp8 codes (no NaN, |v| <= 416), scales 2^-8..2^-6 (values up to ~6.5), random bf16 rope
+def build_cache(b: int, seqlen: int, device, seed: int = 0, block_size: int = BLOCK_SIZE):
+    """(cache [b * seqlen / block_size, block_size, 1, 656] uint8, block table [b, seqlen / block_size] int32):
+    every sequence holds seqlen tokens in pages of block_size, pages in shuffled order. The bytes are
+    random valid tokens drawn on `device`: fp8 codes without NaN (|v| <= 416), power-of-two scales
+    2^-8..2^-6 (values up to 6.5), random bf16 rope."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    pages = seqlen // block_size
+    table = torch.randperm(b * pages, generator=g, device=device).to(torch.int32).view(b, pages)
+    cache = new_kv_cache(b * pages, block_size, device=device)
     flat = cache.view(-1, KV_TOKEN_BYTES)
-    flat[:, :512] = torch.randint(0, 0x7E, (flat.shape[0], 512), device=device, dtype=torch.uint8) \
-        | (torch.randint(0, 2, (flat.shape[0], 512), device=device, dtype=torch.uint8) << 7)
-    flat[:, 512:528] = torch.exp2(torch.randint(-8, -5, (flat.shape[0], 4), device=device).float()) \
-        .view(torch.uint8)
-    flat[:, 528:] = torch.randn(flat.shape[0], 64, device=device).to(torch.bfloat16).view(torch.uint8)
-    return cache, table.to(device), lengths.to(device)
+    n = flat.shape[0]
+
+    def randint(low, high, shape):
+        return torch.randint(low, high, shape, generator=g, device=device, dtype=torch.uint8)
+
+    flat[:, :KV_SCALES_AT] = randint(0, 0x7E, (n, KV_SCALES_AT)) | (randint(0, 2, (n, KV_SCALES_AT)) << 7)
+    exponents = torch.randint(-8, -5, (n, (KV_ROPE_AT - KV_SCALES_AT) // 4), generator=g, device=device)
+    flat[:, KV_SCALES_AT:KV_ROPE_AT] = torch.exp2(exponents.float()).view(torch.uint8)
+    rope = torch.randn(n, (KV_TOKEN_BYTES - KV_ROPE_AT) // 2, generator=g, device=device)
+    flat[:, KV_ROPE_AT:] = rope.to(torch.bfloat16).view(torch.uint8)
+    return cache, table
 
 
-def topk_positions(b, s_q, lengths, seed):
-    """TOPK distinct random positions < length per (sequence, query token)."""
-    g = torch.Generator(device=lengths.device).manual_seed(seed)
-    scores = torch.rand(b, s_q, int(lengths.max()), device=lengths.device, generator=g)
-    scores = scores.masked_fill(torch.arange(scores.shape[-1], device=lengths.device) >= lengths[:, None, None], -1)
-    return scores.topk(TOPK, dim=-1).indices.to(torch.int32)
+def build_queries(b: int, s_q: int, h_q: int, seqlen: int, topk: int, table: torch.Tensor, seed: int):
+    """(q [b, s_q, h_q, 576] bf16, positions [b, s_q, topk] int32: topk distinct random positions < seqlen
+    per query token, slots [b, s_q, topk] int32: their cache slots through the block table)."""
+    g = torch.Generator(device=table.device).manual_seed(seed)
+    q = (torch.randn(b, s_q, h_q, D_QK, generator=g, device=table.device) * 0.5).to(torch.bfloat16)
+    positions = torch.rand(b, s_q, seqlen, generator=g, device=table.device).topk(topk, dim=-1).indices
+    block_size = seqlen // table.shape[1]
+    pages = table.long().gather(1, (positions // block_size).view(b, -1)).view(positions.shape)
+    slots = pages * block_size + positions % block_size
+    return q, positions.to(torch.int32), slots.to(torch.int32)
+
+
+def draw_topk_length(b: int, topk: int, device, seed: int) -> torch.Tensor:
+    """[b] int32, uniform in [0, topk]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, topk + 1, (b,), generator=g, device=device, dtype=torch.int32)
+
+
+def reference_attention(q, cache, slots, sm_scale, topk_length=None):
+    """fp32 torch attention of q [n, s_q, h_q, 576] over the dequantised cache tokens slots [n, s_q, topk]
+    (all valid; the first topk_length[i] of sequence i where given) -> out [n, s_q, h_q, 512] float32,
+    lse [n, h_q, s_q] (+inf for a sequence with no token)."""
+    kv = dequantize_kv_fp8(cache.view(-1, KV_TOKEN_BYTES)[slots.long()], torch.float32)   # [n, s, t, 576]
+    logits = torch.einsum("nshd,nstd->nsht", q.float(), kv) * sm_scale
+    if topk_length is not None:
+        unused = torch.arange(slots.shape[-1], device=slots.device) >= topk_length.long()[:, None, None, None]
+        logits = logits.masked_fill(unused, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    p = torch.exp(logits - torch.where(lse.isinf(), 0.0, lse)[..., None])
+    out = torch.einsum("nsht,nstd->nshd", p, kv[..., :D_V])
+    return out, torch.where(lse.isinf(), float("inf"), lse).transpose(1, 2)
+
+
+def check_rows(out, lse, q, cache, slots, sm_scale, topk_length=None):
+    """(out rel. error, out max |diff|, lse max |diff|) of the kernel's out [b, s_q, h_q, 512] and
+    lse [b, h_q, s_q] on REF_SEQUENCES sequences spread over the batch, against reference_attention."""
+    seqs = torch.linspace(0, q.shape[0] - 1, min(REF_SEQUENCES, q.shape[0]), device=q.device).long()
+    r_out, r_lse = reference_attention(q[seqs], cache, slots[seqs], sm_scale,
+                                       None if topk_length is None else topk_length[seqs])
+    diff = out[seqs].float() - r_out
+    lse_diff = torch.where(r_lse.isinf() & (lse[seqs] == r_lse), 0.0, lse[seqs] - r_lse)
+    return ((diff.norm() / r_out.norm().clamp_min(1e-30)).item(), diff.abs().max().item(),
+            lse_diff.abs().max().item())
+
+
+def graph_check(q, cache, slots, eager_out, eager_lse) -> str:
+    """Capture the default sparse_mla_decode_fp8 call with preallocated out/lse in a CUDA graph, replay it
+    into NaN-poisoned outputs, compare with the eager call's and time the replay."""
+    out = torch.empty_like(eager_out)
+    lse = torch.empty_like(eager_lse)
+
+    def call():
+        sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, out=out, lse=lse)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm up (compile, autotune caches) off the capture
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    out_diff = (out.float() - eager_out.float()).abs().max().item()
+    lse_diff = (lse - eager_lse).abs().max().item()
+    us = bench_ms(graph.replay) * 1e3
+    return (f"CUDA graph (default path, h_q {q.shape[2]}, s_q {q.shape[1]}, preallocated out/lse): replay "
+            f"{us:.1f} µs; max |replay - eager|: out {out_diff:.2e}, lse {lse_diff:.2e}"
+            + ("" if out_diff == 0 and lse_diff == 0 else " **(differs: NaN means a result not written)**"))
+
+
+def kernel_label(q, kind) -> str:
+    if kind == WRAPPER:
+        return "mla_decode_fp8 (positions→slots + decode)"
+    config = default_config(q.shape[2]) if kind == PORTABLE else None
+    shown = config or default_config(q.shape[2])
+    label = (f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} w{sm90.NUM_WARPS.value}"
+             if uses_sm90_kernel(q, config) else
+             f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}")
+    return label + (" (default)" if kind == DEFAULT else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the results as a markdown table here")
-    parser.add_argument("--budget-s", type=float, default=300.0,
-                        help="stop starting new variants after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=180.0,
+                        help="stop starting new rows after this many seconds")
     parser.add_argument("--batch", type=int, default=128, help="sequences (b)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--variants", default=None,
                         help="comma-separated indices into VARIANTS (default: all)")
-    parser.add_argument("--plot", help="write a roofline PNG of the default configs here")
+    parser.add_argument("--plot", help="write a roofline PNG of the default rows here")
     args = parser.parse_args()
     t_start = time.time()
-    points = []
     device = torch.device(args.device)
     props = torch.cuda.get_device_properties(device)
     peak_tflops, copy_gbps = measure_ceilings(device)
+    b = args.batch
+    t_cache = time.time()
+    cache, table = build_cache(b, SEQLEN, device)
+    torch.cuda.synchronize()
+    t_cache = time.time() - t_cache
     header = (f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
               f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
               f"Ceilings (same run): bf16 matmul 8192^3 {peak_tflops:.0f} TFLOP/s; "
-              f"device copy {copy_gbps:.0f} GB/s (read + write)\n")
+              f"device copy {copy_gbps:.0f} GB/s (read + write)\n"
+              f"b = {b} sequences of {SEQLEN} tokens, topk = {TOPK}, block_size = {BLOCK_SIZE} (pages shuffled); "
+              f"cache {cache.numel() / 1e9:.2f} GB (built in {t_cache:.1f} s)\n")
     print(header, flush=True)
-    b = args.batch
-    cache, table, lengths = build_problem(b, device)
-    print(f"cache: {cache.shape[0]} blocks x {BLOCK_SIZE} tokens = {cache.numel() / 1e9:.2f} GB", flush=True)
-    problems, reference_out = {}, {}
-    rows = []
+
+    problems = {}
+    rows, notes, points = [], [], []
+    per_token, tflops_of = {}, {}
     chosen = VARIANTS if args.variants is None else [VARIANTS[int(i)] for i in args.variants.split(",")]
-    for h_q, s_q, config, num_splits in chosen:
+    for h_q, s_q, kind, with_length in chosen:
+        shape = f"| {h_q} | {s_q} | {'[0, topk]' if with_length else 'topk'} "
         if time.time() - t_start > args.budget_s:
-            rows.append(f"| {h_q} | {s_q} | {config or 'default'} | {num_splits} | skipped: time budget | | | | |")
+            rows.append(f"{shape}| {kind} | | skipped: time budget | | | | | | |")
             continue
         if (h_q, s_q) not in problems:
-            q = (torch.randn(b, s_q, h_q, 576, device=device) * 0.5).to(torch.bfloat16)
-            positions = topk_positions(b, s_q, lengths, seed=s_q)
-            problems[(h_q, s_q)] = (q, positions, positions_to_slots(positions, table, cache))
+            problems[(h_q, s_q)] = build_queries(b, s_q, h_q, SEQLEN, TOPK, table, seed=1000 * s_q + h_q)
         q, positions, slots = problems[(h_q, s_q)]
-        cfg = default_config(h_q) if config == PORTABLE else config
-        splits = num_splits or default_num_splits(q, TOPK, cfg)
-        shown = cfg or default_config(h_q)
-        label = (f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} w{sm90.NUM_WARPS.value}"
-                 if uses_sm90_kernel(q, cfg) else
-                 f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}")
-        label += " (default)" if config is None else ""
+        topk_length = draw_topk_length(b, TOPK, device, seed=7) if with_length else None
+        config = default_config(h_q) if kind == PORTABLE else None
+        splits = default_num_splits(q, TOPK, config)
+        label = kernel_label(q, kind)
+        if kind == WRAPPER:
+            run = lambda: mla_decode_fp8(q, cache, table, positions, SM_SCALE)  # noqa: E731
+        else:
+            run = lambda: sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, topk_length=topk_length,  # noqa: E731
+                                                config=config)
         try:
-            run = lambda: sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, num_splits=splits, config=cfg)
-            out, _ = run()
+            out, lse = run()
             torch.cuda.synchronize()
-            if (h_q, s_q) not in reference_out:
-                reference_out[(h_q, s_q)] = out
-            diff = (out.float() - reference_out[(h_q, s_q)].float()).abs().max().item()
+            rel, out_diff, lse_diff = check_rows(out, lse, q, cache, slots, SM_SCALE, topk_length)
             ms = bench_ms(run)
         except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
-            rows.append(f"| {h_q} | {s_q} | {label} | {splits} | error: {type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:80]} | | | | |")
+            rows.append(f"{shape}| {label} | {splits} | error: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:80] if str(exc) else ''} | | | | | | |")
             print(rows[-1], flush=True)
             continue
-        flops = 2 * b * s_q * h_q * TOPK * (576 + 512)
-        bytes_ = b * s_q * TOPK * KV_TOKEN_BYTES
+        attended = b * s_q * TOPK if topk_length is None else int(topk_length.long().sum()) * s_q
+        flops = 2 * attended * h_q * (D_QK + D_V)
+        bytes_ = attended * KV_TOKEN_BYTES + b * s_q * h_q * (D_QK + D_V) * 2
         tflops, gbps = flops / ms / 1e9, bytes_ / ms / 1e6
-        rows.append(f"| {h_q} | {s_q} | {label} | {splits} | {ms * 1e3:.1f} | {tflops:.1f} "
+        wrong = "" if rel < WRONG_REL and lse_diff < WRONG_REL else " **WRONG**"
+        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {ms * 1e3 / s_q:.1f} | {tflops:.1f} "
                     f"({100 * tflops / peak_tflops:.0f}%) | {gbps:.0f} ({100 * gbps / copy_gbps:.0f}%) | "
-                    f"{diff:.2e} |")
+                    f"{rel:.2e}{wrong} | {out_diff:.2e} | {lse_diff:.2e} |")
         print(rows[-1], flush=True)
-        if config is None and num_splits is None:
-            points.append((f"h{h_q} s_q{s_q}", flops, bytes_, ms * 1e-3))
-            ms_wrapper = bench_ms(lambda: mla_decode_fp8(q, cache, table, positions, SM_SCALE))
-            rows.append(f"| {h_q} | {s_q} | mla_decode_fp8 (positions→slots + decode) | {splits} | "
-                        f"{ms_wrapper * 1e3:.1f} | {flops / ms_wrapper / 1e9:.1f} | "
-                        f"{bytes_ / ms_wrapper / 1e6:.0f} | |")
-            print(rows[-1], flush=True)
-    table_md = ("| h_q | s_q | config (BLOCK_H, BLOCK_N, warps, stages) | splits | time µs | TFLOP/s "
-                "(% of matmul) | eff. GB/s (% of copy) | max abs diff vs default |\n"
-                "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    print(table_md, flush=True)
+        if kind == DEFAULT:
+            per_token[(h_q, s_q, with_length)] = ms * 1e3 / s_q
+            tflops_of[(h_q, s_q, with_length)] = tflops
+            points.append((f"h{h_q} s_q{s_q}" + (" topk_length" if with_length else ""), flops, bytes_, ms * 1e-3))
+            if (h_q, s_q, with_length) == (128, 2, False):
+                try:
+                    notes.append(graph_check(q, cache, slots, out, lse))
+                except Exception as exc:   # capture must keep working: a failure is the result to report
+                    notes.append(f"CUDA graph capture of the default path FAILED: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                print(notes[-1], flush=True)
+        del out, lse
+
+    base = per_token.get((128, 1, False))
+    if base:
+        ratios = [f"s_q {s_q} {per_token[(128, s_q, False)] / base:.2f}x"
+                  for s_q in (2, 3, 4) if (128, s_q, False) in per_token]
+        notes.append(f"Multi-token prediction, h_q 128, time per query token relative to s_q 1 ({base:.1f} µs; "
+                     f"≤ 1.00x is at least as efficient): " + ", ".join(ratios))
+    if (128, 2, True) in tflops_of and (128, 2, False) in tflops_of:
+        notes.append(f"topk_length (h_q 128, s_q 2): {tflops_of[(128, 2, True)]:.1f} TFLOP/s on the attended tokens "
+                     f"= {tflops_of[(128, 2, True)] / tflops_of[(128, 2, False)]:.2f}x the plain row's "
+                     f"{tflops_of[(128, 2, False)]:.1f}")
+    table_md = ("| h_q | s_q | topk_length | kernel (BLOCK_H, BLOCK_N, warps, stages) | splits | time µs | "
+                "µs per query token (time / s_q) | TFLOP/s (% of matmul) | eff. GB/s (% of copy) | "
+                "out rel err vs fp32 ref | out max abs diff | lse max abs diff |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    notes_md = "".join(f"- {note}\n" for note in notes)
+    print(table_md + "\n" + notes_md, flush=True)
     if args.plot:
         plot_roofline(args.plot, f"sparse_mla_decode_fp8, b {b}, topk {TOPK}", points, peak_tflops, copy_gbps)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"b = {b}, topk = {TOPK}, block_size = {BLOCK_SIZE}\n\n{header}\n{table_md}")
+        write_report(f"{header}\n{table_md}\n{notes_md}", args.out)
 
 
 if __name__ == "__main__":
