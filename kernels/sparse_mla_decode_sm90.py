@@ -84,8 +84,31 @@ TILE = gl.constexpr(formats.FP8_GROUP)
 TOKEN_BYTES = gl.constexpr(formats.KV_TOKEN_BYTES)
 SCALES_AT = gl.constexpr(formats.KV_SCALES_AT)
 ROPE_AT = gl.constexpr(formats.KV_ROPE_AT)
-# fp8 tokens as [keys, tile, 128]: one warp copies one 512-byte token row in 16-byte vectors.
-FP8_L = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 4, 8], [8, 1, 1], [2, 1, 0]))
+WORDS = gl.constexpr(TILE // 4)   # 32-bit words per tile
+# fp8 tokens as 32-bit words [keys, tile, 32]: one warp copies one 512-byte token row in 16-byte
+# vectors. (Words, not bytes: Triton would unpack bytes and pack them again for the dequant asm.)
+WORDS_L = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 4, 8], [8, 1, 1], [2, 1, 0]))
+# The dequantisation is integer work, not conversions (FlashMLA measured e4m3 -> bf16 conversions at
+# ~50 cycles per token, more than the MMAs of 64 heads): a byte permute spreads two e4m3 bytes into
+# 16-bit lanes with each sign replicated above it; a shift and a mask leave sign | exponent | mantissa
+# where bf16 keeps them, which is the value times 2^-120 exactly (subnormals included); two bf16
+# multiplies, by 2^120 and by the tile's scale, give value * scale exactly, the scale being a power of
+# two (as the cache writer makes it). (The e4m3 NaN code decodes as 480; the writer never stores it.)
+# $2: 4 e4m3 bytes -> $0: bf16x2 of bytes 0, 1; $1: of bytes 2, 3; $3: the scale as bf16x2.
+DEQUANT_ASM = gl.constexpr("""{
+.reg .b32 lo, hi, c;
+prmt.b32 lo, $2, $2, 0x9180;
+prmt.b32 hi, $2, $2, 0xB3A2;
+shl.b32 lo, lo, 4;
+shl.b32 hi, hi, 4;
+and.b32 lo, lo, 0x87F087F0;
+and.b32 hi, hi, 0x87F087F0;
+mov.b32 c, 0x7B807B80;
+mul.rn.bf16x2 lo, lo, c;
+mul.rn.bf16x2 hi, hi, c;
+mul.rn.bf16x2 $0, lo, $3;
+mul.rn.bf16x2 $1, hi, $3;
+}""")
 # Runtime integers of the decode kernels (this one and sparse_mla_decode's portable one): only
 # compared or multiplied, so specialising on their values would only multiply compiles.
 RUNTIME_ARGS = [
@@ -109,7 +132,8 @@ def _sparse_decode_sm90_kernel(
     RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
     LAT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
     ROPE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
-    KEYS_FP8: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, FP8_L))
+    LAT_WORDS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    KEYS_W: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, WORDS_L))
 
     pid = gl.program_id(0)
     split = gl.program_id(1)
@@ -129,13 +153,13 @@ def _sparse_decode_sm90_kernel(
     hi = gl.minimum(lo + split_len, n_used)
     n_chunks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
-    raw_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_N, TILES, TILE], RAW_SMEM)
+    raw_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N, TILES, WORDS], RAW_SMEM)
     k_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], ROPE_SMEM)
     k_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D_LAT], LAT_SMEM)
     idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
-    offs_n = gl.arange(0, BLOCK_N, KEYS_FP8)
-    offs_tile = gl.arange(0, TILES, gl.SliceLayout(0, gl.SliceLayout(2, FP8_L)))
-    offs_in_tile = gl.arange(0, TILE, gl.SliceLayout(0, gl.SliceLayout(1, FP8_L)))
+    offs_n = gl.arange(0, BLOCK_N, KEYS_W)
+    offs_tile = gl.arange(0, TILES, gl.SliceLayout(0, gl.SliceLayout(2, WORDS_L)))
+    offs_in_tile = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
     offs_rope = gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))
 
     # Prologue: gather chunk 0 and load its scales; load chunk 1's slot ids.
@@ -157,10 +181,13 @@ def _sparse_decode_sm90_kernel(
         start_after = lo + (i + 2) * BLOCK_N
         slot_after = gl.load(idx_row + start_after + offs_n, mask=start_after + offs_n < hi, other=-1)
 
-        # fp8 * 2^e is exact in bf16: the bf16 tile equals the dequantised cache.
-        raw = raw_smem.index(buf).load(FP8_L)
-        kv = raw.to(gl.bfloat16) * scale_cur.to(gl.bfloat16)[:, :, None]
-        k_lat_smem.store(gl.reshape(kv, [BLOCK_N, D_LAT]))
+        # fp8 * 2^e is exact in bf16: the bf16 tile equals the dequantised cache. Word w of a tile
+        # gives its bf16 columns 4w..4w+3 (pairs_lo, then pairs_hi); the bf16 tile seen as 32-bit words has the
+        # same bytes and the same 128-byte swizzle.
+        pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [raw_smem.index(buf).load(WORDS_L),
+                                           scale_cur[:, :, None]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        k_lat_smem._reinterpret(gl.int32, [BLOCK_N, D_LAT // 2], LAT_WORDS_SMEM).store(
+            gl.reshape(gl.join(pairs_lo, pairs_hi), [BLOCK_N, D_LAT // 2]))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -202,22 +229,26 @@ def _sparse_decode_sm90_kernel(
 @gluon.jit
 def _gather(cache_ptr, slot, num_slots, block_size, block_stride_16, raw_smem, rope_smem,
             offs_tile, offs_in_tile, offs_rope):
-    """cp.async one chunk of tokens (fp8 latent, bf16 rope) into shared memory and load their scales
-    [keys, tiles] (returned). Invalid slots are never read: masked copies zero-fill, scales are 0."""
+    """cp.async one chunk of tokens (fp8 latent as 32-bit words, bf16 rope) into shared memory and load
+    their scales [keys, tiles] as bf16x2 pairs (int32, returned). Invalid slots are never read: masked
+    copies zero-fill, scales are 0."""
     valid = (slot >= 0) & (slot < num_slots)
     slot = gl.where(valid, slot, 0)
     block = slot // block_size
     token = cache_ptr + (block.to(gl.int64) * block_stride_16 * 16
                          + (slot - block * block_size).to(gl.int64) * TOKEN_BYTES)
-    fp8_rows = token.to(gl.pointer_type(gl.float8e4nv))[:, None, None]
-    cp.async_copy_global_to_shared(raw_smem, fp8_rows + offs_tile[None, :, None] * TILE + offs_in_tile[None, None, :],
+    word_rows = token.to(gl.pointer_type(gl.int32))[:, None, None]
+    cp.async_copy_global_to_shared(raw_smem, word_rows + offs_tile[None, :, None] * WORDS + offs_in_tile[None, None, :],
                                    mask=valid[:, None, None])
     rope_rows = gl.convert_layout((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, ROPE_L))
     valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE_L))
     cp.async_copy_global_to_shared(rope_smem, rope_rows[:, None] + offs_rope[None, :], mask=valid_r[:, None])
     cp.commit_group()
-    return gl.load((token + SCALES_AT).to(gl.pointer_type(gl.float32))[:, None] + offs_tile[None, :],
-                   mask=valid[:, None], other=0.0)
+    scales = gl.load((token + SCALES_AT).to(gl.pointer_type(gl.int32))[:, None] + offs_tile[None, :],
+                     mask=valid[:, None], other=0)
+    # A power-of-two fp32 scale's bf16 is its top 16 bits; the dequantisation takes it as a bf16 pair.
+    bf16_bits = (scales >> 16) & 0xFFFF
+    return bf16_bits | (bf16_bits << 16)
 
 
 def supported(q: torch.Tensor) -> bool:

@@ -135,6 +135,31 @@ def random_q(b, s_q, h_q, seed):
     return (torch.randn(b, s_q, h_q, 576, generator=g) * 1.5).to(torch.bfloat16).to(DEVICE)
 
 
+def test_every_fp8_code_and_scale_decodes_exactly():
+    """A query row with one valid slot attends to it alone (p = 1), so out is that token's dequantised
+    latent, which bf16 holds exactly: bit-equal to dequantize_kv_fp8. The tokens cover every non-NaN
+    e4m3 code (subnormals, both zeros, ±448) in every tile, under power-of-two scales 2^-40..2^40
+    (beyond the writer's range both ways: the kernel must not depend on it)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)   # 254 codes
+    n_tokens = 64
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.empty(n_tokens, 656, dtype=torch.uint8)
+    tokens[:, :512] = codes[torch.stack([torch.randperm(512, generator=g) % len(codes) for _ in range(n_tokens)])]
+    exponents = torch.arange(n_tokens * 4).view(n_tokens, 4) % 81 - 40
+    tokens[:, 512:528] = torch.exp2(exponents.float()).view(torch.uint8).view(n_tokens, 16)
+    tokens[:, 528:] = torch.randn(n_tokens, 64, generator=g).to(torch.bfloat16).view(torch.uint8)
+    cache = tokens.view(1, n_tokens, 1, 656).to(DEVICE)
+    # Row t: slot t, then invalid entries (and a duplicate-free tail of -1).
+    indices = torch.full((1, n_tokens, 8), -1, dtype=torch.int32)
+    indices[0, :, 3] = torch.arange(n_tokens, dtype=torch.int32)
+    q = random_q(1, n_tokens, 64, 3) * 1e-3     # small logits: one key per row, any magnitude works
+    out, lse = decode(q, cache, indices.to(DEVICE), SM_SCALE)
+    expected = dequantize_kv_fp8(tokens, torch.float32)[:, :512]
+    assert torch.isfinite(expected).all() and expected.abs().max() > 1e10 and expected[expected != 0].abs().min() < 1e-10
+    assert torch.equal(out.cpu()[0].float(), expected[:, None, :].expand(n_tokens, 64, 512))
+    assert torch.isfinite(lse).all()
+
+
 CASES = [  # b, s_q, h_q, topk, block_size, num_splits, sink, topk_length
     (2, 1, 16, 64, 64, 1, False, False),
     (2, 2, 20, 100, 16, 3, True, True),
