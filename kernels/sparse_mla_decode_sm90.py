@@ -2,10 +2,24 @@
 
 Same semantics, runtime arguments and launch geometry as the portable Triton kernel in
 sparse_mla_decode.py (programs = query rows x blocks of 64 heads x top-k splits; split partials are
-merged by that module's merge kernel). The 656-byte tokens of chunk i+1 are gathered by cp.async into
-a double buffer while chunk i is dequantised (fp8 * scale -> bf16 in shared memory) and multiplied on
-the tensor cores. Fewer than 64 heads are padded to 64 (zero query rows): wgmma needs M = 64. One
-program = one query row x 64 heads x one split, 8 warps; the attention step itself is attend_chunk.
+merged by that module's merge kernel). One program = one query row x 64 heads (fewer heads are padded
+with zero rows: wgmma needs M = 64), warp-specialised into three warpgroups that meet at mbarriers,
+after FlashMLA's sm90 fp8 decode (csrc/sm90/decode/sparse_fp8, written here from its description):
+
+- the producer loads the 656-byte tokens of a 64-key block into registers (16-byte loads, half a
+  block ahead of the one it converts), dequantises them and stores the bf16 block (latent left and
+  right halves, rope) into one of two shared buffers, with the block's slot ids for the masks;
+- consumer 0 computes the block's scores (64 heads x 64 keys, all 576 columns), the online softmax
+  and output columns 0..255; it hands P (bf16, in the block's rope tile, free once the scores are done)
+  and the rescale factors to consumer 1, which owns output columns 256..511. The next block's score
+  MMAs are issued behind this block's P.V.
+
+The dequantisation is integer work, not conversions (FlashMLA measured e4m3 -> bf16 conversions at
+~50 cycles per token, more than the MMAs of 64 heads): a byte permute spreads two e4m3 bytes into
+16-bit lanes with each sign replicated above it; a shift and a mask leave sign | exponent | mantissa
+where bf16 keeps them, which is the value times 2^-120 exactly (subnormals included); two bf16
+multiplies, by 2^120 and by the tile's scale, give value * scale exactly, the scale being a power of
+two (as the cache writer makes it). The e4m3 NaN code decodes as 480 (the writer never stores it).
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_decode_fp8 dispatches to it
 there (uses_sm90_kernel) and to the portable kernel everywhere else.
@@ -15,86 +29,28 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from minirt import formats
 
-# One program attends 64 query heads (one wgmma M tile) with 8 warps = two warpgroups, over chunks of
-# 64 keys whose 512 latent + 64 rope columns sit in shared memory. For the scores S = Q.K^T
-# [heads, keys] the warpgroups split the keys; for O = P.V [heads, 512] they split the columns.
-BLOCK_H = gl.constexpr(64)
-BLOCK_N = gl.constexpr(64)
-D_LAT = gl.constexpr(formats.KV_LATENT_DIM)
-D_ROPE = gl.constexpr(formats.KV_ROPE_DIM)
-NUM_WARPS = gl.constexpr(8)
-LN2 = gl.constexpr(formats.LN2)
+from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, LN2, NO_MAX, O_L, P_L, ROPE_L, ROW_O,
+                                      ROW_S, S_L, VEC_L, VEC_SMEM, load_q_half, opaque_zero, publish, publish_done,
+                                      score_piece, store_out, wait_piece)
 
-S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
-O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]))
-P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
-# Register layouts of [rows, 512] and [rows, 64] copies: 16-byte vectors along the contiguous dim.
-LAT_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0]))
-ROPE_L = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0]))
-ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))    # per-head vectors of the softmax
-COL_S = gl.constexpr(gl.SliceLayout(0, S_LAYOUT.value))    # per-key vectors of the scores
-ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))    # per-head vectors of the output
-
-
-@gluon.jit
-def load_q(q_base, stride_h, head0, h_q, q_lat_smem, q_rope_smem):
-    """Heads head0..head0+63 of one query row (q_base points at its head 0, 576 contiguous values
-    per head) into the two shared-memory tiles; heads >= h_q become zero rows."""
-    h_lat = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LAT_L))
-    q_lat_smem.store(gl.load(q_base + h_lat[:, None] * stride_h + gl.arange(0, D_LAT, gl.SliceLayout(0, LAT_L))[None, :],
-                             mask=(h_lat < h_q)[:, None], other=0.0))
-    h_rope = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
-    q_rope_smem.store(gl.load(q_base + h_rope[:, None] * stride_h + D_LAT
-                              + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
-                              mask=(h_rope < h_q)[:, None], other=0.0))
-
-
-@gluon.jit
-def attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem, valid, sm_scale_log2, m_i, l_i, acc):
-    """One online-softmax step over a chunk of 64 keys in shared memory (k_lat doubles as V).
-
-    valid [64] (COL_S): keys to attend; the others get probability 0. m_i (running max of the scores
-    scaled by sm_scale_log2, i.e. in base 2; -inf before any valid key), l_i (ROW_S) and acc [64, 512]
-    (O_LAYOUT) are updated and returned. m_ref replaces a -inf running max by 0 in every subtraction,
-    so a fully masked chunk gives alpha = exp2(-inf) = 0 and p = 0, never exp2(-inf - -inf) = NaN."""
-    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
-    s = warpgroup_mma(q_lat_smem, k_lat_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_rope_smem, k_rope_smem.permute((1, 0)), s, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_ref)
-    p = gl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    # P is rounded to the operand dtype for the tensor cores, as in FlashMLA.
-    p_op = gl.convert_layout(p.to(k_lat_smem.dtype), P_LAYOUT)
-    acc = warpgroup_mma(p_op, k_lat_smem, acc * gl.convert_layout(alpha, ROW_O)[:, None], is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    return m_new, l_i, acc
-
-# The V32 cache token (minirt.formats): 4 tiles of 128 e4m3 values, their fp32 scales, the bf16 rope.
-TILES = gl.constexpr(formats.KV_NUM_TILES)
+NUM_WARPS = 4   # warps of the default partition (consumer 0); the others have 4 as well
+PIECE = gl.constexpr(BLOCK_N.value // 2)   # keys per producer piece: half a block
 TILE = gl.constexpr(formats.FP8_GROUP)
+WORDS = gl.constexpr(formats.FP8_GROUP // 4)   # 32-bit words per 128-value tile
 TOKEN_BYTES = gl.constexpr(formats.KV_TOKEN_BYTES)
 SCALES_AT = gl.constexpr(formats.KV_SCALES_AT)
 ROPE_AT = gl.constexpr(formats.KV_ROPE_AT)
-WORDS = gl.constexpr(TILE // 4)   # 32-bit words per tile
-# fp8 tokens as 32-bit words [keys, tile, 32]: one warp copies one 512-byte token row in 16-byte
-# vectors. (Words, not bytes: Triton would unpack bytes and pack them again for the dequant asm.)
-WORDS_L = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 4, 8], [8, 1, 1], [2, 1, 0]))
-# The dequantisation is integer work, not conversions (FlashMLA measured e4m3 -> bf16 conversions at
-# ~50 cycles per token, more than the MMAs of 64 heads): a byte permute spreads two e4m3 bytes into
-# 16-bit lanes with each sign replicated above it; a shift and a mask leave sign | exponent | mantissa
-# where bf16 keeps them, which is the value times 2^-120 exactly (subnormals included); two bf16
-# multiplies, by 2^120 and by the tile's scale, give value * scale exactly, the scale being a power of
-# two (as the cache writer makes it). (The e4m3 NaN code decodes as 480; the writer never stores it.)
-# $2: 4 e4m3 bytes -> $0: bf16x2 of bytes 0, 1; $1: of bytes 2, 3; $3: the scale as bf16x2.
+# Half a token's fp8 latent (two tiles) as 32-bit words [keys, 2, 32]: 16 threads read 256 bytes of a
+# key in 16-byte vectors. (Words, not bytes: Triton would unpack bytes and pack them again for the asm.)
+WORDS_L = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 2, 8], [4, 1, 1], [2, 1, 0]))
+KEYS_W = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, WORDS_L)))
+SCALES_L = gl.constexpr(gl.SliceLayout(2, WORDS_L))
+# $2: 4 e4m3 bytes -> $0: bf16x2 of bytes 0, 1; $1: of bytes 2, 3; $3: the tile's scale as bf16x2.
 DEQUANT_ASM = gl.constexpr("""{
 .reg .b32 lo, hi, c;
 prmt.b32 lo, $2, $2, 0x9180;
@@ -129,126 +85,247 @@ def _sparse_decode_sm90_kernel(
     stride_l_split, stride_l_b, stride_l_s, stride_l_h,
     SPLIT: gl.constexpr,
 ):
-    RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-    LAT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
-    ROPE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
-    LAT_WORDS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    KEYS_W: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, WORDS_L))
-
+    HALF_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
+    TILE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
     pid = gl.program_id(0)
     split = gl.program_id(1)
     row = pid // n_head_blocks
     b = (row // s_q).to(gl.int64)
     s = (row % s_q).to(gl.int64)
     head0 = (pid % n_head_blocks) * BLOCK_H
-
-    q_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], LAT_SMEM)
-    q_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], ROPE_SMEM)
-    load_q(q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, head0, h_q, q_lat_smem, q_rope_smem)
-
     n_used = topk
     if has_topk_length:
         n_used = gl.minimum(gl.maximum(gl.load(topk_length_ptr + b), 0), topk)
     lo = split * split_len
     hi = gl.minimum(lo + split_len, n_used)
-    n_chunks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    n_steps = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
-    raw_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N, TILES, WORDS], RAW_SMEM)
-    k_rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], ROPE_SMEM)
-    k_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D_LAT], LAT_SMEM)
-    idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
-    offs_n = gl.arange(0, BLOCK_N, KEYS_W)
-    offs_tile = gl.arange(0, TILES, gl.SliceLayout(0, gl.SliceLayout(2, WORDS_L)))
-    offs_in_tile = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
-    offs_rope = gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))
+    # Shared memory, 218 KiB: q (72), two bf16 key blocks (144; P of a block lives in its rope tile),
+    # slot ids, rescale factors, barriers: per buffer ready (producer -> consumers), free (both
+    # consumers -> producer), p_ready (consumer 0 -> 1: P and the rescale factors of the block); done:
+    # consumer 0's final row max and row sum.
+    q_halves = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, HALF], HALF_SMEM)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, D_ROPE], TILE_SMEM)
+    k_left = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HALF], HALF_SMEM)
+    k_right = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HALF], HALF_SMEM)
+    k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], TILE_SMEM)
+    key_ids = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)       # the consumers' masks
+    load_ids = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)      # the producer's loads
+    rescale = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
+    row_stats = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)   # final max, row sum
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)
+        mbarrier.init(p_ready.index(i), count=1)
+    mbarrier.init(done, count=1)
 
-    # Prologue: gather chunk 0 and load its scales; load chunk 1's slot ids.
-    slot_cur = gl.load(idx_row + lo + offs_n, mask=lo + offs_n < hi, other=-1)
-    scale_cur = _gather(cache_ptr, slot_cur, num_slots, block_size, block_stride_16, raw_smem.index(0),
-                        k_rope_smem.index(0), offs_tile, offs_in_tile, offs_rope)
-    slot_next = gl.load(idx_row + lo + BLOCK_N + offs_n, mask=lo + BLOCK_N + offs_n < hi, other=-1)
+    q_row = q_ptr + b * stride_q_b + s * stride_q_s
+    load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
+    load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
+    h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
+    q_rope.index(0).store(gl.load(q_row + h[:, None] * stride_q_h + 2 * HALF
+                                  + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
+                                  mask=(h < h_q)[:, None], other=0.0))
+    fence_async_shared()
 
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
-    acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, O_LAYOUT)
-    for i in range(n_chunks):
-        buf = i % 2
-        # Chunk i's bytes have landed everywhere, and every warpgroup is done with chunk i-1.
-        cp.wait_group(0)
-        gl.thread_barrier()
-        scale_next = _gather(cache_ptr, slot_next, num_slots, block_size, block_stride_16, raw_smem.index(1 - buf),
-                             k_rope_smem.index(1 - buf), offs_tile, offs_in_tile, offs_rope)
-        start_after = lo + (i + 2) * BLOCK_N
-        slot_after = gl.load(idx_row + start_after + offs_n, mask=start_after + offs_n < hi, other=-1)
-
-        # fp8 * 2^e is exact in bf16: the bf16 tile equals the dequantised cache. Word w of a tile
-        # gives its bf16 columns 4w..4w+3 (pairs_lo, then pairs_hi); the bf16 tile seen as 32-bit words has the
-        # same bytes and the same 128-byte swizzle.
-        pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [raw_smem.index(buf).load(WORDS_L),
-                                           scale_cur[:, :, None]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-        k_lat_smem._reinterpret(gl.int32, [BLOCK_N, D_LAT // 2], LAT_WORDS_SMEM).store(
-            gl.reshape(gl.join(pairs_lo, pairs_hi), [BLOCK_N, D_LAT // 2]))
-        fence_async_shared()
-        gl.thread_barrier()
-
-        slot_s = gl.convert_layout(slot_cur, COL_S)
-        m_i, l_i, acc = attend_chunk(q_lat_smem, q_rope_smem, k_lat_smem, k_rope_smem.index(buf),
-                                     (slot_s >= 0) & (slot_s < num_slots), sm_scale_log2, m_i, l_i, acc)
-        slot_cur = slot_next
-        scale_cur = scale_next
-        slot_next = slot_after
-    cp.wait_group(0)
-
-    has_keys = l_i > 0.0
-    l_safe = gl.where(has_keys, l_i, 1.0)
-    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
-    lse2 = gl.where(has_keys, m_ref + gl.log2(l_safe), float("-inf"))
-    offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
-    h_mask = offs_h < h_q
-    scale_o = 1.0 / l_safe
-    if not SPLIT:
-        # Final result: exp(lse) / (exp(lse) + exp(sink)) folded into the row scale; empty rows keep
-        # out = 0 (acc is 0) and get lse = +inf.
-        lse = gl.where(has_keys, lse2 * LN2, 0.0)
-        if has_sink:
-            sink = gl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
-            scale_o = scale_o / (1.0 + gl.exp(sink - lse))
-    offs_ho = head0 + gl.arange(0, BLOCK_H, ROW_O)
-    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, O_LAYOUT))
-    o = acc * gl.convert_layout(scale_o, ROW_O)[:, None]
-    out_rows = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s + offs_ho * stride_o_h
-    gl.store(out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=(offs_ho < h_q)[:, None])
-    lse_ptrs = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h
-    if SPLIT:
-        # Partial result: normalised fp32 out and base-2 lse (-inf: nothing in this split).
-        gl.store(lse_ptrs, lse2, mask=h_mask)
-    else:
-        gl.store(lse_ptrs, gl.where(has_keys, lse, float("inf")), mask=h_mask)
+    out_row = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s
+    lse_row = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s
+    blocks = (k_left, k_right, k_rope, key_ids, ready, free, p_ready)
+    gl.warp_specialize([
+        (_consumer_0, (blocks, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q,
+                       sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT)),
+        (_consumer_1, (blocks, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
+                       stride_o_h, has_sink, SPLIT)),
+        (_producer, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi, n_steps,
+                     num_slots, block_size, block_stride_16)),
+    ], [4, 4], [160, 136])
 
 
 @gluon.jit
-def _gather(cache_ptr, slot, num_slots, block_size, block_stride_16, raw_smem, rope_smem,
-            offs_tile, offs_in_tile, offs_rope):
-    """cp.async one chunk of tokens (fp8 latent as 32-bit words, bf16 rope) into shared memory and load
-    their scales [keys, tiles] as bf16x2 pairs (int32, returned). Invalid slots are never read: masked
-    copies zero-fill, scales are 0."""
-    valid = (slot >= 0) & (slot < num_slots)
-    slot = gl.where(valid, slot, 0)
-    block = slot // block_size
-    token = cache_ptr + (block.to(gl.int64) * block_stride_16 * 16
-                         + (slot - block * block_size).to(gl.int64) * TOKEN_BYTES)
-    word_rows = token.to(gl.pointer_type(gl.int32))[:, None, None]
-    cp.async_copy_global_to_shared(raw_smem, word_rows + offs_tile[None, :, None] * WORDS + offs_in_tile[None, None, :],
-                                   mask=valid[:, None, None])
-    rope_rows = gl.convert_layout((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, ROPE_L))
-    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE_L))
-    cp.async_copy_global_to_shared(rope_smem, rope_rows[:, None] + offs_rope[None, :], mask=valid_r[:, None])
-    cp.commit_group()
-    scales = gl.load((token + SCALES_AT).to(gl.pointer_type(gl.int32))[:, None] + offs_tile[None, :],
-                     mask=valid[:, None], other=0)
-    # A power-of-two fp32 scale's bf16 is its top 16 bits; the dequantisation takes it as a bf16 pair.
-    bf16_bits = (scales >> 16) & 0xFFFF
-    return bf16_bits | (bf16_bits << 16)
+def _scores(q_halves, q_rope, blocks, step, s):
+    """Issue the score MMAs of block `step` once it has landed (q_halves: [2, ...] indexed on an opaque
+    zero, see opaque_zero)."""
+    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    buf = step & 1
+    zero = opaque_zero(step)
+    wait_piece(ready, buf, (step >> 1) & 1)
+    s = score_piece(q_halves.index(zero), k_left.index(buf), s, True)
+    s = score_piece(q_halves.index(zero + 1), k_right.index(buf), s, False)
+    return score_piece(q_rope.index(zero), k_rope.index(buf), s, False)
+
+
+@gluon.jit
+def _consumer_0(blocks, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2,
+                sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT: gl.constexpr):
+    """Scores, softmax, output columns 0..255, lse. A split writes partials (fp32 out over its own
+    keys, base-2 lse) for the merge kernel, which applies the sink."""
+    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+    if n_steps > 0:
+        s = warpgroup_mma_wait(0, deps=(_scores(q_halves, q_rope, blocks, 0, s),))
+    for step in range(n_steps):
+        buf = step & 1
+        ids = key_ids.index(buf).load(COL_S)
+        s = gl.where(((ids >= 0) & (ids < num_slots))[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        # P is rounded to the operand dtype for the tensor cores, as in FlashMLA; consumer 1 takes it
+        # from the block's rope tile (the scores are done with it) and the rescale factors beside it.
+        p_op = p.to(gl.bfloat16)
+        rescale.index(buf).store(alpha)
+        publish(k_rope.index(buf), p_op, p_ready.index(buf))
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        # (Each branch issues P.V itself: a value of a runtime branch must keep its type, and an
+        # issued MMA's result is not yet a tensor.)
+        if step + 1 < n_steps:
+            acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_left.index(buf), acc, is_async=True)
+            s = _scores(q_halves, q_rope, blocks, step + 1, s)
+            acc = warpgroup_mma_wait(3, deps=(acc,))   # P.V is done; the 3 score MMAs may run on
+            mbarrier.arrive(free.index(buf))
+            s = warpgroup_mma_wait(0, deps=(s,))
+        else:
+            acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_left.index(buf), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(free.index(buf))
+    row_stats.index(0).store(m_i)
+    row_stats.index(1).store(l_i)
+    publish_done(done)
+    # k_left is free: only this partition reads it, and the producer has filled its last block.
+    store_out(acc, m_i, l_i, 0, k_left, sink_ptr, 1, out_row, stride_o_h, 1, head0, h_q, has_sink, SPLIT)
+    has_keys = l_i > 0.0
+    offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
+    lse2 = m_i + gl.log2(gl.where(has_keys, l_i, 1.0))
+    if SPLIT:   # base 2, -inf: nothing in this split
+        lse = gl.where(has_keys, lse2, float("-inf"))
+    else:       # natural log, +inf: no valid key
+        lse = gl.where(has_keys, lse2 * LN2, float("inf"))
+    gl.store(lse_row + offs_h * stride_l_h, lse, mask=offs_h < h_q)
+
+
+@gluon.jit
+def _consumer_1(blocks, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row, stride_o_h,
+                has_sink, SPLIT: gl.constexpr):
+    """Output columns 256..511: P of each block from consumer 0, times the right half of its V."""
+    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+    for step in range(n_steps):
+        buf = step & 1
+        mbarrier.wait(p_ready.index(buf), (step >> 1) & 1)
+        acc = acc * rescale.index(buf).load(ROW_O)[:, None]
+        acc = warpgroup_mma(k_rope.index(buf), k_right.index(buf), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(free.index(buf))
+    mbarrier.wait(done, 0)
+    # q is free: only consumer 0's score MMAs read it, and they are done.
+    store_out(acc, row_stats.index(0).load(ROW_S), row_stats.index(1).load(ROW_S), HALF, q_halves, sink_ptr, 1,
+              out_row, stride_o_h, 1, head0, h_q, has_sink, SPLIT)
+
+
+@gluon.jit
+def _step_ids(idx_row, lo, hi, step):
+    """The 64 slot ids of block `step` (VEC_L); -1 at and past hi."""
+    offs = lo + step * BLOCK_N + gl.arange(0, BLOCK_N, VEC_L)
+    return gl.load(idx_row + offs, mask=offs < hi, other=-1)
+
+
+@gluon.jit
+def _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16):
+    """(address of each slot's 656-byte token, validity); invalid slots point at slot 0, never read."""
+    valid = (ids >= 0) & (ids < num_slots)
+    ids = gl.where(valid, ids, 0)
+    block = ids // block_size
+    return cache_ptr + (block.to(gl.int64) * block_stride_16 * 16
+                        + (ids - block * block_size).to(gl.int64) * TOKEN_BYTES), valid
+
+
+@gluon.jit
+def _load_piece(cache_ptr, load_ids, step, half: gl.constexpr, num_slots, block_size, block_stride_16):
+    """Registers of half a block (keys half*32..half*32+31 of block `step`): the latent's e4m3 bytes as
+    words [32, 2, 32] of tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [32, 2] (int32),
+    the rope [32, 64] (bf16). Invalid slots are never read: their values are 0."""
+    ids = load_ids.index(step & 1).slice(half * PIECE, PIECE).load(KEYS_W)
+    token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
+    tile = gl.arange(0, 2, gl.SliceLayout(0, SCALES_L))
+    word = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
+    words = token.to(gl.pointer_type(gl.int32))[:, None, None] + tile[None, :, None] * WORDS + word[None, None, :]
+    left = gl.load(words, mask=valid[:, None, None], other=0)
+    right = gl.load(words + 2 * WORDS, mask=valid[:, None, None], other=0)
+    scales = gl.load((token + SCALES_AT).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :], mask=valid[:, None],
+                     other=0)
+    scales_right = gl.load((token + SCALES_AT + 8).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :],
+                           mask=valid[:, None], other=0)
+    ids = load_ids.index(step & 1).slice(half * PIECE, PIECE).load(gl.SliceLayout(1, ROPE_L))
+    token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
+    rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None]
+                   + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :], mask=valid[:, None], other=0.0)
+    return left, _bf16_pairs(scales), right, _bf16_pairs(scales_right), rope
+
+
+@gluon.jit
+def _bf16_pairs(scales):
+    """A power-of-two fp32 scale's bf16 is its top 16 bits; the dequantisation takes it twice."""
+    bits = (scales >> 16) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@gluon.jit
+def _store_dequantised(words, scale_pairs, dst):
+    """dst [32, 256] bf16 (shared) = the words' e4m3 values times their tiles' scales. Word w of a tile
+    gives its columns 4w..4w+3; the bf16 rows seen as 32-bit words have the same bytes and swizzle."""
+    pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [words, scale_pairs[:, :, None]],
+                                                   dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    WORD_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    dst._reinterpret(gl.int32, [PIECE, HALF // 2], WORD_SMEM).store(
+        gl.reshape(gl.join(pairs_lo, pairs_hi), [PIECE, HALF // 2]))
+
+
+@gluon.jit
+def _fill(piece, blocks, buf, half: gl.constexpr):
+    """Store a piece (_load_piece) into rows half*32.. of buffer buf's left, right and rope tiles."""
+    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    left, left_scales, right, right_scales, rope = piece
+    _store_dequantised(left, left_scales, k_left.index(buf).slice(half * PIECE, PIECE))
+    _store_dequantised(right, right_scales, k_right.index(buf).slice(half * PIECE, PIECE))
+    k_rope.index(buf).slice(half * PIECE, PIECE).store(rope)
+
+
+@gluon.jit
+def _producer(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, num_slots, block_size, block_stride_16):
+    """Fill the two block buffers in turn, each once both consumers have released it. Loads run half a
+    block ahead of the stores; slot ids two blocks ahead of the loads (loaded just before their use,
+    their latency would stall every piece)."""
+    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    ids_cur = _step_ids(idx_row, lo, hi, 0)
+    load_ids.index(0).store(ids_cur)
+    ids_next = _step_ids(idx_row, lo, hi, 1)
+    gl.thread_barrier()
+    first = _load_piece(cache_ptr, load_ids, 0, 0, num_slots, block_size, block_stride_16)
+    for step in range(n_steps):
+        buf = step & 1
+        second = _load_piece(cache_ptr, load_ids, step, 1, num_slots, block_size, block_stride_16)
+        # The other slot's ids were last read by the previous step's loads, before its barrier.
+        load_ids.index(buf ^ 1).store(ids_next)
+        gl.thread_barrier()
+        ids_after = _step_ids(idx_row, lo, hi, step + 2)
+        mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
+        key_ids.index(buf).store(ids_cur)
+        _fill(first, blocks, buf, 0)
+        first = _load_piece(cache_ptr, load_ids, step + 1, 0, num_slots, block_size, block_stride_16)
+        _fill(second, blocks, buf, 1)
+        fence_async_shared()
+        publish_done(ready.index(buf))
+        ids_cur = ids_next
+        ids_next = ids_after
 
 
 def supported(q: torch.Tensor) -> bool:
@@ -260,4 +337,6 @@ def launch(grid, args, split: bool) -> None:
     """Run the kernel on the runtime arguments that sparse_mla_decode_fp8 builds for both decode kernels
     (the kernel's parameters before SPLIT, in order) over grid (query rows x head blocks, top-k splits);
     split: write partial results (fp32 out, base-2 lse) for the merge kernel."""
-    _sparse_decode_sm90_kernel[grid](*args, SPLIT=split, num_warps=NUM_WARPS)
+    # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
+    # 208 / 160 / 136 (consumer 0 / 1 / producer: scripts/sm90_registers.py shows them, without spills).
+    _sparse_decode_sm90_kernel[grid](*args, SPLIT=split, num_warps=NUM_WARPS, maxnreg=168)

@@ -57,6 +57,7 @@ HALF_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 ROPE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 VEC_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 VEC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+OUT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 
 # Buffers of blocks A and B. A piece is (buffer, half), half 0 = left, 1 = right; its ready and free
 # barriers sit at slot 2 * buffer + half.
@@ -91,7 +92,7 @@ def _sparse_mla_prefill_sm90_kernel(
 
     # Shared memory, 226 KiB at d_qk 576: q (72), two key blocks (144), P of block B (8). P of block
     # A lives in block A's rope tile, free once A's scores are done (FlashMLA does the same). q is
-    # [2, ...] and [1, ...] so that the loops can index it with an opaque zero (see _opaque_zero).
+    # [2, ...] and [1, ...] so that the loops can index it with an opaque zero (see opaque_zero).
     q_halves = gl.allocate_shared_memory(dtype, [2, BLOCK_H, HALF], HALF_SMEM)
     k_left = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], HALF_SMEM)
     k_right = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], HALF_SMEM)
@@ -118,8 +119,8 @@ def _sparse_mla_prefill_sm90_kernel(
         mbarrier.init(sync.index(i), count=1)
 
     q_row = q_ptr + token * stride_q_s
-    _load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
-    _load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
+    load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
+    load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
     if HAS_ROPE:
         h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
         q_rope.index(0).store(gl.load(q_row + h[:, None] * stride_q_h + 2 * HALF
@@ -142,7 +143,7 @@ def _sparse_mla_prefill_sm90_kernel(
 
 
 @gluon.jit
-def _load_q_half(q_row, stride_q_h, head0, h_q, col0, dst):
+def load_q_half(q_row, stride_q_h, head0, h_q, col0, dst):
     """Latent columns col0..col0+255 of heads head0..head0+63 into dst; heads >= h_q become zero rows."""
     h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
     dst.store(gl.load(q_row + h[:, None] * stride_q_h + col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))[None, :],
@@ -173,7 +174,7 @@ def _producer(smem, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv
         # barriers of the step between, which both consumers' masking precedes.
         key_rows.index(2 * slot).store(rows_a)
         key_rows.index(2 * slot + 1).store(rows_b)
-        _publish_done(sync.index(ROWS + slot))
+        publish_done(sync.index(ROWS + slot))
         # The next step's indices load behind this step's gathers (loaded just before their use,
         # their latency stalled every gather).
         rows_a = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 2 * step + 2, n_keys, VEC_L)
@@ -213,7 +214,7 @@ def _gather(kv_ptr, stride_kv_s, s_kv, block_rows, col0, dst, k_rope, buf, WITH_
 
 
 @gluon.jit
-def _wait_piece(ready, slot, parity):
+def wait_piece(ready, slot, parity):
     """Wait until a piece has landed; cp.async writes through the generic proxy, wgmma reads through
     the async one, hence the fence."""
     mbarrier.wait(ready.index(slot), parity)
@@ -221,7 +222,7 @@ def _wait_piece(ready, slot, parity):
 
 
 @gluon.jit
-def _score_piece(q, k, s, first: gl.constexpr):
+def score_piece(q, k, s, first: gl.constexpr):
     return warpgroup_mma(q, k.permute((1, 0)), s, use_acc=not first, is_async=True)
 
 
@@ -236,7 +237,7 @@ def _masked_scores(s, key_rows, sync, step, role: gl.constexpr, s_kv, sm_scale_l
 
 
 @gluon.jit
-def _publish_done(bar):
+def publish_done(bar):
     """Signal bar once every warp of this partition has passed here (with its shared-memory stores:
     the arrive releases them to the partition that waits)."""
     gl.thread_barrier()
@@ -244,13 +245,13 @@ def _publish_done(bar):
 
 
 @gluon.jit
-def _publish(buf, value, bar):
+def publish(buf, value, bar):
     """Store an MMA operand for the other consumer and signal bar: the fence hands the stores over to
     the tensor cores' (async) proxy. Only operands need it: it also waits for this thread's
     outstanding memory operations."""
     buf.store(value)
     fence_async_shared()
-    _publish_done(bar)
+    publish_done(bar)
 
 
 @gluon.jit
@@ -267,7 +268,7 @@ def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, 
         s = warpgroup_mma_wait(0, deps=(s,))
     for step in range(n_steps):
         parity = step & 1
-        a = _opaque_zero(step)     # buffer A (0), and B (a + 1)
+        a = opaque_zero(step)     # buffer A (0), and B (a + 1)
         b = a + 1
         s = _masked_scores(s, key_rows, sync, step, 0, s_kv, sm_scale_log2)
         m_a = gl.maximum(m_i, gl.max(s, 1))
@@ -275,7 +276,7 @@ def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, 
         p = gl.exp2(s - m_a[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         row_max.store(m_a)
-        _publish_done(sync.index(M0))
+        publish_done(sync.index(M0))
         # P is rounded to the operand dtype for the tensor cores, as in FlashMLA.
         acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
         acc = warpgroup_mma(gl.convert_layout(p.to(p_b.dtype), P_L), k_left.index(a), acc, is_async=True)
@@ -287,7 +288,7 @@ def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, 
         m_ab = row_max.load(ROW_S)
         rescale = gl.exp2(m_a - m_ab)
         m_i = m_ab
-        _publish(_p_a_tile(p_a, k_rope, a, HAS_ROPE), (p * rescale[:, None]).to(p_b.dtype), sync.index(PA))
+        publish(_p_a_tile(p_a, k_rope, a, HAS_ROPE), (p * rescale[:, None]).to(p_b.dtype), sync.index(PA))
         l_i = l_i * rescale
         acc = acc * gl.convert_layout(rescale, ROW_O)[:, None]
         mbarrier.wait(sync.index(PB), parity)
@@ -308,12 +309,12 @@ def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, 
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(free.index(2 * B + LEFT))
     l_i = _total_row_sums(l_i, row_sums, sync, 0)
-    _store_out(acc, m_i, l_i, 0, q_halves.index(0), attn_sink_ptr, out_ptr, token, head0, h_q, stride_sink_h,
-               stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK)
+    store_out(acc, m_i, l_i, 0, q_halves.index(0), attn_sink_ptr, stride_sink_h, out_ptr + token * stride_o_s,
+              stride_o_h, stride_o_d, head0, h_q, HAS_ATTN_SINK, False)
 
 
 @gluon.jit
-def _opaque_zero(step):
+def opaque_zero(step):
     """0 for every real step (< 2^30), but not a constant to the compiler. Buffer indices built on it
     keep the wgmma descriptors inside the loop: with constant indices they are loop-invariant, hoisted
     out of it, and ~100 of them spill (a consumer at 208 registers spilled 235 times)."""
@@ -323,12 +324,12 @@ def _opaque_zero(step):
 @gluon.jit
 def _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, parity, a, HAS_ROPE: gl.constexpr):
     """Issue the score MMAs of block A (left piece first: the producer fills it first)."""
-    _wait_piece(ready, 2 * A + LEFT, parity)
-    s = _score_piece(q_halves.index(a), k_left.index(a), s, True)
-    _wait_piece(ready, 2 * A + RIGHT, parity)
-    s = _score_piece(q_halves.index(a + 1), k_right.index(a), s, False)
+    wait_piece(ready, 2 * A + LEFT, parity)
+    s = score_piece(q_halves.index(a), k_left.index(a), s, True)
+    wait_piece(ready, 2 * A + RIGHT, parity)
+    s = score_piece(q_halves.index(a + 1), k_right.index(a), s, False)
     if HAS_ROPE:
-        s = _score_piece(q_rope.index(a), k_rope.index(a), s, False)
+        s = score_piece(q_rope.index(a), k_rope.index(a), s, False)
     return s
 
 
@@ -352,15 +353,15 @@ def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
     for step in range(n_steps):
         parity = step & 1
-        a = _opaque_zero(step)     # buffer A (0), and B (a + 1)
+        a = opaque_zero(step)     # buffer A (0), and B (a + 1)
         b = a + 1
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-        _wait_piece(ready, 2 * B + RIGHT, parity)
-        s = _score_piece(q_halves.index(b), k_right.index(b), s, True)
+        wait_piece(ready, 2 * B + RIGHT, parity)
+        s = score_piece(q_halves.index(b), k_right.index(b), s, True)
         if HAS_ROPE:
-            s = _score_piece(q_rope.index(a), k_rope.index(b), s, False)
-        _wait_piece(ready, 2 * B + LEFT, parity)
-        s = _score_piece(q_halves.index(a), k_left.index(b), s, False)
+            s = score_piece(q_rope.index(a), k_rope.index(b), s, False)
+        wait_piece(ready, 2 * B + LEFT, parity)
+        s = score_piece(q_halves.index(a), k_left.index(b), s, False)
         s = warpgroup_mma_wait(0, deps=(s,))
         s = _masked_scores(s, key_rows, sync, step, 1, s_kv, sm_scale_log2)
 
@@ -372,20 +373,20 @@ def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q
         p = gl.exp2(s - m_ab[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         row_max.store(m_ab)
-        _publish_done(sync.index(M1))
+        publish_done(sync.index(M1))
         acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
         p_op = p.to(p_b.dtype)
         acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_right.index(b), acc, is_async=True)
         mbarrier.wait(sync.index(PA), parity)
         acc = warpgroup_mma(_p_a_tile(p_a, k_rope, a, HAS_ROPE), k_right.index(a), acc, is_async=True)
-        _publish(p_b, p_op, sync.index(PB))
+        publish(p_b, p_op, sync.index(PB))
         acc = warpgroup_mma_wait(1, deps=(acc,))
         mbarrier.arrive(free.index(2 * B + RIGHT))
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(free.index(2 * A + RIGHT))
     l_i = _total_row_sums(l_i, row_sums, sync, 1)
-    _store_out(acc, m_i, l_i, HALF, q_halves.index(1), attn_sink_ptr, out_ptr, token, head0, h_q, stride_sink_h,
-               stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK)
+    store_out(acc, m_i, l_i, HALF, q_halves.index(1), attn_sink_ptr, stride_sink_h, out_ptr + token * stride_o_s,
+              stride_o_h, stride_o_d, head0, h_q, HAS_ATTN_SINK, False)
     # l_i == 0: no valid key (out 0, lse +inf, max_logits -inf), as in the portable kernel.
     has_keys = l_i > 0.0
     offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
@@ -400,29 +401,33 @@ def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q
 def _total_row_sums(l_i, row_sums, sync, me: gl.constexpr):
     """Both consumers' row sums added (both are relative to the same final max)."""
     row_sums.index(me).store(l_i)
-    _publish_done(sync.index(L0 + me))
+    publish_done(sync.index(L0 + me))
     mbarrier.wait(sync.index(L1 - me), 0)
     return l_i + row_sums.index(1 - me).load(ROW_S)
 
 
 @gluon.jit
-def _store_out(acc, m_i, l_i, col0, staging, attn_sink_ptr, out_ptr, token, head0, h_q, stride_sink_h, stride_o_s,
-               stride_o_h, stride_o_d, HAS_ATTN_SINK: gl.constexpr):
-    """out[:, col0:col0+256] = acc / (row sum + the sink's weight); 0 for rows without a valid key.
-    Staged through shared memory (this consumer's half of q, no longer read): stored from the MMA
-    layout directly, each thread would hold 128 addresses."""
+def store_out(acc, m_i, l_i, col0, staging, sink_ptr, stride_sink_h, out_row, stride_o_h, stride_o_d, head0, h_q,
+              has_sink, PARTIAL: gl.constexpr):
+    """out_row[h, col0:col0+256] = acc / (row sum + the sink's weight) for heads head0.. (< h_q); 0 for
+    rows without a valid key. PARTIAL (a top-k split's partial result): no sink. has_sink: constexpr
+    or runtime flag. Staged through shared memory (staging: a free buffer of at least 64 x 256 of
+    out's dtype): stored from the MMA layout directly, each thread would hold 128 addresses."""
     has_keys = l_i > 0.0
     denom = gl.where(has_keys, l_i, 1.0)
-    if HAS_ATTN_SINK:
-        offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
-        denom += gl.exp2(gl.load(attn_sink_ptr + offs_h * stride_sink_h, mask=offs_h < h_q, other=0.0) * LOG2E - m_i)
+    if not PARTIAL:
+        if has_sink:
+            offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
+            denom += gl.exp2(gl.load(sink_ptr + offs_h * stride_sink_h, mask=offs_h < h_q, other=0.0) * LOG2E - m_i)
     out = acc * gl.convert_layout(gl.where(has_keys, 1.0 / denom, 0.0), ROW_O)[:, None]
-    staging.store(out.to(staging.dtype))
+    dtype: gl.constexpr = out_row.dtype.element_ty
+    buf = staging._reinterpret(dtype, [BLOCK_H, HALF], OUT_SMEM)
+    buf.store(out.to(dtype))
     gl.thread_barrier()
     offs_h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
     offs_d = col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))
-    gl.store(out_ptr + token * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
-             staging.load(HALF_L).to(out_ptr.dtype.element_ty), mask=(offs_h < h_q)[:, None])
+    gl.store(out_row + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d, buf.load(HALF_L),
+             mask=(offs_h < h_q)[:, None])
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:

@@ -172,7 +172,7 @@ def kernel_label(q, kind) -> str:
         return "mla_decode_fp8 (positions→slots + decode)"
     config = default_config(q.shape[2]) if kind == PORTABLE else None
     shown = config or default_config(q.shape[2])
-    label = (f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} w{sm90.NUM_WARPS.value}"
+    label = (f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised"
              if uses_sm90_kernel(q, config) else
              f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}")
     return label + (" (default)" if kind == DEFAULT else "")

@@ -1,12 +1,14 @@
-"""Compile the Gluon sparse-prefill kernel for sm_90a on this machine (no GPU needed) and report each
-warp partition's register budget and the kernel's spill instructions.
+"""Compile the warp-specialised Gluon kernels (sparse prefill, fp8 sparse decode) for sm_90a on this
+machine (no GPU needed) and report each warp partition's register budget and each kernel's spill
+instructions.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills
 
 The kernel is specialised exactly as the JIT would specialise a real launch (the launch is recorded
 with CPU tensors of DeepSeek shapes, then bound by Triton's own binder), compiled with the wheel's
 ptxas, and its SASS read with the wheel's cuobjdump. Spills decide this kernel's speed on the H200
-(222 TFLOP/s with them, 439 without: docs/perf/prefill.md), and this check needs no device time.
+(prefill: 222 TFLOP/s with them, 439 without: docs/perf/prefill.md), and this check needs no device
+time.
 """
 from __future__ import annotations
 
@@ -29,33 +31,61 @@ from triton.compiler import make_backend  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from minirt.kernels import sparse_mla_prefill_sm90 as sm90  # noqa: E402
+from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
+from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
+from minirt.kernels import sparse_mla_prefill_sm90  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def recorded_launch(d_qk: int, with_options: bool):
-    """(args, kwargs) that sm90.launch passes to the kernel for s_q 4, h_q 128, topk 2048."""
+class Recorder:
+    """Stands in for a kernel object: kernel[grid](*args, **kwargs) records the arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def recorded_prefill_launch(d_qk: int, with_options: bool):
+    """(args, kwargs) that the prefill launcher passes to its kernel for s_q 4, h_q 128, topk 2048."""
     q = torch.empty((4, 128, d_qk), dtype=torch.bfloat16)
     kv = torch.empty((4096, 1, d_qk), dtype=torch.bfloat16)
     indices = torch.empty((4, 1, 2048), dtype=torch.int32)
     out = (torch.empty((4, 128, 512), dtype=torch.bfloat16), torch.empty((4, 128)), torch.empty((4, 128)))
     sink = torch.empty(128) if with_options else None
     lengths = torch.empty(4, dtype=torch.int32) if with_options else None
-    recorded = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: recorded.update(args=args, kwargs=kwargs)
-
-    kernel = sm90._sparse_mla_prefill_sm90_kernel
-    sm90._sparse_mla_prefill_sm90_kernel = Recorder()
+    kernel, recorder = sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel, Recorder()
+    sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = recorder
     try:
-        sm90.launch(q, kv, indices, 0.1, sink, lengths, out)
+        sparse_mla_prefill_sm90.launch(q, kv, indices, 0.1, sink, lengths, out)
     finally:
-        sm90._sparse_mla_prefill_sm90_kernel = kernel
-    return recorded["args"], recorded["kwargs"]
+        sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = kernel
+    return recorder.calls[0]
+
+
+def recorded_decode_launch(num_splits: int):
+    """(args, kwargs) that sparse_mla_decode_fp8 passes to the Gluon kernel for b 2, s_q 2, h_q 128,
+    topk 2048 in num_splits splits (1: final results, more: partials). Its device checks and the
+    merge launch are stood in for: the tensors are on the CPU."""
+    q = torch.randn((2, 2, 128, 576)).to(torch.bfloat16)
+    cache = torch.zeros((64, 64, 1, 656), dtype=torch.uint8)
+    indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
+    saved = {name: getattr(decode, name) for name in ("uses_sm90_kernel", "check_device", "_merge_splits_kernel")}
+    kernel, recorder = sparse_mla_decode_sm90._sparse_decode_sm90_kernel, Recorder()
+    decode.uses_sm90_kernel = lambda *args, **kwargs: True
+    decode.check_device = lambda tensors: None
+    decode._merge_splits_kernel = Recorder()
+    sparse_mla_decode_sm90._sparse_decode_sm90_kernel = recorder
+    try:
+        decode.sparse_mla_decode_fp8(q, cache, indices, 0.1, num_splits=num_splits)
+    finally:
+        sparse_mla_decode_sm90._sparse_decode_sm90_kernel = kernel
+        for name, value in saved.items():
+            setattr(decode, name, value)
+    return recorder.calls[0]
 
 
 def compile_for_sm90(kernel, args, kwargs):
@@ -76,17 +106,26 @@ def sass(compiled) -> str:
                               check=True).stdout
 
 
+def report(name: str, kernel, launch) -> bool:
+    """Compile one recorded launch, print its partitions' register budgets and spills; True if it spills."""
+    code = sass(compile_for_sm90(kernel, *launch))
+    # setmaxnreg: the partitions' register budgets as the warps enter and leave them.
+    budgets = [int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", code)]
+    spills = len(re.findall(r"\b(?:STL|LDL)\b", code))
+    print(f"{name}: setmaxnreg {budgets}, spill instructions {spills}", flush=True)
+    return spills > 0
+
+
 def main() -> int:
-    spilling = 0
+    spilling = False
     for d_qk in (576, 512):
         for with_options in (False, True):
-            code = sass(compile_for_sm90(sm90._sparse_mla_prefill_sm90_kernel, *recorded_launch(d_qk, with_options)))
-            # setmaxnreg: the partitions' register budgets as the warps enter and leave them.
-            budgets = [int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", code)]
-            spills = len(re.findall(r"\b(?:STL|LDL)\b", code))
-            spilling += spills > 0
-            print(f"d_qk {d_qk}, attn_sink and topk_length {'on' if with_options else 'off'}: "
-                  f"setmaxnreg {budgets}, spill instructions {spills}")
+            spilling |= report(f"prefill d_qk {d_qk}, attn_sink and topk_length {'on' if with_options else 'off'}",
+                               sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel,
+                               recorded_prefill_launch(d_qk, with_options))
+    for num_splits in (1, 2):
+        spilling |= report(f"decode, {'partial' if num_splits > 1 else 'final'} results",
+                           sparse_mla_decode_sm90._sparse_decode_sm90_kernel, recorded_decode_launch(num_splits))
     return 1 if spilling else 0
 
 

@@ -1,5 +1,6 @@
-"""The Gluon prefill kernel, compiled for sm_90a on any machine (the wheel's ptxas), must not spill:
-spills cost it half its speed on the H200 (docs/perf/prefill.md), and this is caught without a GPU."""
+"""The warp-specialised Gluon kernels (sparse prefill, fp8 sparse decode), compiled for sm_90a on any
+machine (the wheel's ptxas), must not spill: spills cost the prefill kernel half its speed on the
+H200 (docs/perf/prefill.md), and this is caught without a GPU."""
 import subprocess
 import sys
 from pathlib import Path
@@ -7,11 +8,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_prefill_kernel_compiles_for_sm90_without_spills():
+def test_warp_specialised_kernels_compile_for_sm90_without_spills():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "sm90_registers.py")], capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    # Both head dims, with and without attn_sink / topk_length; three partitions with their budgets.
+    # Prefill: both head dims, with and without attn_sink / topk_length; decode: final and partial
+    # results. Each line gives three partitions' register budgets.
     lines = result.stdout.splitlines()
-    assert len(lines) == 4 and all(line.endswith("spill instructions 0") for line in lines), result.stdout
+    assert len(lines) == 6 and all(line.endswith("spill instructions 0") for line in lines), result.stdout
+    assert sum(line.startswith("prefill") for line in lines) == 4 and sum(line.startswith("decode") for line in lines) == 2
     assert all("setmaxnreg [" in line for line in lines)
