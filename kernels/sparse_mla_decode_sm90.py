@@ -279,13 +279,15 @@ def _bf16_pairs(scales):
 
 
 @gluon.jit
-def _store_dequantised(words, scale_pairs, dst):
-    """dst [32, 256] bf16 (shared) = the words' e4m3 values times their tiles' scales. Word w of a tile
-    gives its columns 4w..4w+3; the bf16 rows seen as 32-bit words have the same bytes and swizzle."""
+def _store_dequantised(words, scale_pairs, dst, half: gl.constexpr):
+    """Rows half*32.. of dst [64, 256] bf16 (shared) = the words' e4m3 values times their tiles'
+    scales. Word w of a tile gives its columns 4w..4w+3. The bf16 tile seen as 32-bit words has the same
+    bytes, 128-byte swizzle and column blocks; its rows are sliced after the reinterpretation (a
+    reinterpreted slice would lose the parent's column-block stride)."""
     pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [words, scale_pairs[:, :, None]],
                                                    dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     WORD_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    dst._reinterpret(gl.int32, [PIECE, HALF // 2], WORD_SMEM).store(
+    dst._reinterpret(gl.int32, [BLOCK_N, HALF // 2], WORD_SMEM).slice(half * PIECE, PIECE).store(
         gl.reshape(gl.join(pairs_lo, pairs_hi), [PIECE, HALF // 2]))
 
 
@@ -294,8 +296,8 @@ def _fill(piece, blocks, buf, half: gl.constexpr):
     """Store a piece (_load_piece) into rows half*32.. of buffer buf's left, right and rope tiles."""
     k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
     left, left_scales, right, right_scales, rope = piece
-    _store_dequantised(left, left_scales, k_left.index(buf).slice(half * PIECE, PIECE))
-    _store_dequantised(right, right_scales, k_right.index(buf).slice(half * PIECE, PIECE))
+    _store_dequantised(left, left_scales, k_left.index(buf), half)
+    _store_dequantised(right, right_scales, k_right.index(buf), half)
     k_rope.index(buf).slice(half * PIECE, PIECE).store(rope)
 
 
