@@ -65,15 +65,6 @@ mul.rn.bf16x2 hi, hi, c;
 mul.rn.bf16x2 $0, lo, $3;
 mul.rn.bf16x2 $1, hi, $3;
 }""")
-# A block's slot ids for the L2 prefetch: each warp holds 16 of them, in every lane.
-PREFETCH_KEYS = gl.constexpr(gl.SliceLayout(1, gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])))
-# $1: a token's address, $2: whether its slot is valid.
-PREFETCH_ASM = gl.constexpr("""{
-.reg .pred p;
-setp.ne.b32 p, $2, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], 656;
-mov.u32 $0, 0;
-}""")
 # Runtime integers of the decode kernels (this one and sparse_mla_decode's portable one): only
 # compared or multiplied, so specialising on their values would only multiply compiles.
 RUNTIME_ARGS = [
@@ -119,7 +110,7 @@ def _sparse_decode_sm90_kernel(
     k_right = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HALF], HALF_SMEM)
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], TILE_SMEM)
     key_ids = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)       # the consumers' masks
-    load_ids = gl.allocate_shared_memory(gl.int32, [3, BLOCK_N], VEC_SMEM)      # the producer's loads
+    load_ids = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)      # the producer's loads
     rescale = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
     row_stats = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)   # final max, row sum
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -262,7 +253,7 @@ def _load_piece(cache_ptr, load_ids, step, half: gl.constexpr, num_slots, block_
     """Registers of half a block (keys half*32..half*32+31 of block `step`): the latent's e4m3 bytes as
     words [32, 2, 32] of tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [32, 2] (int32),
     the rope [32, 64] (bf16). Invalid slots are never read: their values are 0."""
-    ids = load_ids.index(step % 3).slice(half * PIECE, PIECE).load(KEYS_W)
+    ids = load_ids.index(step & 1).slice(half * PIECE, PIECE).load(KEYS_W)
     token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
     tile = gl.arange(0, 2, gl.SliceLayout(0, SCALES_L))
     word = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
@@ -273,7 +264,7 @@ def _load_piece(cache_ptr, load_ids, step, half: gl.constexpr, num_slots, block_
                      other=0)
     scales_right = gl.load((token + SCALES_AT + 8).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :],
                            mask=valid[:, None], other=0)
-    ids = load_ids.index(step % 3).slice(half * PIECE, PIECE).load(gl.SliceLayout(1, ROPE_L))
+    ids = load_ids.index(step & 1).slice(half * PIECE, PIECE).load(gl.SliceLayout(1, ROPE_L))
     token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
     rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None]
                    + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :], mask=valid[:, None], other=0.0)
@@ -311,43 +302,32 @@ def _fill(piece, blocks, buf, half: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_l2(cache_ptr, ids, num_slots, block_size, block_stride_16):
-    """Bring the tokens of a block's slot ids (PREFETCH_KEYS: each warp's lanes hold the same ids, so
-    each prefetch address is warp-uniform, as the instruction wants) into L2: one bulk prefetch of 656
-    bytes per valid slot; invalid slots are not touched."""
-    token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
-    gl.inline_asm_elementwise(PREFETCH_ASM, "=r,l,r", [token, valid.to(gl.int32)], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
 def _producer(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, num_slots, block_size, block_stride_16):
     """Fill the two block buffers in turn, each once both consumers have released it. Loads run half a
-    block ahead of the stores (registers hold no more); blocks go to L2 two steps ahead of their loads,
-    so that the loads wait on L2, not DRAM. Slot ids sit in load_ids three blocks deep (slot step % 3),
-    loaded from memory a step before they are stored there."""
+    block ahead of the stores; slot ids two blocks ahead of the loads (loaded just before their use,
+    their latency would stall every piece)."""
     k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
-    for i in gl.static_range(3):
-        load_ids.index(i).store(_step_ids(idx_row, lo, hi, i))
+    ids_cur = _step_ids(idx_row, lo, hi, 0)
+    load_ids.index(0).store(ids_cur)
+    ids_next = _step_ids(idx_row, lo, hi, 1)
     gl.thread_barrier()
-    for i in gl.static_range(1, 3):
-        _prefetch_l2(cache_ptr, load_ids.index(i).load(PREFETCH_KEYS), num_slots, block_size, block_stride_16)
     first = _load_piece(cache_ptr, load_ids, 0, 0, num_slots, block_size, block_stride_16)
     for step in range(n_steps):
         buf = step & 1
         second = _load_piece(cache_ptr, load_ids, step, 1, num_slots, block_size, block_stride_16)
+        # The other slot's ids were last read by the previous step's loads, before its barrier.
+        load_ids.index(buf ^ 1).store(ids_next)
+        gl.thread_barrier()
+        ids_after = _step_ids(idx_row, lo, hi, step + 2)
         mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
-        key_ids.index(buf).store(load_ids.index(step % 3).load(VEC_L))
+        key_ids.index(buf).store(ids_cur)
         _fill(first, blocks, buf, 0)
-        ids_far = _step_ids(idx_row, lo, hi, step + 3)
-        _prefetch_l2(cache_ptr, load_ids.index((step + 2) % 3).load(PREFETCH_KEYS), num_slots, block_size,
-                     block_stride_16)
         first = _load_piece(cache_ptr, load_ids, step + 1, 0, num_slots, block_size, block_stride_16)
         _fill(second, blocks, buf, 1)
-        # This step's ids slot is read by nothing any more (its loads and key ids are issued).
-        load_ids.index(step % 3).store(ids_far)
         fence_async_shared()
         publish_done(ready.index(buf))
+        ids_cur = ids_next
+        ids_next = ids_after
 
 
 def supported(q: torch.Tensor) -> bool:
