@@ -6,8 +6,8 @@ merged by that module's merge kernel). One program = one query row x 64 heads (f
 with zero rows: wgmma needs M = 64), warp-specialised into three warpgroups that meet at mbarriers,
 after FlashMLA's sm90 fp8 decode (csrc/sm90/decode/sparse_fp8, written here from its description):
 
-- the producer loads the 656-byte tokens of a 64-key block into registers (16-byte loads, half a
-  block ahead of the one it converts), dequantises them and stores the bf16 block (latent left and
+- the producer loads the 656-byte tokens of a 64-key block into registers (16-byte loads, three
+  quarter blocks ahead of the one it converts), dequantises them and stores the bf16 block (latent left and
   right halves, rope) into one of two shared buffers, with the block's slot ids for the masks;
 - consumer 0 computes the block's scores (64 heads x 64 keys, all 576 columns), the online softmax
   and output columns 0..255; it hands P (bf16, in the block's rope tile, free once the scores are done)
@@ -39,7 +39,7 @@ from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, LN2
                                       score_piece, store_out, wait_piece)
 
 NUM_WARPS = 4   # warps of the default partition (consumer 0); the others have 4 as well
-PIECE = gl.constexpr(BLOCK_N.value // 2)   # keys per producer piece: half a block
+PIECE = gl.constexpr(BLOCK_N.value // 4)   # keys per producer piece: a quarter block
 TILE = gl.constexpr(formats.FP8_GROUP)
 WORDS = gl.constexpr(formats.FP8_GROUP // 4)   # 32-bit words per 128-value tile
 TOKEN_BYTES = gl.constexpr(formats.KV_TOKEN_BYTES)
@@ -249,11 +249,11 @@ def _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16):
 
 
 @gluon.jit
-def _load_piece(cache_ptr, load_ids, step, half: gl.constexpr, num_slots, block_size, block_stride_16):
-    """Registers of half a block (keys half*32..half*32+31 of block `step`): the latent's e4m3 bytes as
-    words [32, 2, 32] of tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [32, 2] (int32),
-    the rope [32, 64] (bf16). Invalid slots are never read: their values are 0."""
-    ids = load_ids.index(step & 1).slice(half * PIECE, PIECE).load(KEYS_W)
+def _load_piece(cache_ptr, load_ids, step, part: gl.constexpr, num_slots, block_size, block_stride_16):
+    """Registers of a quarter block (keys part*16..part*16+15 of block `step`): the latent's e4m3 bytes
+    as words [16, 2, 32] of tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [16, 2] (int32),
+    the rope [16, 64] (bf16). Invalid slots are never read: their values are 0."""
+    ids = load_ids.index(step & 1).slice(part * PIECE, PIECE).load(KEYS_W)
     token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
     tile = gl.arange(0, 2, gl.SliceLayout(0, SCALES_L))
     word = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
@@ -264,7 +264,7 @@ def _load_piece(cache_ptr, load_ids, step, half: gl.constexpr, num_slots, block_
                      other=0)
     scales_right = gl.load((token + SCALES_AT + 8).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :],
                            mask=valid[:, None], other=0)
-    ids = load_ids.index(step & 1).slice(half * PIECE, PIECE).load(gl.SliceLayout(1, ROPE_L))
+    ids = load_ids.index(step & 1).slice(part * PIECE, PIECE).load(gl.SliceLayout(1, ROPE_L))
     token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
     rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None]
                    + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :], mask=valid[:, None], other=0.0)
@@ -279,51 +279,57 @@ def _bf16_pairs(scales):
 
 
 @gluon.jit
-def _store_dequantised(words, scale_pairs, dst, half: gl.constexpr):
-    """Rows half*32.. of dst [64, 256] bf16 (shared) = the words' e4m3 values times their tiles'
+def _store_dequantised(words, scale_pairs, dst, part: gl.constexpr):
+    """Rows part*16.. of dst [64, 256] bf16 (shared) = the words' e4m3 values times their tiles'
     scales. Word w of a tile gives its columns 4w..4w+3. The bf16 tile seen as 32-bit words has the same
     bytes, 128-byte swizzle and column blocks; its rows are sliced after the reinterpretation (a
     reinterpreted slice would lose the parent's column-block stride)."""
     pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [words, scale_pairs[:, :, None]],
                                                    dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     WORD_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    dst._reinterpret(gl.int32, [BLOCK_N, HALF // 2], WORD_SMEM).slice(half * PIECE, PIECE).store(
+    dst._reinterpret(gl.int32, [BLOCK_N, HALF // 2], WORD_SMEM).slice(part * PIECE, PIECE).store(
         gl.reshape(gl.join(pairs_lo, pairs_hi), [PIECE, HALF // 2]))
 
 
 @gluon.jit
-def _fill(piece, blocks, buf, half: gl.constexpr):
-    """Store a piece (_load_piece) into rows half*32.. of buffer buf's left, right and rope tiles."""
+def _fill(piece, blocks, buf, part: gl.constexpr):
+    """Store a piece (_load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
     k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
     left, left_scales, right, right_scales, rope = piece
-    _store_dequantised(left, left_scales, k_left.index(buf), half)
-    _store_dequantised(right, right_scales, k_right.index(buf), half)
-    k_rope.index(buf).slice(half * PIECE, PIECE).store(rope)
+    _store_dequantised(left, left_scales, k_left.index(buf), part)
+    _store_dequantised(right, right_scales, k_right.index(buf), part)
+    k_rope.index(buf).slice(part * PIECE, PIECE).store(rope)
 
 
 @gluon.jit
 def _producer(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, num_slots, block_size, block_stride_16):
-    """Fill the two block buffers in turn, each once both consumers have released it. Loads run half a
-    block ahead of the stores; slot ids two blocks ahead of the loads (loaded just before their use,
-    their latency would stall every piece)."""
+    """Fill the two block buffers in turn, each once both consumers have released it, a quarter block
+    at a time with the next three quarters' loads in flight (registers hold no more). Slot ids two
+    blocks ahead of the loads (loaded just before their use, their latency would stall every piece)."""
     k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
     ids_cur = _step_ids(idx_row, lo, hi, 0)
     load_ids.index(0).store(ids_cur)
     ids_next = _step_ids(idx_row, lo, hi, 1)
     gl.thread_barrier()
-    first = _load_piece(cache_ptr, load_ids, 0, 0, num_slots, block_size, block_stride_16)
+    p0 = _load_piece(cache_ptr, load_ids, 0, 0, num_slots, block_size, block_stride_16)
+    p1 = _load_piece(cache_ptr, load_ids, 0, 1, num_slots, block_size, block_stride_16)
+    p2 = _load_piece(cache_ptr, load_ids, 0, 2, num_slots, block_size, block_stride_16)
     for step in range(n_steps):
         buf = step & 1
-        second = _load_piece(cache_ptr, load_ids, step, 1, num_slots, block_size, block_stride_16)
+        p3 = _load_piece(cache_ptr, load_ids, step, 3, num_slots, block_size, block_stride_16)
         # The other slot's ids were last read by the previous step's loads, before its barrier.
         load_ids.index(buf ^ 1).store(ids_next)
         gl.thread_barrier()
         ids_after = _step_ids(idx_row, lo, hi, step + 2)
         mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
         key_ids.index(buf).store(ids_cur)
-        _fill(first, blocks, buf, 0)
-        first = _load_piece(cache_ptr, load_ids, step + 1, 0, num_slots, block_size, block_stride_16)
-        _fill(second, blocks, buf, 1)
+        _fill(p0, blocks, buf, 0)
+        p0 = _load_piece(cache_ptr, load_ids, step + 1, 0, num_slots, block_size, block_stride_16)
+        _fill(p1, blocks, buf, 1)
+        p1 = _load_piece(cache_ptr, load_ids, step + 1, 1, num_slots, block_size, block_stride_16)
+        _fill(p2, blocks, buf, 2)
+        p2 = _load_piece(cache_ptr, load_ids, step + 1, 2, num_slots, block_size, block_stride_16)
+        _fill(p3, blocks, buf, 3)
         fence_async_shared()
         publish_done(ready.index(buf))
         ids_cur = ids_next
