@@ -16,9 +16,9 @@
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8}``: the same as torch
   custom ops, for torch.compile (see ``ops``).
 
-On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``:
-warp-specialised, a producer gathering keys and two consumers meeting at mbarriers;
-``sparse_mla_decode_sm90``: a hand-placed software pipeline) with the same semantics; everywhere else
+On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``,
+``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two consumers meeting
+at mbarriers; the decode producer dequantises the fp8 cache) with the same semantics; everywhere else
 the portable Triton kernels run.
 
 Without a GPU the kernels run under the Triton interpreter; it must be chosen before any kernel is
