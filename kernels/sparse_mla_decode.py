@@ -33,13 +33,14 @@ from .kv_cache_fp8 import (D_LAT, D_ROPE, ROPE_AT, SCALES_AT, TILE, TILES, TOKEN
 D_QK = formats.KV_LATENT_DIM + formats.KV_ROPE_DIM
 D_V = formats.KV_LATENT_DIM
 _MERGE_BLOCK_H = 16
-# Split the top-k only when one program per (row, head block) leaves the GPU short of work: below
-# `below` programs per SM, split until there are `target`. Measured on an H200 (docs/perf/decode.md).
-# Portable kernel: 3.9 programs/SM (b 128, s_q 2, h_q 128) ran 13% faster unsplit than in 2 splits;
-# 1 program/SM (h_q 16, s_q 1) ran 12% faster in 5 splits than unsplit. Hopper kernel (one program
-# fills an SM's shared memory): 1.9 programs/SM (b 128, s_q 1, h_q 128) ran 20% faster unsplit than
-# in 2 splits; at 1 program/SM (h_q 16) 2 splits beat 4 and 8.
-_SPLIT_RULE = {"portable": (2, 4), "sm90": (1, 1)}
+# Split the top-k only when one program per (row, head block) leaves the GPU short of work. Measured
+# on an H200 (docs/perf/decode.md). Portable kernel: below 2 programs per SM, split until there are 4
+# per SM: 3.9 programs/SM (b 128, s_q 2, h_q 128) ran 13% faster unsplit than in 2 splits; 1
+# program/SM (h_q 16, s_q 1) ran 12% faster in 5 splits than unsplit. Hopper kernel (one program fills
+# an SM's shared memory): only as many splits as fit in one wave, rounding down. b 128, s_q 1 (128 or
+# 256 programs on 132 SMs) ran 1.5-1.8x faster unsplit than in 2 splits at every h_q; 64 programs ran
+# fastest in 2 splits (h_q 16: 88 µs against 120 unsplit and 107 in 3; h_q 128 b 32: 108 against 128).
+_PORTABLE_SPLIT_RULE = (2, 4)
 # Fewest top-k entries a split gets: below this its partial output (h_q * 2 KiB) costs more traffic
 # than the cache rows it reads.
 _MIN_SPLIT_LEN = 256
@@ -228,19 +229,22 @@ def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int,
 
 def default_num_splits(q: torch.Tensor, topk: int, config: Optional[DecodeConfig] = None) -> int:
     """Top-k splits per query row that sparse_mla_decode_fp8(q, ..., config=config) uses by default, for q
-    [b, s_q, h_q, 576] and topk entries per row: 1 when the kernel the call runs (uses_sm90_kernel) has
-    enough programs per SM (portable 2, sm90 1), else enough splits for that many (portable 4, sm90 1),
-    each split at least 256 entries; 1 off the GPU."""
+    [b, s_q, h_q, 576] and topk entries per row, each split at least 256 entries; 1 off the GPU. The
+    sm90 kernel (uses_sm90_kernel): as many splits as one wave of its programs (one per SM) holds,
+    rounded down; the portable kernel: 1 with at least 2 programs per SM, else enough splits for 4."""
     if q.device.type != "cuda":
         return 1
     use_sm90, block_h, _ = _tiling(q, config)
-    below, target = _SPLIT_RULE["sm90" if use_sm90 else "portable"]
     b, s_q, h_q, _ = q.shape
     n_programs = max(1, b * s_q * triton.cdiv(h_q, block_h))
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    if n_programs >= below * num_sms:
-        return 1
-    wanted = triton.cdiv(target * num_sms, n_programs)
+    if use_sm90:
+        wanted = num_sms // n_programs
+    else:
+        below, target = _PORTABLE_SPLIT_RULE
+        if n_programs >= below * num_sms:
+            return 1
+        wanted = triton.cdiv(target * num_sms, n_programs)
     return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
 
 
