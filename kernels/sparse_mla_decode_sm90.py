@@ -34,9 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from minirt import formats
 
-from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, LN2, NO_MAX, O_L, P_L, ROPE_L, ROW_O,
-                                      ROW_S, S_L, VEC_L, VEC_SMEM, load_q_half, opaque_zero, publish, publish_done,
-                                      score_piece, store_out, wait_piece)
+from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, NO_MAX, O_L, P_L, ROPE_L, ROW_O, ROW_S,
+                                      S_L, VEC_L, VEC_SMEM, load_q, opaque_zero, publish, publish_done, score_piece,
+                                      store_lse, store_out, wait_piece)
 
 NUM_WARPS = 4   # warps of the default partition (consumer 0); the others have 4 as well
 PIECE = gl.constexpr(BLOCK_N.value // 4)   # keys per producer piece: a quarter block
@@ -123,14 +123,7 @@ def _sparse_decode_sm90_kernel(
         mbarrier.init(p_ready.index(i), count=1)
     mbarrier.init(done, count=1)
 
-    q_row = q_ptr + b * stride_q_b + s * stride_q_s
-    load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
-    load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
-    h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
-    q_rope.index(0).store(gl.load(q_row + h[:, None] * stride_q_h + 2 * HALF
-                                  + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
-                                  mask=(h < h_q)[:, None], other=0.0))
-    fence_async_shared()
+    load_q(q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, head0, h_q, q_halves, q_rope, True)
 
     out_row = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s
     lse_row = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s
@@ -202,14 +195,7 @@ def _consumer_0(blocks, q_halves, q_rope, rescale, row_stats, done, num_slots, n
     publish_done(done)
     # k_left is free: only this partition reads it, and the producer has filled its last block.
     store_out(acc, m_i, l_i, 0, k_left, sink_ptr, 1, out_row, stride_o_h, 1, head0, h_q, has_sink, SPLIT)
-    has_keys = l_i > 0.0
-    offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
-    lse2 = m_i + gl.log2(gl.where(has_keys, l_i, 1.0))
-    if SPLIT:   # base 2, -inf: nothing in this split
-        lse = gl.where(has_keys, lse2, float("-inf"))
-    else:       # natural log, +inf: no valid key
-        lse = gl.where(has_keys, lse2 * LN2, float("inf"))
-    gl.store(lse_row + offs_h * stride_l_h, lse, mask=offs_h < h_q)
+    store_lse(m_i, l_i, lse_row, stride_l_h, head0, h_q, SPLIT)
 
 
 @gluon.jit

@@ -118,15 +118,7 @@ def _sparse_mla_prefill_sm90_kernel(
     for i in gl.static_range(8):
         mbarrier.init(sync.index(i), count=1)
 
-    q_row = q_ptr + token * stride_q_s
-    load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
-    load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
-    if HAS_ROPE:
-        h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
-        q_rope.index(0).store(gl.load(q_row + h[:, None] * stride_q_h + 2 * HALF
-                                      + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
-                                      mask=(h < h_q)[:, None], other=0.0))
-    fence_async_shared()
+    load_q(q_ptr + token * stride_q_s, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE)
 
     smem = (q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync)
     # The tuples are written out in the call: a tuple bound to a name first would turn its
@@ -143,7 +135,22 @@ def _sparse_mla_prefill_sm90_kernel(
 
 
 @gluon.jit
-def load_q_half(q_row, stride_q_h, head0, h_q, col0, dst):
+def load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE: gl.constexpr):
+    """Heads head0..head0+63 of one query row (q_row: its head 0; latent | rope contiguous per head) into
+    q_halves [2, 64, 256] and, HAS_ROPE, q_rope [1, 64, 64], fenced for the tensor cores; heads >= h_q
+    become zero rows."""
+    _load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
+    _load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
+    if HAS_ROPE:
+        h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
+        q_rope.index(0).store(gl.load(q_row + h[:, None] * stride_q_h + 2 * HALF
+                                      + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
+                                      mask=(h < h_q)[:, None], other=0.0))
+    fence_async_shared()
+
+
+@gluon.jit
+def _load_q_half(q_row, stride_q_h, head0, h_q, col0, dst):
     """Latent columns col0..col0+255 of heads head0..head0+63 into dst; heads >= h_q become zero rows."""
     h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
     dst.store(gl.load(q_row + h[:, None] * stride_q_h + col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))[None, :],
@@ -388,13 +395,24 @@ def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q
     store_out(acc, m_i, l_i, HALF, q_halves.index(1), attn_sink_ptr, stride_sink_h, out_ptr + token * stride_o_s,
               stride_o_h, stride_o_d, head0, h_q, HAS_ATTN_SINK, False)
     # l_i == 0: no valid key (out 0, lse +inf, max_logits -inf), as in the portable kernel.
+    store_lse(m_i, l_i, lse_ptr + token * stride_lse_s, stride_lse_h, head0, h_q, False)
+    offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
+    gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, gl.where(l_i > 0.0, m_i * LN2, float("-inf")),
+             mask=offs_h < h_q)
+
+
+@gluon.jit
+def store_lse(m_i, l_i, lse_row, stride_lse_h, head0, h_q, PARTIAL: gl.constexpr):
+    """lse_row[h] for heads head0.. (< h_q) from the running max (base 2) and row sum: the natural log,
+    +inf for rows without a valid key; PARTIAL (a top-k split's partial result): base 2, -inf."""
     has_keys = l_i > 0.0
     offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
-    h_mask = offs_h < h_q
-    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * LN2, float("inf"))
-    gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, gl.where(has_keys, m_i * LN2, float("-inf")),
-             mask=h_mask)
-    gl.store(lse_ptr + token * stride_lse_s + offs_h * stride_lse_h, lse, mask=h_mask)
+    lse2 = m_i + gl.log2(gl.where(has_keys, l_i, 1.0))
+    if PARTIAL:
+        lse = gl.where(has_keys, lse2, float("-inf"))
+    else:
+        lse = gl.where(has_keys, lse2 * LN2, float("inf"))
+    gl.store(lse_row + offs_h * stride_lse_h, lse, mask=offs_h < h_q)
 
 
 @gluon.jit
