@@ -246,10 +246,9 @@ def _load_piece(cache_ptr, load_ids, step, part: gl.constexpr, num_slots, block_
     words = token.to(gl.pointer_type(gl.int32))[:, None, None] + tile[None, :, None] * WORDS + word[None, None, :]
     left = gl.load(words, mask=valid[:, None, None], other=0)
     right = gl.load(words + 2 * WORDS, mask=valid[:, None, None], other=0)
-    scales = gl.load((token + SCALES_AT).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :], mask=valid[:, None],
-                     other=0)
-    scales_right = gl.load((token + SCALES_AT + 8).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :],
-                           mask=valid[:, None], other=0)
+    scale_words = (token + SCALES_AT).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :]
+    scales = gl.load(scale_words, mask=valid[:, None], other=0)
+    scales_right = gl.load(scale_words + 2, mask=valid[:, None], other=0)   # tiles 2, 3
     ids = load_ids.index(step & 1).slice(part * PIECE, PIECE).load(gl.SliceLayout(1, ROPE_L))
     token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
     rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None]
