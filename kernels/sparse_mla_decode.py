@@ -385,7 +385,7 @@ def sparse_mla_decode_fp8(
             *o_strides, *l_strides)
     grid = (n_rows * n_head_blocks, num_splits)
     if use_sm90:
-        sm90.launch(grid, args, num_splits > 1)
+        sm90.launch(grid, args, num_splits > 1, geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES)
     else:
         _launch(grid, args, num_splits > 1, split_len, config or default_config(h_q))
     if num_splits > 1:

@@ -83,7 +83,7 @@ def _sparse_decode_sm90_kernel(
     stride_i_b, stride_i_s,
     stride_o_split, stride_o_b, stride_o_s, stride_o_h,
     stride_l_split, stride_l_b, stride_l_s, stride_l_h,
-    SPLIT: gl.constexpr,
+    SPLIT: gl.constexpr, PADDED_BLOCKS: gl.constexpr,
 ):
     HALF_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
     TILE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
@@ -134,7 +134,7 @@ def _sparse_decode_sm90_kernel(
         (_consumer_1, (blocks, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
                        stride_o_h, has_sink, SPLIT)),
         (_producer, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi, n_steps,
-                     num_slots, block_size, block_stride_16)),
+                     (num_slots, block_size, block_stride_16, PADDED_BLOCKS))),
     ], [4, 4], [160, 136])
 
 
@@ -225,22 +225,37 @@ def _step_ids(idx_row, lo, hi, step):
 
 
 @gluon.jit
-def _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16):
-    """(address of each slot's 656-byte token, validity); invalid slots point at slot 0, never read."""
+def _token_addresses(cache_ptr, ids, geometry):
+    """(address of each slot's 656-byte token, validity); invalid slots point at slot 0, never read.
+    geometry: (num_slots, block_size, block_stride_16, PADDED_BLOCKS); only blocks padded beyond
+    block_size tokens need the division (a runtime divisor costs the producer ~25 instructions a piece)."""
+    num_slots, block_size, block_stride_16, PADDED_BLOCKS = geometry
     valid = (ids >= 0) & (ids < num_slots)
     ids = gl.where(valid, ids, 0)
-    block = ids // block_size
-    return cache_ptr + (block.to(gl.int64) * block_stride_16 * 16
-                        + (ids - block * block_size).to(gl.int64) * TOKEN_BYTES), valid
+    if PADDED_BLOCKS:
+        block = ids // block_size
+        offset = block.to(gl.int64) * block_stride_16 * 16 + (ids - block * block_size).to(gl.int64) * TOKEN_BYTES
+    else:
+        offset = ids.to(gl.int64) * TOKEN_BYTES
+    return cache_ptr + offset, valid
 
 
 @gluon.jit
-def _load_piece(cache_ptr, load_ids, step, part: gl.constexpr, num_slots, block_size, block_stride_16):
-    """Registers of a quarter block (keys part*16..part*16+15 of block `step`): the latent's e4m3 bytes
-    as words [16, 2, 32] of tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [16, 2] (int32),
-    the rope [16, 64] (bf16). Invalid slots are never read: their values are 0."""
-    ids = load_ids.index(step & 1).slice(part * PIECE, PIECE).load(KEYS_W)
-    token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
+def _piece_ids(load_ids, step, part: gl.constexpr):
+    """The slot ids of a quarter block (keys part*16..part*16+15 of block `step`) in the layouts of its
+    latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
+    reads, this load's latency would stall the producer (ncu: ~12% of its cycles)."""
+    ids = load_ids.index(step & 1).slice(part * PIECE, PIECE)
+    return ids.load(KEYS_W), ids.load(gl.SliceLayout(1, ROPE_L))
+
+
+@gluon.jit
+def _load_piece(cache_ptr, piece_ids, geometry):
+    """Registers of a quarter block (_piece_ids): the latent's e4m3 bytes as words [16, 2, 32] of
+    tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [16, 2] (int32), the rope [16, 64]
+    (bf16). Invalid slots are never read: their values are 0."""
+    ids, rope_ids = piece_ids
+    token, valid = _token_addresses(cache_ptr, ids, geometry)
     tile = gl.arange(0, 2, gl.SliceLayout(0, SCALES_L))
     word = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
     words = token.to(gl.pointer_type(gl.int32))[:, None, None] + tile[None, :, None] * WORDS + word[None, None, :]
@@ -249,8 +264,7 @@ def _load_piece(cache_ptr, load_ids, step, part: gl.constexpr, num_slots, block_
     scale_words = (token + SCALES_AT).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :]
     scales = gl.load(scale_words, mask=valid[:, None], other=0)
     scales_right = gl.load(scale_words + 2, mask=valid[:, None], other=0)   # tiles 2, 3
-    ids = load_ids.index(step & 1).slice(part * PIECE, PIECE).load(gl.SliceLayout(1, ROPE_L))
-    token, valid = _token_addresses(cache_ptr, ids, num_slots, block_size, block_stride_16)
+    token, valid = _token_addresses(cache_ptr, rope_ids, geometry)
     rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None]
                    + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :], mask=valid[:, None], other=0.0)
     return left, _bf16_pairs(scales), right, _bf16_pairs(scales_right), rope
@@ -287,7 +301,7 @@ def _fill(piece, blocks, buf, part: gl.constexpr):
 
 
 @gluon.jit
-def _producer(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, num_slots, block_size, block_stride_16):
+def _producer(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, geometry):
     """Fill the two block buffers in turn, each once both consumers have released it, a quarter block
     at a time with the next three quarters' loads in flight (registers hold no more). Slot ids two
     blocks ahead of the loads (loaded just before their use, their latency would stall every piece)."""
@@ -296,24 +310,29 @@ def _producer(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, num_slots, 
     load_ids.index(0).store(ids_cur)
     ids_next = _step_ids(idx_row, lo, hi, 1)
     gl.thread_barrier()
-    p0 = _load_piece(cache_ptr, load_ids, 0, 0, num_slots, block_size, block_stride_16)
-    p1 = _load_piece(cache_ptr, load_ids, 0, 1, num_slots, block_size, block_stride_16)
-    p2 = _load_piece(cache_ptr, load_ids, 0, 2, num_slots, block_size, block_stride_16)
+    p0 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 0), geometry)
+    p1 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 1), geometry)
+    p2 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 2), geometry)
+    ids_p3 = _piece_ids(load_ids, 0, 3)
     for step in range(n_steps):
         buf = step & 1
-        p3 = _load_piece(cache_ptr, load_ids, step, 3, num_slots, block_size, block_stride_16)
+        p3 = _load_piece(cache_ptr, ids_p3, geometry)
         # The other slot's ids were last read by the previous step's loads, before its barrier.
         load_ids.index(buf ^ 1).store(ids_next)
         gl.thread_barrier()
         ids_after = _step_ids(idx_row, lo, hi, step + 2)
+        ids_p = _piece_ids(load_ids, step + 1, 0)
         mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
         key_ids.index(buf).store(ids_cur)
         _fill(p0, blocks, buf, 0)
-        p0 = _load_piece(cache_ptr, load_ids, step + 1, 0, num_slots, block_size, block_stride_16)
+        p0 = _load_piece(cache_ptr, ids_p, geometry)
+        ids_p = _piece_ids(load_ids, step + 1, 1)
         _fill(p1, blocks, buf, 1)
-        p1 = _load_piece(cache_ptr, load_ids, step + 1, 1, num_slots, block_size, block_stride_16)
+        p1 = _load_piece(cache_ptr, ids_p, geometry)
+        ids_p = _piece_ids(load_ids, step + 1, 2)
         _fill(p2, blocks, buf, 2)
-        p2 = _load_piece(cache_ptr, load_ids, step + 1, 2, num_slots, block_size, block_stride_16)
+        p2 = _load_piece(cache_ptr, ids_p, geometry)
+        ids_p3 = _piece_ids(load_ids, step + 1, 3)
         _fill(p3, blocks, buf, 3)
         fence_async_shared()
         publish_done(ready.index(buf))
@@ -326,10 +345,11 @@ def supported(q: torch.Tensor) -> bool:
     return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
 
 
-def launch(grid, args, split: bool) -> None:
+def launch(grid, args, split: bool, padded_blocks: bool) -> None:
     """Run the kernel on the runtime arguments that sparse_mla_decode_fp8 builds for both decode kernels
     (the kernel's parameters before SPLIT, in order) over grid (query rows x head blocks, top-k splits);
-    split: write partial results (fp32 out, base-2 lse) for the merge kernel."""
+    split: write partial results (fp32 out, base-2 lse) for the merge kernel; padded_blocks: the cache's
+    block stride is larger than block_size tokens (slot addresses then need a division)."""
     # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
     # 208 / 160 / 136 (consumer 0 / 1 / producer: scripts/sm90_registers.py shows them, without spills).
-    _sparse_decode_sm90_kernel[grid](*args, SPLIT=split, num_warps=NUM_WARPS, maxnreg=168)
+    _sparse_decode_sm90_kernel[grid](*args, SPLIT=split, PADDED_BLOCKS=padded_blocks, num_warps=NUM_WARPS, maxnreg=168)
