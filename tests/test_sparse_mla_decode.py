@@ -243,6 +243,15 @@ def test_empty_and_fully_invalid_rows():
         check(got, ref)
 
 
+def test_cache_without_blocks_gives_empty_rows():
+    # No slot exists, so every index is invalid (the sm90 producer's stand-in slot 0 must not be read).
+    cache = torch.empty((0, 64, 1, 656), dtype=torch.uint8, device=DEVICE)
+    indices = random_indices(2, 2, 96, 128, 29, p_invalid=0.0).to(DEVICE)
+    for num_splits in (1, 2):
+        out, lse = decode(random_q(2, 2, 16, 29), cache, indices, SM_SCALE, num_splits=num_splits)
+        assert (out == 0).all() and (lse == math.inf).all()
+
+
 def test_masked_leading_chunks_do_not_poison_the_softmax():
     # vLLM #48366: a fully masked first chunk made the running max -inf and exp2(-inf - -inf) = NaN.
     # Valid slots only in the middle chunk; 4 splits so whole splits are masked too.
