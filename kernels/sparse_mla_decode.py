@@ -106,7 +106,7 @@ def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16):
 
 @triton.jit(do_not_specialize=sm90.RUNTIME_ARGS)
 def _sparse_decode_kernel(
-    q_ptr, cache_ptr, indices_ptr, topk_length_ptr, sink_ptr, out_ptr, lse_ptr,
+    q_ptr, cache_ptr, indices_ptr, topk_length_ptr, batch_order_ptr, sink_ptr, out_ptr, lse_ptr,
     s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, sm_scale_log2,
     has_topk_length, has_sink,
     stride_q_b, stride_q_s, stride_q_h,
@@ -121,7 +121,10 @@ def _sparse_decode_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = pid // n_head_blocks
-    b = (row // s_q).to(tl.int64)
+    b = row // s_q
+    if has_topk_length:
+        b = tl.load(batch_order_ptr + b)   # longest sequences first (see sparse_mla_decode_fp8)
+    b = b.to(tl.int64)
     s = (row % s_q).to(tl.int64)
     offs_h = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
@@ -375,8 +378,12 @@ def sparse_mla_decode_fp8(
     # Unused optional pointers still need a tensor argument; the runtime flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
+    # With per-sequence lengths, programs take the sequences longest first: the GPU starts programs in
+    # grid order, and a long sequence started last would set the end (H200, b 128 s_q 2 h_q 128,
+    # lengths uniform in [0, 2048]: 0.68x the plain case's efficiency in grid order).
+    batch_order = lengths if topk_length is None else torch.argsort(topk_length, descending=True).to(torch.int32)
     # The runtime arguments of both decode kernels, in their parameter order.
-    args = (q, kv_cache, indices, lengths, sink, dst_out, dst_lse,
+    args = (q, kv_cache, indices, lengths, batch_order, sink, dst_out, dst_lse,
             s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
             geometry.block_stride // 16, float(sm_scale) * formats.LOG2E,
             int(topk_length is not None), int(attn_sink is not None),

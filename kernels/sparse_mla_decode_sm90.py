@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from minirt import formats
 
-from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, NO_MAX, O_L, P_L, ROPE_L, ROW_O, ROW_S,
+from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, NO_MAX, O_L, P_L, ROW_O, ROW_S,
                                       S_L, VEC_L, VEC_SMEM, load_q, opaque_zero, publish, publish_done, score_piece,
                                       store_lse, store_out, wait_piece)
 
@@ -50,6 +50,10 @@ ROPE_AT = gl.constexpr(formats.KV_ROPE_AT)
 WORDS_L = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 2, 8], [4, 1, 1], [2, 1, 0]))
 KEYS_W = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, WORDS_L)))
 SCALES_L = gl.constexpr(gl.SliceLayout(2, WORDS_L))
+# A token's rope (64 bf16) as 32 words [keys, 32]: 8 threads read 128 bytes of a key in 16-byte vectors.
+# (Words, not bf16: held as 16-bit values they would take twice the producer's registers.)
+ROPE_W = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
+WORD_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 # $2: 4 e4m3 bytes -> $0: bf16x2 of bytes 0, 1; $1: of bytes 2, 3; $3: the tile's scale as bf16x2.
 DEQUANT_ASM = gl.constexpr("""{
 .reg .b32 lo, hi, c;
@@ -76,7 +80,7 @@ RUNTIME_ARGS = [
 
 @gluon.jit(do_not_specialize=RUNTIME_ARGS)
 def _sparse_decode_sm90_kernel(
-    q_ptr, cache_ptr, indices_ptr, topk_length_ptr, sink_ptr, out_ptr, lse_ptr,
+    q_ptr, cache_ptr, indices_ptr, topk_length_ptr, batch_order_ptr, sink_ptr, out_ptr, lse_ptr,
     s_q, h_q, n_head_blocks, topk, split_len, block_size, num_slots, block_stride_16, sm_scale_log2,
     has_topk_length, has_sink,
     stride_q_b, stride_q_s, stride_q_h,
@@ -90,7 +94,10 @@ def _sparse_decode_sm90_kernel(
     pid = gl.program_id(0)
     split = gl.program_id(1)
     row = pid // n_head_blocks
-    b = (row // s_q).to(gl.int64)
+    b = row // s_q
+    if has_topk_length:
+        b = gl.load(batch_order_ptr + b)   # longest sequences first (see sparse_mla_decode_fp8)
+    b = b.to(gl.int64)
     s = (row % s_q).to(gl.int64)
     head0 = (pid % n_head_blocks) * BLOCK_H
     n_used = topk
@@ -248,14 +255,14 @@ def _piece_ids(load_ids, step, part: gl.constexpr):
     latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
     reads, this load's latency would stall the producer (ncu: ~12% of its cycles)."""
     ids = load_ids.index(step & 1).slice(part * PIECE, PIECE)
-    return ids.load(KEYS_W), ids.load(gl.SliceLayout(1, ROPE_L))
+    return ids.load(KEYS_W), ids.load(gl.SliceLayout(1, ROPE_W))
 
 
 @gluon.jit
 def _load_piece(cache_ptr, piece_ids, geometry):
     """Registers of a quarter block (_piece_ids): the latent's e4m3 bytes as words [16, 2, 32] of
-    tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [16, 2] (int32), the rope [16, 64]
-    (bf16). An invalid slot's id is never dereferenced: its latent words come from slot 0 unmasked
+    tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [16, 2] (int32), the rope's bf16 pairs
+    [16, 32] (int32). An invalid slot's id is never dereferenced: its latent words come from slot 0 unmasked
     (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its scales and rope read
     as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
     ids, rope_ids = piece_ids
@@ -269,8 +276,8 @@ def _load_piece(cache_ptr, piece_ids, geometry):
     scales = gl.load(scale_words, mask=valid[:, None], other=0)
     scales_right = gl.load(scale_words + 2, mask=valid[:, None], other=0)   # tiles 2, 3
     token, valid = _token_addresses(cache_ptr, rope_ids, geometry)
-    rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None]
-                   + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :], mask=valid[:, None], other=0.0)
+    rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.int32))[:, None]
+                   + gl.arange(0, D_ROPE // 2, gl.SliceLayout(0, ROPE_W))[None, :], mask=valid[:, None], other=0)
     return left, _bf16_pairs(scales), right, _bf16_pairs(scales_right), rope
 
 
@@ -289,7 +296,6 @@ def _store_dequantised(words, scale_pairs, dst, part: gl.constexpr):
     reinterpreted slice would lose the parent's column-block stride)."""
     pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [words, scale_pairs[:, :, None]],
                                                    dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    WORD_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dst._reinterpret(gl.int32, [BLOCK_N, HALF // 2], WORD_SMEM).slice(part * PIECE, PIECE).store(
         gl.reshape(gl.join(pairs_lo, pairs_hi), [PIECE, HALF // 2]))
 
@@ -301,7 +307,8 @@ def _fill(piece, blocks, buf, part: gl.constexpr):
     left, left_scales, right, right_scales, rope = piece
     _store_dequantised(left, left_scales, k_left.index(buf), part)
     _store_dequantised(right, right_scales, k_right.index(buf), part)
-    k_rope.index(buf).slice(part * PIECE, PIECE).store(rope)
+    rope_words = k_rope.index(buf)._reinterpret(gl.int32, [BLOCK_N, D_ROPE // 2], WORD_SMEM)
+    rope_words.slice(part * PIECE, PIECE).store(rope)
 
 
 @gluon.jit
