@@ -110,7 +110,7 @@ def report(name: str, kernel, launch) -> bool:
     """Compile one recorded launch, print its partitions' register budgets and spills; True if it spills."""
     code = sass(compile_for_sm90(kernel, *launch))
     # setmaxnreg: the partitions' register budgets as the warps enter and leave them.
-    budgets = [int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", code)]
+    budgets = [int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", code)]
     spills = len(re.findall(r"\b(?:STL|LDL)\b", code))
     print(f"{name}: setmaxnreg {budgets}, spill instructions {spills}", flush=True)
     return spills > 0
