@@ -66,12 +66,13 @@ def recorded_prefill_launch(d_qk: int, with_options: bool):
     return recorder.calls[0]
 
 
-def recorded_decode_launch(num_splits: int):
+def recorded_decode_launch(num_splits: int, padded_blocks: bool = False):
     """(args, kwargs) that sparse_mla_decode_fp8 passes to the Gluon kernel for b 2, s_q 2, h_q 128,
-    topk 2048 in num_splits splits (1: final results, more: partials). Its device checks and the
+    topk 2048 in num_splits splits (1: final results, more: partials), over a cache whose blocks are
+    packed or (padded_blocks) a view with one token's gap after each block. Its device checks and the
     merge launch are stood in for: the tensors are on the CPU."""
     q = torch.randn((2, 2, 128, 576)).to(torch.bfloat16)
-    cache = torch.zeros((64, 64, 1, 656), dtype=torch.uint8)
+    cache = torch.zeros((64, 64 + padded_blocks, 1, 656), dtype=torch.uint8)[:, :64]
     indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
     saved = {name: getattr(decode, name) for name in ("uses_sm90_kernel", "check_device", "_merge_splits_kernel")}
     kernel, recorder = sparse_mla_decode_sm90._sparse_decode_sm90_kernel, Recorder()
@@ -123,9 +124,11 @@ def main() -> int:
             spilling |= report(f"prefill d_qk {d_qk}, attn_sink and topk_length {'on' if with_options else 'off'}",
                                sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel,
                                recorded_prefill_launch(d_qk, with_options))
-    for num_splits in (1, 2):
-        spilling |= report(f"decode, {'partial' if num_splits > 1 else 'final'} results",
-                           sparse_mla_decode_sm90._sparse_decode_sm90_kernel, recorded_decode_launch(num_splits))
+    for num_splits, padded_blocks in ((1, False), (2, False), (1, True)):
+        spilling |= report(f"decode, {'partial' if num_splits > 1 else 'final'} results"
+                           + (", padded cache blocks" if padded_blocks else ""),
+                           sparse_mla_decode_sm90._sparse_decode_sm90_kernel,
+                           recorded_decode_launch(num_splits, padded_blocks))
     return 1 if spilling else 0
 
 
