@@ -261,7 +261,7 @@ def _piece_ids(load_ids, step, part: gl.constexpr):
 @gluon.jit
 def _load_piece(cache_ptr, piece_ids, geometry):
     """Registers of a quarter block (_piece_ids): the latent's e4m3 bytes as words [16, 2, 32] of
-    tiles 0, 1 and of tiles 2, 3, their scales as bf16x2 pairs [16, 2] (int32), the rope's bf16 pairs
+    tiles 0, 1 and of tiles 2, 3, their float32 scales' bits [16, 2] (int32), the rope's bf16 pairs
     [16, 32] (int32). An invalid slot's id is never dereferenced: its latent words come from slot 0 unmasked
     (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its scales and rope read
     as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
@@ -278,7 +278,7 @@ def _load_piece(cache_ptr, piece_ids, geometry):
     token, valid = _token_addresses(cache_ptr, rope_ids, geometry)
     rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.int32))[:, None]
                    + gl.arange(0, D_ROPE // 2, gl.SliceLayout(0, ROPE_W))[None, :], mask=valid[:, None], other=0)
-    return left, _bf16_pairs(scales), right, _bf16_pairs(scales_right), rope
+    return left, scales, right, scales_right, rope
 
 
 @gluon.jit
@@ -305,8 +305,10 @@ def _fill(piece, blocks, buf, part: gl.constexpr):
     """Store a piece (_load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
     k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
     left, left_scales, right, right_scales, rope = piece
-    _store_dequantised(left, left_scales, k_left.index(buf), part)
-    _store_dequantised(right, right_scales, k_right.index(buf), part)
+    # (The scales become bf16 pairs here, at their first use: converted where they are loaded, the
+    # producer would wait for every piece's loads as soon as it issued them.)
+    _store_dequantised(left, _bf16_pairs(left_scales), k_left.index(buf), part)
+    _store_dequantised(right, _bf16_pairs(right_scales), k_right.index(buf), part)
     rope_words = k_rope.index(buf)._reinterpret(gl.int32, [BLOCK_N, D_ROPE // 2], WORD_SMEM)
     rope_words.slice(part * PIECE, PIECE).store(rope)
 
