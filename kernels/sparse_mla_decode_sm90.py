@@ -132,14 +132,13 @@ def _sparse_decode_sm90_kernel(
         mbarrier.init(p_ready.index(i), count=1)
     mbarrier.init(done, count=1)
 
-    load_q(q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, head0, h_q, q_halves, q_rope, True)
-
     out_row = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s
     lse_row = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s
     blocks = (k_left, k_right, k_rope, key_ids, ready, free, p_ready)
     gl.warp_specialize([
-        (_consumer_0, (blocks, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q,
-                       sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT)),
+        (_consumer_0, (blocks, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope, rescale,
+                       row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2, sink_ptr, out_row, stride_o_h,
+                       lse_row, stride_l_h, has_sink, SPLIT)),
         (_consumer_1, (blocks, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
                        stride_o_h, has_sink, SPLIT)),
         (_producer, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi, n_steps,
@@ -161,11 +160,14 @@ def _scores(q_halves, q_rope, blocks, step, s):
 
 
 @gluon.jit
-def _consumer_0(blocks, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2,
-                sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT: gl.constexpr):
-    """Scores, softmax, output columns 0..255, lse. A split writes partials (fp32 out over its own
-    keys, base-2 lse) for the merge kernel, which applies the sink."""
+def _consumer_0(blocks, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q,
+                sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT: gl.constexpr):
+    """q, scores, softmax, output columns 0..255, lse. A split writes partials (fp32 out over its own
+    keys, base-2 lse) for the merge kernel, which applies the sink. (q loads here, while the producer
+    already gathers the first blocks.)"""
     k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, True)
+    gl.thread_barrier()   # every warp's rows of q are in shared memory before the warpgroup's MMAs
     m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
