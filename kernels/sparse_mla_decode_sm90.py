@@ -2,17 +2,19 @@
 
 Same semantics, runtime arguments and launch geometry as the portable Triton kernel in
 sparse_mla_decode.py (programs = query rows x blocks of 64 heads x top-k splits; split partials are
-merged by that module's merge kernel). One program = one query row x 64 heads (fewer heads are padded
-with zero rows: wgmma needs M = 64), warp-specialised into three warpgroups that meet at mbarriers,
-after FlashMLA's sm90 fp8 decode (csrc/sm90/decode/sparse_fp8, written here from its description):
+merged by that module's merge kernel; with per-sequence lengths, programs take the sequences longest
+first). One program = one query row x 64 heads (fewer heads are padded with zero rows: wgmma needs
+M = 64), warp-specialised into three warpgroups that meet at mbarriers, after FlashMLA's sm90 fp8
+decode (csrc/sm90/decode/sparse_fp8, written here from its description):
 
 - the producer loads the 656-byte tokens of a 64-key block into registers (16-byte loads, three
-  quarter blocks ahead of the one it converts), dequantises them and stores the bf16 block (latent left and
-  right halves, rope) into one of two shared buffers, with the block's slot ids for the masks;
-- consumer 0 computes the block's scores (64 heads x 64 keys, all 576 columns), the online softmax
-  and output columns 0..255; it hands P (bf16, in the block's rope tile, free once the scores are done)
-  and the rescale factors to consumer 1, which owns output columns 256..511. The next block's score
-  MMAs are issued behind this block's P.V.
+  quarter blocks ahead of the one it converts), dequantises them and stores the bf16 block (latent left
+  and right halves, rope) into one of two shared buffers, with the block's slot ids for the masks;
+- consumer 0 loads q (while the producer already gathers the first blocks), computes each block's
+  scores (64 heads x 64 keys, all 576 columns), the online softmax and output columns 0..255; it hands
+  P (bf16, in the block's rope tile, free once the scores are done) and the rescale factors to
+  consumer 1, which owns output columns 256..511. The next block's score MMAs are issued behind this
+  block's P.V.
 
 The dequantisation is integer work, not conversions (FlashMLA measured e4m3 -> bf16 conversions at
 ~50 cycles per token, more than the MMAs of 64 heads): a byte permute spreads two e4m3 bytes into
