@@ -25,6 +25,7 @@ from minirt import formats
 from minirt.errors import InputError
 
 from . import sparse_mla_decode_sm90 as sm90
+from . import sparse_mla_decode_sm90_few_heads as sm90_few_heads
 from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, check_tensors, softmax_rows,
                       softmax_step)
 from .kv_cache_fp8 import (D_LAT, D_ROPE, ROPE_AT, SCALES_AT, TILE, TILES, TOKEN_BYTES, cache_geometry,
@@ -223,9 +224,11 @@ def uses_sm90_kernel(q: torch.Tensor, config: Optional[DecodeConfig] = None) -> 
 
 
 def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int, int]:
-    """(uses_sm90_kernel, heads per program, top-k entries per loop step) of the kernel a call runs."""
+    """(uses_sm90_kernel, heads per program, top-k entries per loop step) of the kernel a call runs (the
+    sm90 kernels: 64 heads, or h_q rounded up to 16 or 32 up to 32 heads)."""
     if uses_sm90_kernel(q, config):
-        return True, sm90.BLOCK_H.value, sm90.BLOCK_N.value
+        few = [heads for heads in sm90_few_heads.HEADS if q.shape[2] <= heads]
+        return True, few[0] if few else sm90.BLOCK_H.value, sm90.BLOCK_N.value
     config = config or default_config(q.shape[2])
     return False, config.block_h, config.block_n
 
@@ -392,7 +395,11 @@ def sparse_mla_decode_fp8(
             *o_strides, *l_strides)
     grid = (n_rows * n_head_blocks, num_splits)
     if use_sm90:
-        sm90.launch(grid, args, num_splits > 1, geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES)
+        padded_blocks = geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES
+        if block_h in sm90_few_heads.HEADS:
+            sm90_few_heads.launch(grid, args, num_splits > 1, padded_blocks, block_h)
+        else:
+            sm90.launch(grid, args, num_splits > 1, padded_blocks)
     else:
         _launch(grid, args, num_splits > 1, split_len, config or default_config(h_q))
     if num_splits > 1:

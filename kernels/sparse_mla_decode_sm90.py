@@ -91,68 +91,95 @@ def _sparse_decode_sm90_kernel(
     stride_l_split, stride_l_b, stride_l_s, stride_l_h,
     SPLIT: gl.constexpr, PADDED_BLOCKS: gl.constexpr,
 ):
-    HALF_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
-    TILE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    row = pid // n_head_blocks
-    b = row // s_q
-    if has_topk_length:
-        b = gl.load(batch_order_ptr + b)   # longest sequences first (see sparse_mla_decode_fp8)
-    b = b.to(gl.int64)
-    s = (row % s_q).to(gl.int64)
-    head0 = (pid % n_head_blocks) * BLOCK_H
-    n_used = topk
-    if has_topk_length:
-        n_used = gl.minimum(gl.maximum(gl.load(topk_length_ptr + b), 0), topk)
-    if num_slots == 0:   # every index is invalid, and the producer's stand-in slot 0 does not exist
-        n_used = 0
-    lo = split * split_len
-    hi = gl.minimum(lo + split_len, n_used)
-    n_steps = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    b, s, head0, lo, hi, n_steps = program_span(n_head_blocks, s_q, topk, split_len, num_slots, has_topk_length,
+                                                topk_length_ptr, batch_order_ptr, BLOCK_H)
 
     # Shared memory, 218 KiB: q (72), two bf16 key blocks (144; P of a block lives in its rope tile),
     # slot ids, rescale factors, barriers: per buffer ready (producer -> consumers), free (both
     # consumers -> producer), p_ready (consumer 0 -> 1: P and the rescale factors of the block); done:
     # consumer 0's final row max and row sum.
-    q_halves = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, HALF], HALF_SMEM)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, D_ROPE], TILE_SMEM)
-    k_left = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HALF], HALF_SMEM)
-    k_right = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HALF], HALF_SMEM)
-    k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], TILE_SMEM)
-    key_ids = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)       # the consumers' masks
+    q_halves, q_rope = allocate_q(BLOCK_H)
+    blocks = allocate_blocks(2)
     load_ids = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)      # the producer's loads
     rescale = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
     row_stats = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)   # final max, row sum
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     for i in gl.static_range(2):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)
         mbarrier.init(p_ready.index(i), count=1)
     mbarrier.init(done, count=1)
 
-    out_row = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s
-    lse_row = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s
-    blocks = (k_left, k_right, k_rope, key_ids, ready, free, p_ready)
+    out_row = out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s
+    lse_row = lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s
     gl.warp_specialize([
-        (_consumer_0, (blocks, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope, rescale,
-                       row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2, sink_ptr, out_row, stride_o_h,
-                       lse_row, stride_l_h, has_sink, SPLIT)),
-        (_consumer_1, (blocks, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
+        (_consumer_0, (blocks, p_ready, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope,
+                       rescale, row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2, sink_ptr, out_row,
+                       stride_o_h, lse_row, stride_l_h, has_sink, SPLIT)),
+        (_consumer_1, (blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
                        stride_o_h, has_sink, SPLIT)),
-        (_producer, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi, n_steps,
-                     (num_slots, block_size, block_stride_16, PADDED_BLOCKS))),
+        (produce_blocks, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
+                          n_steps, (num_slots, block_size, block_stride_16, PADDED_BLOCKS), 0, 1)),
     ], [4, 4], [160, 136])
+
+
+@gluon.jit
+def program_span(n_head_blocks, s_q, topk, split_len, num_slots, has_topk_length, topk_length_ptr, batch_order_ptr,
+                 heads: gl.constexpr):
+    """(sequence b, query row s, first head, top-k range lo..hi, 64-key steps) of this program (axis 0:
+    query rows x head blocks of `heads`, axis 1: top-k splits). With topk_length, programs take the
+    sequences longest first (batch_order, see sparse_mla_decode_fp8)."""
+    pid = gl.program_id(0)
+    row = pid // n_head_blocks
+    b = row // s_q
+    if has_topk_length:
+        b = gl.load(batch_order_ptr + b)
+    b = b.to(gl.int64)
+    s = (row % s_q).to(gl.int64)
+    head0 = (pid % n_head_blocks) * heads
+    n_used = topk
+    if has_topk_length:
+        n_used = gl.minimum(gl.maximum(gl.load(topk_length_ptr + b), 0), topk)
+    if num_slots == 0:   # every index is invalid, and the producer's stand-in slot 0 does not exist
+        n_used = 0
+    lo = gl.program_id(1) * split_len
+    hi = gl.minimum(lo + split_len, n_used)
+    return b, s, head0, lo, hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+
+@gluon.jit
+def allocate_q(heads: gl.constexpr):
+    """Shared buffers of `heads` query heads: latent halves [2, heads, 256], rope [1, heads, 64] (indexed
+    on an opaque zero, see opaque_zero)."""
+    half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([heads, HALF], gl.bfloat16)
+    rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([heads, D_ROPE], gl.bfloat16)
+    return (gl.allocate_shared_memory(gl.bfloat16, [2, heads, HALF], half_smem),
+            gl.allocate_shared_memory(gl.bfloat16, [1, heads, D_ROPE], rope_smem))
+
+
+@gluon.jit
+def allocate_blocks(num_consumers: gl.constexpr):
+    """The two key-block buffers that produce_blocks fills: (left latent [2, 64, 256], right latent,
+    rope [2, 64, 64] bf16; slot ids [2, 64] for the consumers' masks; barriers per buffer: ready
+    (producer -> consumers), free (num_consumers arrivals -> producer))."""
+    half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
+    tile_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
+    k_left = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HALF], half_smem)
+    k_right = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HALF], half_smem)
+    k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], tile_smem)
+    key_ids = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=num_consumers)
+    return k_left, k_right, k_rope, key_ids, ready, free
 
 
 @gluon.jit
 def _scores(q_halves, q_rope, blocks, step, s):
     """Issue the score MMAs of block `step` once it has landed (q_halves: [2, ...] indexed on an opaque
     zero, see opaque_zero)."""
-    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    k_left, k_right, k_rope, key_ids, ready, free = blocks
     buf = step & 1
     zero = opaque_zero(step)
     wait_piece(ready, buf, (step >> 1) & 1)
@@ -162,12 +189,12 @@ def _scores(q_halves, q_rope, blocks, step, s):
 
 
 @gluon.jit
-def _consumer_0(blocks, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q,
+def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q,
                 sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT: gl.constexpr):
     """q, scores, softmax, output columns 0..255, lse. A split writes partials (fp32 out over its own
     keys, base-2 lse) for the merge kernel, which applies the sink. (q loads here, while the producer
     already gathers the first blocks.)"""
-    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    k_left, k_right, k_rope, key_ids, ready, free = blocks
     load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, True)
     gl.thread_barrier()   # every warp's rows of q are in shared memory before the warpgroup's MMAs
     m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
@@ -212,10 +239,10 @@ def _consumer_0(blocks, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats,
 
 
 @gluon.jit
-def _consumer_1(blocks, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row, stride_o_h,
+def _consumer_1(blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row, stride_o_h,
                 has_sink, SPLIT: gl.constexpr):
     """Output columns 256..511: P of each block from consumer 0, times the right half of its V."""
-    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    k_left, k_right, k_rope, key_ids, ready, free = blocks
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
     for step in range(n_steps):
         buf = step & 1
@@ -254,11 +281,11 @@ def _token_addresses(cache_ptr, ids, geometry):
 
 
 @gluon.jit
-def _piece_ids(load_ids, step, part: gl.constexpr):
-    """The slot ids of a quarter block (keys part*16..part*16+15 of block `step`) in the layouts of its
+def _piece_ids(load_ids, mine, part: gl.constexpr):
+    """The slot ids of a quarter block (keys part*16..part*16+15 of the producer's block `mine`) in the layouts of its
     latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
     reads, this load's latency would stall the producer (ncu: ~12% of its cycles)."""
-    ids = load_ids.index(step & 1).slice(part * PIECE, PIECE)
+    ids = load_ids.index(mine & 1).slice(part * PIECE, PIECE)
     return ids.load(KEYS_W), ids.load(gl.SliceLayout(1, ROPE_W))
 
 
@@ -307,7 +334,7 @@ def _store_dequantised(words, scale_pairs, dst, part: gl.constexpr):
 @gluon.jit
 def _fill(piece, blocks, buf, part: gl.constexpr):
     """Store a piece (_load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
-    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
+    k_left, k_right, k_rope, key_ids, ready, free = blocks
     left, left_scales, right, right_scales, rope = piece
     # (The scales become bf16 pairs here, at their first use: converted where they are loaded, the
     # producer would wait for every piece's loads as soon as it issued them.)
@@ -318,43 +345,48 @@ def _fill(piece, blocks, buf, part: gl.constexpr):
 
 
 @gluon.jit
-def _producer(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, geometry):
-    """Fill the two block buffers in turn, each once both consumers have released it, a quarter block
-    at a time with the next three quarters' loads in flight (registers hold no more). Slot ids two
-    blocks ahead of the loads (loaded just before their use, their latency would stall every piece)."""
-    k_left, k_right, k_rope, key_ids, ready, free, p_ready = blocks
-    ids_cur = _step_ids(idx_row, lo, hi, 0)
-    load_ids.index(0).store(ids_cur)
-    ids_next = _step_ids(idx_row, lo, hi, 1)
-    gl.thread_barrier()
-    p0 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 0), geometry)
-    p1 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 1), geometry)
-    p2 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 2), geometry)
-    ids_p3 = _piece_ids(load_ids, 0, 3)
-    for step in range(n_steps):
-        buf = step & 1
-        p3 = _load_piece(cache_ptr, ids_p3, geometry)
-        # The other slot's ids were last read by the previous step's loads, before its barrier.
-        load_ids.index(buf ^ 1).store(ids_next)
+def produce_blocks(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, geometry, first, STRIDE: gl.constexpr):
+    """Fill blocks first, first + STRIDE, ... of the top-k range lo..hi (n_steps blocks of 64 slot ids
+    from idx_row) into the buffers of allocate_blocks (block `step` into buffer step & 1, once its
+    consumers have released it), a quarter block at a time with the next three quarters' loads in
+    flight (registers hold no more). load_ids: [2, 64] int32 of this producer's own. Slot ids two
+    blocks ahead of the loads (loaded just before their use, their latency would stall every piece).
+    STRIDE 2: two producers, one per buffer, each fill every other block."""
+    k_left, k_right, k_rope, key_ids, ready, free = blocks
+    if first < n_steps:   # (the prologue's stand-in slot 0 may not exist otherwise)
+        ids_cur = _step_ids(idx_row, lo, hi, first)
+        load_ids.index(0).store(ids_cur)
+        ids_next = _step_ids(idx_row, lo, hi, first + STRIDE)
         gl.thread_barrier()
-        ids_after = _step_ids(idx_row, lo, hi, step + 2)
-        ids_p = _piece_ids(load_ids, step + 1, 0)
-        mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
-        key_ids.index(buf).store(ids_cur)
-        _fill(p0, blocks, buf, 0)
-        p0 = _load_piece(cache_ptr, ids_p, geometry)
-        ids_p = _piece_ids(load_ids, step + 1, 1)
-        _fill(p1, blocks, buf, 1)
-        p1 = _load_piece(cache_ptr, ids_p, geometry)
-        ids_p = _piece_ids(load_ids, step + 1, 2)
-        _fill(p2, blocks, buf, 2)
-        p2 = _load_piece(cache_ptr, ids_p, geometry)
-        ids_p3 = _piece_ids(load_ids, step + 1, 3)
-        _fill(p3, blocks, buf, 3)
-        fence_async_shared()
-        publish_done(ready.index(buf))
-        ids_cur = ids_next
-        ids_next = ids_after
+        p0 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 0), geometry)
+        p1 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 1), geometry)
+        p2 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 2), geometry)
+        ids_p3 = _piece_ids(load_ids, 0, 3)
+        for step in range(first, n_steps, STRIDE):
+            buf = step & 1
+            mine = step // STRIDE   # this producer's count of blocks: its load_ids slot
+            p3 = _load_piece(cache_ptr, ids_p3, geometry)
+            # The other slot's ids were last read by the previous block's loads, before its barrier.
+            load_ids.index((mine & 1) ^ 1).store(ids_next)
+            gl.thread_barrier()
+            ids_after = _step_ids(idx_row, lo, hi, step + 2 * STRIDE)
+            ids_p = _piece_ids(load_ids, mine + 1, 0)
+            mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
+            key_ids.index(buf).store(ids_cur)
+            _fill(p0, blocks, buf, 0)
+            p0 = _load_piece(cache_ptr, ids_p, geometry)
+            ids_p = _piece_ids(load_ids, mine + 1, 1)
+            _fill(p1, blocks, buf, 1)
+            p1 = _load_piece(cache_ptr, ids_p, geometry)
+            ids_p = _piece_ids(load_ids, mine + 1, 2)
+            _fill(p2, blocks, buf, 2)
+            p2 = _load_piece(cache_ptr, ids_p, geometry)
+            ids_p3 = _piece_ids(load_ids, mine + 1, 3)
+            _fill(p3, blocks, buf, 3)
+            fence_async_shared()
+            publish_done(ready.index(buf))
+            ids_cur = ids_next
+            ids_next = ids_after
 
 
 def supported(q: torch.Tensor) -> bool:

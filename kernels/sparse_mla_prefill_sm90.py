@@ -136,13 +136,13 @@ def _sparse_mla_prefill_sm90_kernel(
 
 @gluon.jit
 def load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE: gl.constexpr):
-    """Heads head0..head0+63 of one query row (q_row: its head 0; latent | rope contiguous per head) into
-    q_halves [2, 64, 256] and, HAS_ROPE, q_rope [1, 64, 64], fenced for the tensor cores; heads >= h_q
+    """Heads head0.. of one query row (q_row: its head 0; latent | rope contiguous per head) into
+    q_halves [2, heads, 256] and, HAS_ROPE, q_rope [1, heads, 64], fenced for the tensor cores; heads >= h_q
     become zero rows."""
     _load_q_half(q_row, stride_q_h, head0, h_q, 0, q_halves.index(0))
     _load_q_half(q_row, stride_q_h, head0, h_q, HALF, q_halves.index(1))
     if HAS_ROPE:
-        h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
+        h = head0 + gl.arange(0, q_rope.shape[1], gl.SliceLayout(1, ROPE_L))
         q_rope.index(0).store(gl.load(q_row + h[:, None] * stride_q_h + 2 * HALF
                                       + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
                                       mask=(h < h_q)[:, None], other=0.0))
@@ -151,8 +151,8 @@ def load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE: gl.constex
 
 @gluon.jit
 def _load_q_half(q_row, stride_q_h, head0, h_q, col0, dst):
-    """Latent columns col0..col0+255 of heads head0..head0+63 into dst; heads >= h_q become zero rows."""
-    h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
+    """Latent columns col0..col0+255 of heads head0.. into dst [heads, 256]; heads >= h_q become zero rows."""
+    h = head0 + gl.arange(0, dst.shape[0], gl.SliceLayout(1, HALF_L))
     dst.store(gl.load(q_row + h[:, None] * stride_q_h + col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))[None, :],
                       mask=(h < h_q)[:, None], other=0.0))
 
@@ -406,7 +406,7 @@ def store_lse(m_i, l_i, lse_row, stride_lse_h, head0, h_q, PARTIAL: gl.constexpr
     """lse_row[h] for heads head0.. (< h_q) from the running max (base 2) and row sum: the natural log,
     +inf for rows without a valid key; PARTIAL (a top-k split's partial result): base 2, -inf."""
     has_keys = l_i > 0.0
-    offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
+    offs_h = head0 + gl.arange(0, m_i.shape[0], m_i.type.layout)
     lse2 = m_i + gl.log2(gl.where(has_keys, l_i, 1.0))
     if PARTIAL:
         lse = gl.where(has_keys, lse2, float("-inf"))

@@ -1,4 +1,4 @@
-"""Compile the warp-specialised Gluon kernels (sparse prefill, fp8 sparse decode) for sm_90a on this
+"""Compile the warp-specialised Gluon kernels (sparse prefill, fp8 sparse decode for 64 and for few heads) for sm_90a on this
 machine (no GPU needed) and report each warp partition's register budget and each kernel's spill
 instructions.
 
@@ -33,6 +33,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
+from minirt.kernels import sparse_mla_decode_sm90_few_heads  # noqa: E402
 from minirt.kernels import sparse_mla_prefill_sm90  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -66,27 +67,29 @@ def recorded_prefill_launch(d_qk: int, with_options: bool):
     return recorder.calls[0]
 
 
-def recorded_decode_launch(num_splits: int, padded_blocks: bool = False):
-    """(args, kwargs) that sparse_mla_decode_fp8 passes to the Gluon kernel for b 2, s_q 2, h_q 128,
+def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: int = 128):
+    """(kernel, args, kwargs): the Gluon kernel that sparse_mla_decode_fp8 runs for b 2, s_q 2, h_q,
     topk 2048 in num_splits splits (1: final results, more: partials), over a cache whose blocks are
-    packed or (padded_blocks) a view with one token's gap after each block. Its device checks and the
-    merge launch are stood in for: the tensors are on the CPU."""
-    q = torch.randn((2, 2, 128, 576)).to(torch.bfloat16)
+    packed or (padded_blocks) a view with one token's gap after each block, and what it passes. Its
+    device checks and the merge launch are stood in for: the tensors are on the CPU."""
+    q = torch.randn((2, 2, h_q, 576)).to(torch.bfloat16)
     cache = torch.zeros((64, 64 + padded_blocks, 1, 656), dtype=torch.uint8)[:, :64]
     indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
     saved = {name: getattr(decode, name) for name in ("uses_sm90_kernel", "check_device", "_merge_splits_kernel")}
-    kernel, recorder = sparse_mla_decode_sm90._sparse_decode_sm90_kernel, Recorder()
+    module, name = ((sparse_mla_decode_sm90_few_heads, "_sparse_decode_few_heads_kernel") if h_q <= 32
+                    else (sparse_mla_decode_sm90, "_sparse_decode_sm90_kernel"))
+    kernel, recorder = getattr(module, name), Recorder()
     decode.uses_sm90_kernel = lambda *args, **kwargs: True
     decode.check_device = lambda tensors: None
     decode._merge_splits_kernel = Recorder()
-    sparse_mla_decode_sm90._sparse_decode_sm90_kernel = recorder
+    setattr(module, name, recorder)
     try:
         decode.sparse_mla_decode_fp8(q, cache, indices, 0.1, num_splits=num_splits)
     finally:
-        sparse_mla_decode_sm90._sparse_decode_sm90_kernel = kernel
+        setattr(module, name, kernel)
         for name, value in saved.items():
             setattr(decode, name, value)
-    return recorder.calls[0]
+    return (kernel, *recorder.calls[0])
 
 
 def compile_for_sm90(kernel, args, kwargs):
@@ -107,9 +110,9 @@ def sass(compiled) -> str:
                               check=True).stdout
 
 
-def report(name: str, kernel, launch) -> bool:
+def report(name: str, kernel, args, kwargs) -> bool:
     """Compile one recorded launch, print its partitions' register budgets and spills; True if it spills."""
-    code = sass(compile_for_sm90(kernel, *launch))
+    code = sass(compile_for_sm90(kernel, args, kwargs))
     # setmaxnreg: the partitions' register budgets as the warps enter and leave them.
     budgets = [int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", code)]
     spills = len(re.findall(r"\b(?:STL|LDL)\b", code))
@@ -123,12 +126,12 @@ def main() -> int:
         for with_options in (False, True):
             spilling |= report(f"prefill d_qk {d_qk}, attn_sink and topk_length {'on' if with_options else 'off'}",
                                sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel,
-                               recorded_prefill_launch(d_qk, with_options))
-    for num_splits, padded_blocks in ((1, False), (2, False), (1, True)):
-        spilling |= report(f"decode, {'partial' if num_splits > 1 else 'final'} results"
+                               *recorded_prefill_launch(d_qk, with_options))
+    for h_q, num_splits, padded_blocks in ((128, 1, False), (128, 2, False), (128, 1, True), (16, 1, False),
+                                           (32, 1, False), (32, 2, False), (32, 1, True)):
+        spilling |= report(f"decode h_q {h_q}, {'partial' if num_splits > 1 else 'final'} results"
                            + (", padded cache blocks" if padded_blocks else ""),
-                           sparse_mla_decode_sm90._sparse_decode_sm90_kernel,
-                           recorded_decode_launch(num_splits, padded_blocks))
+                           *recorded_decode_launch(num_splits, padded_blocks, h_q))
     return 1 if spilling else 0
 
 

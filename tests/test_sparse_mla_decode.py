@@ -20,9 +20,25 @@ from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, mla_
                                               sparse_mla_decode_fp8)
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
 from minirt.kernels import sparse_mla_decode_sm90 as sm90
+from minirt.kernels import sparse_mla_decode_sm90_few_heads as sm90_few_heads
 from test_sparse_mla_prefill import record_launches
 
 ON_GPU = DEVICE == "cuda"
+
+
+@pytest.fixture(params=["sm90", "sm90-64-heads", "portable"] if ON_GPU else ["portable"])
+def kernel_path(request, monkeypatch):
+    """Which decode kernel runs (conftest's kernel_path, with one path more): on a GPU a test runs
+    through the kernels the public functions pick (on sm_90 the Gluon kernels: few-heads up to 32
+    heads, 64-head above), through the 64-head Gluon kernel at every h_q, and through the portable
+    Triton kernels (prefill's too), forced. The CPU (interpreter) has only the portable kernels."""
+    if request.param == "portable":
+        for name in ("sparse_mla_prefill", "sparse_mla_decode"):   # the modules, not the functions
+            monkeypatch.setattr(importlib.import_module(f"minirt.kernels.{name}"), "uses_sm90_kernel",
+                                lambda *args, **kwargs: False)
+    if request.param == "sm90-64-heads":
+        monkeypatch.setattr(sm90_few_heads, "HEADS", ())
+    return request.param
 
 
 pytestmark = pytest.mark.usefixtures("kernel_path")
@@ -135,7 +151,8 @@ def random_q(b, s_q, h_q, seed):
     return (torch.randn(b, s_q, h_q, 576, generator=g) * 1.5).to(torch.bfloat16).to(DEVICE)
 
 
-def test_every_fp8_code_and_scale_decodes_exactly():
+@pytest.mark.parametrize("h_q", [64, 16])
+def test_every_fp8_code_and_scale_decodes_exactly(h_q):
     """A query row with one valid slot attends to it alone (p = 1), so out is that token's dequantised
     latent, which bf16 holds exactly: bit-equal to dequantize_kv_fp8. The tokens cover every non-NaN
     e4m3 code (subnormals, both zeros, ±448) in every tile, under power-of-two scales 2^-40..2^40
@@ -152,12 +169,12 @@ def test_every_fp8_code_and_scale_decodes_exactly():
     # Row t: slot t, then invalid entries (and a duplicate-free tail of -1).
     indices = torch.full((1, n_tokens, 8), -1, dtype=torch.int32)
     indices[0, :, 3] = torch.arange(n_tokens, dtype=torch.int32)
-    q = random_q(1, n_tokens, 64, 3) * 1e-3     # small logits: one key per row, any magnitude works
+    q = random_q(1, n_tokens, h_q, 3) * 1e-3     # small logits: one key per row, any magnitude works
     out, lse = decode(q, cache, indices.to(DEVICE), SM_SCALE)
     expected = dequantize_kv_fp8(tokens, torch.float32)[:, :512]
     assert torch.isfinite(expected).all()
     assert expected.abs().max() > 1e10 and expected[expected != 0].abs().min() < 1e-10   # the range is covered
-    assert torch.equal(out.cpu()[0].float(), expected[:, None, :].expand(n_tokens, 64, 512))
+    assert torch.equal(out.cpu()[0].float(), expected[:, None, :].expand(n_tokens, h_q, 512))
     assert torch.isfinite(lse).all()
 
 
@@ -379,7 +396,7 @@ def test_other_launch_configs(config):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="production shapes only on the GPU; the CPU runs the small cases above")
-@pytest.mark.parametrize("h_q,s_q", [(128, 2), (16, 1)])
+@pytest.mark.parametrize("h_q,s_q", [(128, 2), (32, 1), (16, 1)])
 def test_production_shape_gpu(h_q, s_q):
     b, topk, block_size = 8, 2048, 64
     _, cache = make_cache(512, block_size, 29)
@@ -390,35 +407,46 @@ def test_production_shape_gpu(h_q, s_q):
     check(got, reference(q, cache, indices, 0.1352 * 192 ** -0.5, attn_sink))
 
 
+def gluon_kernel(h_q):
+    """(module, name) of the Gluon decode kernel that sparse_mla_decode_fp8 launches for h_q on sm_90."""
+    if h_q <= max(sm90_few_heads.HEADS, default=0):
+        return sm90_few_heads, "_sparse_decode_few_heads_kernel"
+    return sm90, "_sparse_decode_sm90_kernel"
+
+
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
-def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch):
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch, h_q):
     launched = []
 
     class Spy:   # stands in for the Gluon kernel object: records the launch, then runs it
         def __getitem__(self, grid):
             launched.append(grid)
             return kernel[grid]
-    kernel = sm90._sparse_decode_sm90_kernel
-    monkeypatch.setattr(sm90, "_sparse_decode_sm90_kernel", Spy())
+    module, name = gluon_kernel(h_q)
+    assert (module is sm90_few_heads) == (h_q == 16 and kernel_path == "sm90")
+    kernel = getattr(module, name)
+    monkeypatch.setattr(module, name, Spy())
     _, cache = make_cache(4, 64, 7)
     indices = random_indices(2, 1, 100, 256, 7).to(DEVICE)
-    q = random_q(2, 1, 16, 7)
+    q = random_q(2, 1, h_q, 7)
     check(decode(q, cache, indices, SM_SCALE), reference(q, cache, indices, SM_SCALE))
-    assert len(launched) == (1 if kernel_path == "sm90" else 0)
+    assert len(launched) == (0 if kernel_path == "portable" else 1)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_sm90_launch_matches_kernel_signature(monkeypatch, num_splits):
-    """The Gluon kernel cannot run on the CPU (no interpreter); its launch can: it passes exactly the
-    kernel's parameters, and its runtime arguments are the portable kernel's (one argument list built
-    for both; at h_q 64 both take 64 heads and 64 slots per step, so the values match too)."""
+@pytest.mark.parametrize("h_q", [64, 16])
+def test_sm90_launch_matches_kernel_signature(monkeypatch, num_splits, h_q):
+    """The Gluon kernels cannot run on the CPU (no interpreter); their launches can: each passes exactly
+    its kernel's parameters, and their runtime arguments are the portable kernel's (one argument list
+    built for all; at h_q 64 the 64-head kernel and the portable one take 64 heads and 64 slots per step,
+    at h_q 16 the few-heads kernel and the portable one 16 heads and 64 slots, so the values match too)."""
     decode = importlib.import_module("minirt.kernels.sparse_mla_decode")
     _, cache = make_cache(2, 64, 41)
     indices = random_indices(1, 2, 200, 128, 41).to(DEVICE)
-    q = random_q(1, 2, 64, 41)
+    q = random_q(1, 2, h_q, 41)
     launches, merges = [], record_launches(monkeypatch, decode, "_merge_splits_kernel")   # nothing to merge
-    for use_sm90, module, name in ((False, decode, "_sparse_decode_kernel"),
-                                   (True, sm90, "_sparse_decode_sm90_kernel")):
+    for use_sm90, module, name in ((False, decode, "_sparse_decode_kernel"), (True, *gluon_kernel(h_q))):
         monkeypatch.setattr(decode, "uses_sm90_kernel", lambda *args, **kwargs: use_sm90)
         recorded = record_launches(monkeypatch, module, name)
         sparse_mla_decode_fp8(q, cache, indices, SM_SCALE, num_splits=num_splits)
