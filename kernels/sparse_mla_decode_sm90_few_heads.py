@@ -106,22 +106,15 @@ def _consumer(blocks, p_t, q_row, stride_q_h, q_halves, q_rope, num_slots, n_ste
         p_t.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
-        left = left * alpha[None, :]
-        right = right * alpha[None, :]
-        # (Each branch issues P.V itself: a value of a runtime branch must keep its type, and an
-        # issued MMA's result is not yet a tensor.)
+        left = warpgroup_mma(k_left.index(buf).permute((1, 0)), p_t, left * alpha[None, :], is_async=True)
+        right = warpgroup_mma(k_right.index(buf).permute((1, 0)), p_t, right * alpha[None, :], is_async=True)
+        # The buffer goes back to its producer before the next block is awaited: that block's producer
+        # is the other one, and waiting for it first would chain the two producers' fills.
+        left, right = warpgroup_mma_wait(0, deps=(left, right))
+        mbarrier.arrive(free.index(buf))
         if step + 1 < n_steps:
-            left = warpgroup_mma(k_left.index(buf).permute((1, 0)), p_t, left, is_async=True)
-            right = warpgroup_mma(k_right.index(buf).permute((1, 0)), p_t, right, is_async=True)
-            s_t = _scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, step + 1, s_t)
-            left, right = warpgroup_mma_wait(3, deps=(left, right))   # P.V is done; the scores may run on
-            mbarrier.arrive(free.index(buf))
-            s_t = warpgroup_mma_wait(0, deps=(s_t,))
-        else:
-            left = warpgroup_mma(k_left.index(buf).permute((1, 0)), p_t, left, is_async=True)
-            right = warpgroup_mma(k_right.index(buf).permute((1, 0)), p_t, right, is_async=True)
-            left, right = warpgroup_mma_wait(0, deps=(left, right))
-            mbarrier.arrive(free.index(buf))
+            s_t = warpgroup_mma_wait(0, deps=(_scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, step + 1,
+                                                        s_t),))
     l_i = gl.sum(l_t, 0)
     inv = _inverse_denominators(m_i, l_i, sink_ptr, head0, h_q, has_sink, SPLIT)
     _store_out_t(left, inv, out_row, stride_o_h, 0, head0, h_q)

@@ -13,8 +13,12 @@ mla_decode_fp8 (positions -> slots + decode) at h_q 128 s_q 2.
 Counting: attended = b * s_q * topk, or sum(topk_length) * s_q where given.
 TFLOP/s = 2 * attended * h_q * (576 + 512) / t. Effective GB/s = (attended * 656 + q + out) / t with q
 b s_q h_q 576 and out b s_q h_q 512 bfloat16 values. Ceilings: a bf16 8192^3 torch matmul (TFLOP/s)
-and a 1 GiB device copy (GB/s, bytes read + written). Times are medians of triton.testing.do_bench,
-which clears L2 before every repetition.
+and a 1 GiB device copy (GB/s, bytes read + written); for the gathers, a Triton kernel that only reads
+the attended tokens' 656 bytes (h_q 16 s_q 1's slots; XOR of their words, many programs per SM) gives
+what this access pattern (656-byte tokens at random addresses of a 2.75 GB cache) can reach. Times are
+medians of triton.testing.do_bench (which clears L2 before every repetition) over CUDA-graph replays of
+each call: the GPU's time without the host's (a call's Python takes ~85 µs, as long as the small rows'
+kernels, so eager timing could measure the host instead).
 
 Correctness: every row's output on the query tokens of 4 sequences is compared with an fp32 torch
 attention over the dequantised selected tokens (relative Frobenius error and max |diff| of out, max
@@ -31,11 +35,13 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 from ceilings import measure_ceilings, plot_roofline, write_report
 
 from minirt.formats import KV_ROPE_AT, KV_SCALES_AT, KV_TOKEN_BYTES
 from minirt.kernels import sparse_mla_decode_sm90 as sm90
+from minirt.kernels import sparse_mla_decode_sm90_few_heads as sm90_few_heads
 from minirt.kernels.kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache
 from minirt.kernels.sparse_mla_decode import (D_QK, D_V, default_config, default_num_splits, mla_decode_fp8,
                                               sparse_mla_decode_fp8, uses_sm90_kernel)
@@ -66,8 +72,22 @@ VARIANTS = [
 ]
 
 
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn's GPU work as a CUDA graph (run once on a side stream first: compiles, caches)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def bench_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    """Median ms of fn's CUDA-graph replay, L2 cleared before each."""
+    return triton.testing.do_bench(capture(fn).replay, warmup=25, rep=100, return_mode="median")
 
 
 def build_cache(b: int, seqlen: int, device, seed: int = 0, block_size: int = BLOCK_SIZE):
@@ -144,28 +164,45 @@ def graph_check(q, cache, slots, eager_out, eager_lse, topk_length=None) -> str:
     out = torch.empty_like(eager_out)
     lse = torch.empty_like(eager_lse)
 
-    def call():
-        sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, topk_length=topk_length, out=out, lse=lse)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm up (compile, autotune caches) off the capture
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture(lambda: sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, topk_length=topk_length, out=out,
+                                                  lse=lse))
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     out_diff = (out.float() - eager_out.float()).abs().max().item()
     lse_diff = (lse - eager_lse).abs().max().item()
-    us = bench_ms(graph.replay) * 1e3
+    us = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
     return (f"CUDA graph (default path, h_q {q.shape[2]}, s_q {q.shape[1]}"
             f"{', topk_length' if topk_length is not None else ''}, preallocated out/lse): replay "
             f"{us:.1f} µs; max |replay - eager|: out {out_diff:.2e}, lse {lse_diff:.2e}"
             + ("" if out_diff == 0 and lse_diff == 0 else " **(differs: NaN means a result not written)**"))
+
+
+TOKEN_WORDS = tl.constexpr(KV_TOKEN_BYTES // 4)
+
+
+@triton.jit
+def _gather_tokens_kernel(cache_ptr, slots_ptr, out_ptr, TOKENS: tl.constexpr):
+    """XOR of the 164 words of each of TOKENS cache tokens named by slots: the gather alone."""
+    slots = tl.load(slots_ptr + tl.program_id(0) * TOKENS + tl.arange(0, TOKENS))
+    words = tl.arange(0, 256)
+    ptrs = cache_ptr + slots.to(tl.int64)[:, None] * TOKEN_WORDS + words[None, :]
+    data = tl.load(ptrs, mask=(words < TOKEN_WORDS)[None, :], other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(tl.xor_sum(data, 1), 0))
+
+
+def gather_ceiling(cache, slots) -> float:
+    """GB/s of reading the 656-byte cache tokens of slots (all valid; a multiple of 64) and nothing else:
+    the best of a few launch shapes."""
+    flat = slots.reshape(-1)
+    best = 0.0
+    for tokens, warps in ((16, 4), (64, 4), (64, 8)):
+        out = torch.empty(flat.numel() // tokens, dtype=torch.int32, device=slots.device)
+        ms = bench_ms(lambda: _gather_tokens_kernel[(out.numel(),)](cache.view(torch.int32), flat, out, TOKENS=tokens,
+                                                                     num_warps=warps))
+        best = max(best, flat.numel() * KV_TOKEN_BYTES / ms / 1e6)
+    return best
 
 
 def kernel_label(q, kind) -> str:
@@ -173,7 +210,10 @@ def kernel_label(q, kind) -> str:
         return "mla_decode_fp8 (positions→slots + decode)"
     config = default_config(q.shape[2]) if kind == PORTABLE else None
     shown = config or default_config(q.shape[2])
-    label = (f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised"
+    few = [h for h in sm90_few_heads.HEADS if q.shape[2] <= h]
+    label = (f"sm90 Gluon few-heads, h{few[0]} n{sm90.BLOCK_N.value}, keys on M, 2 producers" if few and
+             uses_sm90_kernel(q, config) else
+             f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised"
              if uses_sm90_kernel(q, config) else
              f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}")
     return label + (" (default)" if kind == DEFAULT else "")
@@ -199,10 +239,12 @@ def main() -> None:
     cache, table = build_cache(b, SEQLEN, device)
     torch.cuda.synchronize()
     t_cache = time.time() - t_cache
+    gather_gbps = gather_ceiling(cache, build_queries(b, 1, 16, SEQLEN, TOPK, table, seed=1016)[2])
     header = (f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
               f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
               f"Ceilings (same run): bf16 matmul 8192^3 {peak_tflops:.0f} TFLOP/s; "
-              f"device copy {copy_gbps:.0f} GB/s (read + write)\n"
+              f"device copy {copy_gbps:.0f} GB/s (read + write); gather of the attended tokens alone "
+              f"{gather_gbps:.0f} GB/s\n"
               f"b = {b} sequences of {SEQLEN} tokens, topk = {TOPK}, block_size = {BLOCK_SIZE} (pages shuffled); "
               f"cache {cache.numel() / 1e9:.2f} GB (built in {t_cache:.1f} s)\n")
     print(header, flush=True)
