@@ -4,10 +4,11 @@ The kernel gathers each query row's top-k cache slots straight from the 656-byte
 kv_cache_fp8), dequantises fp8 * scale in registers (exact in bf16), and runs a base-2 online
 softmax over chunks of BLOCK_N slots; there is no bf16 copy of the cache. When the batch is too
 small to fill the GPU, each row's top-k is split across programs and the partial (out, lse) are
-merged by lse in a second kernel. On sm_90 GPUs the default launch runs the Gluon kernel of
-sparse_mla_decode_sm90 instead (same semantics, same split/merge; uses_sm90_kernel decides); elsewhere,
-and for an explicit DecodeConfig, the portable Triton kernel here runs. Both kernels take the same
-runtime arguments, built once by sparse_mla_decode_fp8.
+merged by lse in a second kernel. On sm_90 GPUs the default launch runs a Gluon kernel instead:
+sparse_mla_decode_sm90's (64 heads a program) or, up to 32 heads, sparse_mla_decode_sm90_few_heads's
+(same semantics, same split/merge; uses_sm90_kernel decides); elsewhere, and for an explicit
+DecodeConfig, the portable Triton kernel here runs. All take the same runtime arguments, built once by
+sparse_mla_decode_fp8.
 
 Public entry points: ``mla_decode_fp8`` (what the runtime calls per layer and step: block table +
 the indexer's top-k positions) and ``sparse_mla_decode_fp8`` (slot ids, FlashMLA's interface).
@@ -218,8 +219,9 @@ def _merge_splits_kernel(
 
 
 def uses_sm90_kernel(q: torch.Tensor, config: Optional[DecodeConfig] = None) -> bool:
-    """Whether sparse_mla_decode_fp8 runs the Gluon kernel (sparse_mla_decode_sm90) for this q and config:
-    compiled (not interpreted), no explicit config, on an sm_90 GPU."""
+    """Whether sparse_mla_decode_fp8 runs a Gluon kernel (sparse_mla_decode_sm90 or, up to 32 heads,
+    sparse_mla_decode_sm90_few_heads) for this q and config: compiled (not interpreted), no explicit
+    config, on an sm_90 GPU."""
     return config is None and not INTERPRET and sm90.supported(q)
 
 
@@ -330,8 +332,9 @@ def sparse_mla_decode_fp8(
             by lse). Default: default_num_splits(q, topk, config) (enough programs to fill the GPU; 1 on
             the CPU).
         config: keyword-only, optional DecodeConfig: run the portable Triton kernel with this launch
-            shape. Default: the Gluon kernel (sparse_mla_decode_sm90) on sm_90 GPUs (uses_sm90_kernel),
-            else the portable kernel with default_config(h_q).
+            shape. Default: a Gluon kernel on sm_90 GPUs (uses_sm90_kernel; sparse_mla_decode_sm90, or
+            sparse_mla_decode_sm90_few_heads for h_q <= 32), else the portable kernel with
+            default_config(h_q).
         out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
 
     Returns:
