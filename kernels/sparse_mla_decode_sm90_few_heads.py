@@ -2,15 +2,15 @@
 4 or 8), written in Gluon. Same semantics, arguments and launch geometry as sparse_mla_decode_sm90.
 
 Padded to wgmma's M of 64 heads, 16 heads would waste 75% of the MMAs, and the consumers' 64-row
-accumulators take the registers a second producer needs; the cost of a block at every head count is the
-producer's dequantisation (docs/perf/decode.md). So here the keys are the MMAs' M side:
+accumulators take the registers a second producer needs; at every head count the producer (its gathers
+and dequantisation) sets the cost of a block (docs/perf/decode.md). So here the keys are the MMAs' M side:
 
     S^T [64 keys, H] = K [64, 576] . q^T        O^T [512, H] += V^T [512, 64] . P^T [64, H]
 
 with H = h_q rounded up to 16 or 32 (wgmma's N). One consumer warpgroup holds O^T (512 x 32 fp32 is 128
 registers a thread) and computes the softmax down the key axis; two producer warpgroups (produce_blocks
-of sparse_mla_decode_sm90) fill the two block buffers, each every other block, so two blocks dequantise
-at once.
+of sparse_mla_decode_sm90) fill the two block buffers, each every other block, so two blocks are
+gathered and dequantised at once. The consumer returns each buffer as soon as its P.V is done.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def _sparse_decode_few_heads_kernel(
 ):
     b, s, head0, lo, hi, n_steps = program_span(n_head_blocks, s_q, topk, split_len, num_slots, has_topk_length,
                                                 topk_length_ptr, batch_order_ptr, H)
-    # Shared memory, 186 KiB at H 32: q (36), two bf16 key blocks (144), P^T, slot ids, barriers.
+    # Shared memory, 190 KiB at H 32 (170 at H 16): q (36), two bf16 key blocks (144), P^T, slot ids,
+    # barriers, the reductions' scratch.
     q_halves, q_rope = allocate_q(H)
     blocks = allocate_blocks(1)
     p_t = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, H],
@@ -149,6 +150,6 @@ def _store_out_t(acc_t, inv, out_row, stride_o_h, col0, head0, h_q):
 def launch(grid, args, split: bool, padded_blocks: bool, heads: int) -> None:
     """As sparse_mla_decode_sm90.launch, for h_q <= 32; heads: h_q rounded up to one of HEADS."""
     # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
-    # 200 / 152 / 152 (consumer / producers).
+    # 232 / 136 / 136 (consumer / producers: scripts/sm90_registers.py shows them, without spills).
     _sparse_decode_few_heads_kernel[grid](*args, SPLIT=split, PADDED_BLOCKS=padded_blocks, H=heads, num_warps=4,
                                           maxnreg=168)
