@@ -189,8 +189,9 @@ def _scores(q_halves, q_rope, blocks, step, s):
 
 
 @gluon.jit
-def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps, head0, h_q,
-                sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT: gl.constexpr):
+def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps,
+                head0, h_q, sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink,
+                SPLIT: gl.constexpr):
     """q, scores, softmax, output columns 0..255, lse. A split writes partials (fp32 out over its own
     keys, base-2 lse) for the merge kernel, which applies the sink. (q loads here, while the producer
     already gathers the first blocks.)"""

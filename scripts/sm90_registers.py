@@ -1,4 +1,4 @@
-"""Compile the warp-specialised Gluon kernels (sparse prefill, fp8 sparse decode for 64 and for few heads) for sm_90a on this
+"""Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode, 64 heads and few) for sm_90a on this
 machine (no GPU needed) and report each warp partition's register budget and each kernel's spill
 instructions.
 
