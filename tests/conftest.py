@@ -12,16 +12,21 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def force_portable_kernels(monkeypatch):
+    """Make the public attention functions run the portable Triton kernels, not the Gluon ones."""
+    import importlib
+    for name in ("sparse_mla_prefill", "sparse_mla_decode"):   # the modules, not the functions
+        monkeypatch.setattr(importlib.import_module(f"minirt.kernels.{name}"), "uses_sm90_kernel",
+                            lambda *args, **kwargs: False)
+
+
 @pytest.fixture(params=["sm90", "portable"] if DEVICE == "cuda" else ["portable"])
 def kernel_path(request, monkeypatch):
     """Which attention kernel runs: on a GPU a test using this runs twice, through the kernel the
     public functions pick (the Gluon kernels on sm_90) and through the portable Triton kernels,
     forced. The CPU (interpreter) has only the portable kernels."""
     if request.param == "portable":
-        import importlib
-        for name in ("sparse_mla_prefill", "sparse_mla_decode"):   # the modules, not the functions
-            monkeypatch.setattr(importlib.import_module(f"minirt.kernels.{name}"), "uses_sm90_kernel",
-                                lambda *args, **kwargs: False)
+        force_portable_kernels(monkeypatch)
     return request.param
 
 

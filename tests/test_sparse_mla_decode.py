@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE
+from conftest import DEVICE, force_portable_kernels
 from minirt.errors import InputError
 from minirt.kernels.kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, quantize_kv_fp8
 from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, mla_decode_fp8,
@@ -33,9 +33,7 @@ def kernel_path(request, monkeypatch):
     heads, 64-head above), through the 64-head Gluon kernel at every h_q, and through the portable
     Triton kernels (prefill's too), forced. The CPU (interpreter) has only the portable kernels."""
     if request.param == "portable":
-        for name in ("sparse_mla_prefill", "sparse_mla_decode"):   # the modules, not the functions
-            monkeypatch.setattr(importlib.import_module(f"minirt.kernels.{name}"), "uses_sm90_kernel",
-                                lambda *args, **kwargs: False)
+        force_portable_kernels(monkeypatch)
     if request.param == "sm90-64-heads":
         monkeypatch.setattr(sm90_few_heads, "HEADS", ())
     return request.param
