@@ -24,7 +24,8 @@ multiplies, by 2^120 and by the tile's scale, give value * scale exactly, the sc
 two (as the cache writer makes it). The e4m3 NaN code decodes as 480 (the writer never stores it).
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_decode_fp8 dispatches to it
-there (uses_sm90_kernel) and to the portable kernel everywhere else.
+there (uses_sm90_kernel) for more than 32 heads (fewer: sparse_mla_decode_sm90_few_heads, which shares
+the producer, produce_blocks) and to the portable kernel everywhere else.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ mul.rn.bf16x2 hi, hi, c;
 mul.rn.bf16x2 $0, lo, $3;
 mul.rn.bf16x2 $1, hi, $3;
 }""")
-# Runtime integers of the decode kernels (this one and sparse_mla_decode's portable one): only
+# Runtime integers of the decode kernels (this one, the few-heads one, sparse_mla_decode's portable one): only
 # compared or multiplied, so specialising on their values would only multiply compiles.
 RUNTIME_ARGS = [
     "s_q", "h_q", "n_head_blocks", "topk", "split_len", "block_size", "num_slots", "block_stride_16",

@@ -20,8 +20,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .sparse_mla_decode_sm90 import (RUNTIME_ARGS, allocate_blocks, allocate_q, produce_blocks, program_span)
-from .sparse_mla_prefill_sm90 import (BLOCK_N, HALF, HALF_L, LOG2E, NO_MAX, VEC_SMEM, load_q, opaque_zero,
-                                      score_piece, store_lse, wait_piece)
+from .sparse_mla_prefill_sm90 import (BLOCK_N, HALF, HALF_L, NO_MAX, VEC_SMEM, inverse_denominators, load_q,
+                                      opaque_zero, score_piece, store_lse, wait_piece)
 
 HEADS = (16, 32)   # wgmma N of the program's heads: h_q up to 32, rounded up
 
@@ -117,23 +117,10 @@ def _consumer(blocks, p_t, q_row, stride_q_h, q_halves, q_rope, num_slots, n_ste
             s_t = warpgroup_mma_wait(0, deps=(_scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, step + 1,
                                                         s_t),))
     l_i = gl.sum(l_t, 0)
-    inv = _inverse_denominators(m_i, l_i, sink_ptr, head0, h_q, has_sink, SPLIT)
+    inv = inverse_denominators(m_i, l_i, sink_ptr, 1, head0, h_q, has_sink, SPLIT)
     _store_out_t(left, inv, out_row, stride_o_h, 0, head0, h_q)
     _store_out_t(right, inv, out_row, stride_o_h, HALF, head0, h_q)
     store_lse(m_i, l_i, lse_row, stride_l_h, head0, h_q, SPLIT)
-
-
-@gluon.jit
-def _inverse_denominators(m_i, l_i, sink_ptr, head0, h_q, has_sink, PARTIAL: gl.constexpr):
-    """Per head: 1 / (row sum + the sink's weight), 0 for heads without a valid key; PARTIAL (a top-k
-    split's partial result): no sink (the merge applies it)."""
-    has_keys = l_i > 0.0
-    denom = gl.where(has_keys, l_i, 1.0)
-    if not PARTIAL:
-        if has_sink:
-            offs_h = head0 + gl.arange(0, m_i.shape[0], m_i.type.layout)
-            denom += gl.exp2(gl.load(sink_ptr + offs_h, mask=offs_h < h_q, other=0.0) * LOG2E - m_i)
-    return gl.where(has_keys, 1.0 / denom, 0.0)
 
 
 @gluon.jit

@@ -425,19 +425,28 @@ def _total_row_sums(l_i, row_sums, sync, me: gl.constexpr):
 
 
 @gluon.jit
+def inverse_denominators(m_i, l_i, sink_ptr, stride_sink_h, head0, h_q, has_sink, PARTIAL: gl.constexpr):
+    """Per head head0.. (m_i's layout): 1 / (row sum + the sink's weight), 0 for heads without a valid
+    key. PARTIAL (a top-k split's partial result): no sink (the merge applies it). has_sink: constexpr
+    or runtime flag."""
+    has_keys = l_i > 0.0
+    denom = gl.where(has_keys, l_i, 1.0)
+    if not PARTIAL:
+        if has_sink:
+            offs_h = head0 + gl.arange(0, m_i.shape[0], m_i.type.layout)
+            denom += gl.exp2(gl.load(sink_ptr + offs_h * stride_sink_h, mask=offs_h < h_q, other=0.0) * LOG2E - m_i)
+    return gl.where(has_keys, 1.0 / denom, 0.0)
+
+
+@gluon.jit
 def store_out(acc, m_i, l_i, col0, staging, sink_ptr, stride_sink_h, out_row, stride_o_h, stride_o_d, head0, h_q,
               has_sink, PARTIAL: gl.constexpr):
     """out_row[h, col0:col0+256] = acc / (row sum + the sink's weight) for heads head0.. (< h_q); 0 for
     rows without a valid key. PARTIAL (a top-k split's partial result): no sink. has_sink: constexpr
     or runtime flag. Staged through shared memory (staging: a free buffer of at least 64 x 256 of
     out's dtype): stored from the MMA layout directly, each thread would hold 128 addresses."""
-    has_keys = l_i > 0.0
-    denom = gl.where(has_keys, l_i, 1.0)
-    if not PARTIAL:
-        if has_sink:
-            offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
-            denom += gl.exp2(gl.load(sink_ptr + offs_h * stride_sink_h, mask=offs_h < h_q, other=0.0) * LOG2E - m_i)
-    out = acc * gl.convert_layout(gl.where(has_keys, 1.0 / denom, 0.0), ROW_O)[:, None]
+    inv = inverse_denominators(m_i, l_i, sink_ptr, stride_sink_h, head0, h_q, has_sink, PARTIAL)
+    out = acc * gl.convert_layout(inv, ROW_O)[:, None]
     dtype: gl.constexpr = out_row.dtype.element_ty
     buf = staging._reinterpret(dtype, [BLOCK_H, HALF], OUT_SMEM)
     buf.store(out.to(dtype))

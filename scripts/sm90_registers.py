@@ -76,7 +76,8 @@ def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: in
     cache = torch.zeros((64, 64 + padded_blocks, 1, 656), dtype=torch.uint8)[:, :64]
     indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
     saved = {name: getattr(decode, name) for name in ("uses_sm90_kernel", "check_device", "_merge_splits_kernel")}
-    module, name = ((sparse_mla_decode_sm90_few_heads, "_sparse_decode_few_heads_kernel") if h_q <= 32
+    module, name = ((sparse_mla_decode_sm90_few_heads, "_sparse_decode_few_heads_kernel")
+                    if h_q <= max(sparse_mla_decode_sm90_few_heads.HEADS)
                     else (sparse_mla_decode_sm90, "_sparse_decode_sm90_kernel"))
     kernel, recorder = getattr(module, name), Recorder()
     decode.uses_sm90_kernel = lambda *args, **kwargs: True
