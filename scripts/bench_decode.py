@@ -183,24 +183,27 @@ TOKEN_WORDS = tl.constexpr(KV_TOKEN_BYTES // 4)
 
 
 @triton.jit
-def _gather_tokens_kernel(cache_ptr, slots_ptr, out_ptr, TOKENS: tl.constexpr):
-    """XOR of the 164 words of each of TOKENS cache tokens named by slots: the gather alone."""
-    slots = tl.load(slots_ptr + tl.program_id(0) * TOKENS + tl.arange(0, TOKENS))
+def gather_tokens_kernel(cache_ptr, slots_ptr, out_ptr, n_chunks, T: tl.constexpr):
+    """XOR of the 164 words of the cache tokens of chunks pid, pid + programs, ... (T slots each), one
+    chunk's loads at a time: the gather alone."""
+    acc = tl.zeros([T, 256], tl.int32)
     words = tl.arange(0, 256)
-    ptrs = cache_ptr + slots.to(tl.int64)[:, None] * TOKEN_WORDS + words[None, :]
-    data = tl.load(ptrs, mask=(words < TOKEN_WORDS)[None, :], other=0)
-    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(tl.xor_sum(data, 1), 0))
+    for chunk in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0), num_stages=1):
+        slots = tl.load(slots_ptr + chunk * T + tl.arange(0, T))
+        acc ^= tl.load(cache_ptr + slots.to(tl.int64)[:, None] * TOKEN_WORDS + words[None, :],
+                       mask=(words < TOKEN_WORDS)[None, :], other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(tl.xor_sum(acc, 1), 0))
 
 
 def gather_ceiling(cache, slots) -> float:
     """GB/s of reading the 656-byte cache tokens of slots (all valid; a multiple of 64) and nothing else:
-    the best of a few launch shapes."""
+    the best of a few launch shapes, one program per chunk."""
     flat = slots.reshape(-1)
     best = 0.0
     for tokens, warps in ((16, 4), (64, 4), (64, 8)):
         out = torch.empty(flat.numel() // tokens, dtype=torch.int32, device=slots.device)
-        ms = bench_ms(lambda: _gather_tokens_kernel[(out.numel(),)](cache.view(torch.int32), flat, out, TOKENS=tokens,
-                                                                     num_warps=warps))
+        ms = bench_ms(lambda: gather_tokens_kernel[(out.numel(),)](cache.view(torch.int32), flat, out, out.numel(),
+                                                                    T=tokens, num_warps=warps))
         best = max(best, flat.numel() * KV_TOKEN_BYTES / ms / 1e6)
     return best
 

@@ -17,8 +17,7 @@ import datetime
 
 import torch
 import triton
-import triton.language as tl
-from bench_decode import SEQLEN, TOKEN_WORDS, TOPK, bench_ms, build_cache, build_queries
+from bench_decode import SEQLEN, TOPK, bench_ms, build_cache, build_queries, gather_tokens_kernel
 from ceilings import measure_ceilings, write_report
 
 from minirt.formats import KV_TOKEN_BYTES
@@ -26,18 +25,6 @@ from minirt.formats import KV_TOKEN_BYTES
 # (tokens per chunk, warps); programs per SM for each.
 SHAPES = [(16, 4), (32, 4), (64, 8)]
 PROGRAMS_PER_SM = [1, 2, 3, 4, 6, 8]
-
-
-@triton.jit
-def _gather_loop_kernel(cache_ptr, slots_ptr, out_ptr, n_chunks, T: tl.constexpr):
-    """XOR of the words of the tokens of chunks pid, pid + programs, ... (T slots each): the gather alone."""
-    acc = tl.zeros([T, 256], tl.int32)
-    words = tl.arange(0, 256)
-    for chunk in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0), num_stages=1):
-        slots = tl.load(slots_ptr + chunk * T + tl.arange(0, T))
-        acc ^= tl.load(cache_ptr + slots.to(tl.int64)[:, None] * TOKEN_WORDS + words[None, :],
-                       mask=(words < TOKEN_WORDS)[None, :], other=0)
-    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(tl.xor_sum(acc, 1), 0))
 
 
 def main() -> None:
@@ -52,9 +39,9 @@ def main() -> None:
     for tokens, warps in SHAPES:
         for k in PROGRAMS_PER_SM:
             out = torch.empty(props.multi_processor_count * k, dtype=torch.int32, device="cuda")
-            ms = bench_ms(lambda: _gather_loop_kernel[(out.numel(),)](cache.view(torch.int32), slots, out,
-                                                                       slots.numel() // tokens, T=tokens,
-                                                                       num_warps=warps))
+            ms = bench_ms(lambda: gather_tokens_kernel[(out.numel(),)](cache.view(torch.int32), slots, out,
+                                                                        slots.numel() // tokens, T=tokens,
+                                                                        num_warps=warps))
             rows.append(f"| {tokens} | {warps} | {k} | {k * tokens * KV_TOKEN_BYTES / 1024:.0f} | "
                         f"{slots.numel() * KV_TOKEN_BYTES / ms / 1e6:.0f} |")
             print(rows[-1], flush=True)
