@@ -43,7 +43,6 @@ from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, NO_
 
 NUM_WARPS = 4   # warps of the default partition (consumer 0); the others have 4 as well
 PIECE = gl.constexpr(BLOCK_N.value // 4)   # keys per producer piece: a quarter block
-TILE = gl.constexpr(formats.FP8_GROUP)
 WORDS = gl.constexpr(formats.FP8_GROUP // 4)   # 32-bit words per 128-value tile
 TOKEN_BYTES = gl.constexpr(formats.KV_TOKEN_BYTES)
 SCALES_AT = gl.constexpr(formats.KV_SCALES_AT)
