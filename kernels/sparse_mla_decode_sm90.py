@@ -266,7 +266,7 @@ def _step_ids(idx_row, lo, hi, step):
 
 
 @gluon.jit
-def token_addresses(cache_ptr, ids, geometry):
+def _token_addresses(cache_ptr, ids, geometry):
     """(address of each slot's 656-byte token, validity); invalid slots point at slot 0 (see _load_piece).
     geometry: (num_slots, block_size, block_stride_16, PADDED_BLOCKS); only blocks padded beyond
     block_size tokens need the division (a runtime divisor costs the producer ~25 instructions a piece)."""
@@ -298,7 +298,7 @@ def _load_piece(cache_ptr, piece_ids, geometry):
     (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its scales and rope read
     as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
     ids, rope_ids = piece_ids
-    token, valid = token_addresses(cache_ptr, ids, geometry)
+    token, valid = _token_addresses(cache_ptr, ids, geometry)
     tile = gl.arange(0, 2, gl.SliceLayout(0, SCALES_L))
     word = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
     words = token.to(gl.pointer_type(gl.int32))[:, None, None] + tile[None, :, None] * WORDS + word[None, None, :]
@@ -307,7 +307,7 @@ def _load_piece(cache_ptr, piece_ids, geometry):
     scale_words = (token + SCALES_AT).to(gl.pointer_type(gl.int32))[:, None] + tile[None, :]
     scales = gl.load(scale_words, mask=valid[:, None], other=0)
     scales_right = gl.load(scale_words + 2, mask=valid[:, None], other=0)   # tiles 2, 3
-    token, valid = token_addresses(cache_ptr, rope_ids, geometry)
+    token, valid = _token_addresses(cache_ptr, rope_ids, geometry)
     rope = gl.load((token + ROPE_AT).to(gl.pointer_type(gl.int32))[:, None]
                    + gl.arange(0, D_ROPE // 2, gl.SliceLayout(0, ROPE_W))[None, :], mask=valid[:, None], other=0)
     return left, scales, right, scales_right, rope
@@ -333,8 +333,9 @@ def _store_dequantised(words, scale_pairs, dst, part: gl.constexpr):
 
 
 @gluon.jit
-def fill_piece(piece, k_left, k_right, k_rope, buf, part: gl.constexpr):
-    """Store a piece (_load_piece's registers) into rows part*16.. of buffer buf's left, right and rope tiles."""
+def _fill(piece, blocks, buf, part: gl.constexpr):
+    """Store a piece (_load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
+    k_left, k_right, k_rope, key_ids, ready, free = blocks
     left, left_scales, right, right_scales, rope = piece
     # (The scales become bf16 pairs here, at their first use: converted where they are loaded, the
     # producer would wait for every piece's loads as soon as it issued them.)
@@ -373,16 +374,16 @@ def produce_blocks(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, geomet
             ids_p = _piece_ids(load_ids, mine + 1, 0)
             mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
             key_ids.index(buf).store(ids_cur)
-            fill_piece(p0, k_left, k_right, k_rope, buf, 0)
+            _fill(p0, blocks, buf, 0)
             p0 = _load_piece(cache_ptr, ids_p, geometry)
             ids_p = _piece_ids(load_ids, mine + 1, 1)
-            fill_piece(p1, k_left, k_right, k_rope, buf, 1)
+            _fill(p1, blocks, buf, 1)
             p1 = _load_piece(cache_ptr, ids_p, geometry)
             ids_p = _piece_ids(load_ids, mine + 1, 2)
-            fill_piece(p2, k_left, k_right, k_rope, buf, 2)
+            _fill(p2, blocks, buf, 2)
             p2 = _load_piece(cache_ptr, ids_p, geometry)
             ids_p3 = _piece_ids(load_ids, mine + 1, 3)
-            fill_piece(p3, k_left, k_right, k_rope, buf, 3)
+            _fill(p3, blocks, buf, 3)
             fence_async_shared()
             publish_done(ready.index(buf))
             ids_cur = ids_next
