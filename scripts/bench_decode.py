@@ -183,15 +183,26 @@ TOKEN_WORDS = tl.constexpr(KV_TOKEN_BYTES // 4)
 
 
 @triton.jit
-def gather_tokens_kernel(cache_ptr, slots_ptr, out_ptr, n_chunks, T: tl.constexpr):
-    """XOR of the 164 words of the cache tokens of chunks pid, pid + programs, ... (T slots each), one
-    chunk's loads at a time: the gather alone."""
-    acc = tl.zeros([T, 256], tl.int32)
+def _chunk_words(cache_ptr, slots_ptr, chunk, T: tl.constexpr):
+    """The 164 words of the cache tokens of chunk `chunk` (T slots), as [T, 256] (0 past word 163)."""
+    slots = tl.load(slots_ptr + chunk * T + tl.arange(0, T))
     words = tl.arange(0, 256)
-    for chunk in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0), num_stages=1):
-        slots = tl.load(slots_ptr + chunk * T + tl.arange(0, T))
-        acc ^= tl.load(cache_ptr + slots.to(tl.int64)[:, None] * TOKEN_WORDS + words[None, :],
-                       mask=(words < TOKEN_WORDS)[None, :], other=0)
+    return tl.load(cache_ptr + slots.to(tl.int64)[:, None] * TOKEN_WORDS + words[None, :],
+                   mask=(words < TOKEN_WORDS)[None, :], other=0)
+
+
+@triton.jit
+def gather_tokens_kernel(cache_ptr, slots_ptr, out_ptr, n_chunks, T: tl.constexpr, PERSISTENT: tl.constexpr):
+    """XOR of the words of cache tokens: the gather alone. PERSISTENT: chunks pid, pid + programs, ... (T
+    slots each), one chunk's loads at a time (bench_gather's bytes in flight); else chunk pid only (one
+    program per chunk: the fastest launch, bench_decode's ceiling; the loop's one trip measured 2540 GB/s
+    against 3048 without it)."""
+    if PERSISTENT:
+        acc = tl.zeros([T, 256], tl.int32)
+        for chunk in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0), num_stages=1):
+            acc ^= _chunk_words(cache_ptr, slots_ptr, chunk, T)
+    else:
+        acc = _chunk_words(cache_ptr, slots_ptr, tl.program_id(0), T)
     tl.store(out_ptr + tl.program_id(0), tl.xor_sum(tl.xor_sum(acc, 1), 0))
 
 
@@ -203,7 +214,7 @@ def gather_ceiling(cache, slots) -> float:
     for tokens, warps in ((16, 4), (64, 4), (64, 8)):
         out = torch.empty(flat.numel() // tokens, dtype=torch.int32, device=slots.device)
         ms = bench_ms(lambda: gather_tokens_kernel[(out.numel(),)](cache.view(torch.int32), flat, out, out.numel(),
-                                                                    T=tokens, num_warps=warps))
+                                                                    T=tokens, PERSISTENT=False, num_warps=warps))
         best = max(best, flat.numel() * KV_TOKEN_BYTES / ms / 1e6)
     return best
 

@@ -41,7 +41,7 @@ def main() -> None:
             out = torch.empty(props.multi_processor_count * k, dtype=torch.int32, device="cuda")
             ms = bench_ms(lambda: gather_tokens_kernel[(out.numel(),)](cache.view(torch.int32), slots, out,
                                                                         slots.numel() // tokens, T=tokens,
-                                                                        num_warps=warps))
+                                                                        PERSISTENT=True, num_warps=warps))
             rows.append(f"| {tokens} | {warps} | {k} | {k * tokens * KV_TOKEN_BYTES / 1024:.0f} | "
                         f"{slots.numel() * KV_TOKEN_BYTES / ms / 1e6:.0f} |")
             print(rows[-1], flush=True)
