@@ -131,13 +131,13 @@ def main() -> int:
     for d_qk in (576, 512):
         for with_options in (False, True):
             failing |= report(f"prefill d_qk {d_qk}, attn_sink and topk_length {'on' if with_options else 'off'}",
-                               sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel,
-                               *recorded_prefill_launch(d_qk, with_options))
+                              sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel,
+                              *recorded_prefill_launch(d_qk, with_options))
     for h_q, num_splits, padded_blocks in ((128, 1, False), (128, 2, False), (128, 1, True), (16, 1, False),
                                            (32, 1, False), (32, 2, False), (32, 1, True)):
         failing |= report(f"decode h_q {h_q}, {'partial' if num_splits > 1 else 'final'} results"
-                           + (", padded cache blocks" if padded_blocks else ""),
-                           *recorded_decode_launch(num_splits, padded_blocks, h_q))
+                          + (", padded cache blocks" if padded_blocks else ""),
+                          *recorded_decode_launch(num_splits, padded_blocks, h_q))
     return 1 if failing else 0
 
 
