@@ -176,10 +176,11 @@ def _sparse_decode_kernel(
         _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs)
 
 
+# (The partials' and out's row strides are specialised: their divisibility lets the loads and stores of
+# whole rows vectorise, see sparse_mla_decode_sm90.RUNTIME_ARGS.)
 @triton.jit(do_not_specialize=[
-    "num_splits", "s_q", "h_q", "n_head_blocks", "has_sink", "stride_po_split", "stride_po_row",
-    "stride_pl_split", "stride_pl_row", "stride_o_b", "stride_o_s", "stride_l_b", "stride_l_s",
-    "stride_l_h"])
+    "num_splits", "s_q", "h_q", "n_head_blocks", "has_sink", "stride_pl_split", "stride_pl_row", "stride_l_b",
+    "stride_l_s", "stride_l_h"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
     num_splits, s_q, h_q, n_head_blocks, has_sink,
