@@ -1,6 +1,6 @@
-"""Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode, 64 heads and few) for sm_90a on this
-machine (no GPU needed) and report each warp partition's register budget and each kernel's spill
-instructions and 2-byte global accesses.
+"""Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode, 64 heads and few) and the
+decode's split merge for sm_90a on this machine (no GPU needed) and report each warp partition's register
+budget and each kernel's spill instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
                                              # loads or stores global memory 2 bytes at a time
@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
@@ -68,11 +69,12 @@ def recorded_prefill_launch(d_qk: int, with_options: bool):
     return recorder.calls[0]
 
 
-def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: int = 128):
+def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: int = 128, merge: bool = False):
     """(kernel, args, kwargs): the Gluon kernel that sparse_mla_decode_fp8 runs for b 2, s_q 2, h_q,
     topk 2048 in num_splits splits (1: final results, more: partials), over a cache whose blocks are
-    packed or (padded_blocks) a view with one token's gap after each block, and what it passes. Its
-    device checks and the merge launch are stood in for: the tensors are on the CPU."""
+    packed or (padded_blocks) a view with one token's gap after each block, and what it passes; merge
+    (num_splits > 1): the split merge's Triton kernel instead. Its device checks are stood in for: the
+    tensors are on the CPU."""
     q = torch.randn((2, 2, h_q, 576)).to(torch.bfloat16)
     cache = torch.zeros((64, 64 + padded_blocks, 1, 656), dtype=torch.uint8)[:, :64]
     indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
@@ -80,10 +82,10 @@ def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: in
     module, name = ((sparse_mla_decode_sm90_few_heads, "_sparse_decode_few_heads_kernel")
                     if h_q <= max(sparse_mla_decode_sm90_few_heads.HEADS)
                     else (sparse_mla_decode_sm90, "_sparse_decode_sm90_kernel"))
-    kernel, recorder = getattr(module, name), Recorder()
+    kernel, recorder, merge_recorder = getattr(module, name), Recorder(), Recorder()
     decode.uses_sm90_kernel = lambda *args, **kwargs: True
     decode.check_device = lambda tensors: None
-    decode._merge_splits_kernel = Recorder()
+    decode._merge_splits_kernel = merge_recorder
     setattr(module, name, recorder)
     try:
         decode.sparse_mla_decode_fp8(q, cache, indices, 0.1, num_splits=num_splits)
@@ -91,6 +93,8 @@ def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: in
         setattr(module, name, kernel)
         for name, value in saved.items():
             setattr(decode, name, value)
+    if merge:
+        return (decode._merge_splits_kernel, *merge_recorder.calls[0])
     return (kernel, *recorder.calls[0])
 
 
@@ -100,8 +104,8 @@ def compile_for_sm90(kernel, args, kwargs):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                          options=options.__dict__)
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
 def sass(compiled) -> str:
@@ -138,6 +142,8 @@ def main() -> int:
         failing |= report(f"decode h_q {h_q}, {'partial' if num_splits > 1 else 'final'} results"
                           + (", padded cache blocks" if padded_blocks else ""),
                           *recorded_decode_launch(num_splits, padded_blocks, h_q))
+    for h_q in (128, 32):   # the split merge (a Triton kernel): no partitions, but the same 2-byte rule
+        failing |= report(f"merge of split results, h_q {h_q}", *recorded_decode_launch(2, False, h_q, merge=True))
     return 1 if failing else 0
 
 
