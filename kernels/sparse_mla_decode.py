@@ -230,8 +230,7 @@ def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int,
     """(uses_sm90_kernel, heads per program, top-k entries per loop step) of the kernel a call runs (the
     sm90 kernels: 64 heads, or h_q rounded up to 16 or 32 up to 32 heads)."""
     if uses_sm90_kernel(q, config):
-        few = [heads for heads in sm90_few_heads.HEADS if q.shape[2] <= heads]
-        return True, few[0] if few else sm90.BLOCK_H.value, sm90.BLOCK_N.value
+        return True, sm90_few_heads.program_heads(q.shape[2]) or sm90.BLOCK_H.value, sm90.BLOCK_N.value
     config = config or default_config(q.shape[2])
     return False, config.block_h, config.block_n
 

@@ -134,8 +134,14 @@ def _store_out_t(acc_t, inv, out_row, stride_o_h, col0, head0, h_q):
     gl.store(out_row + offs_h[:, None] * stride_o_h + offs_d[None, :], out, mask=(offs_h < h_q)[:, None])
 
 
+def program_heads(h_q: int):
+    """The heads a program of this kernel takes for h_q query heads: h_q rounded up to one of HEADS, or
+    None above them (the 64-head kernel's case)."""
+    return next((heads for heads in HEADS if h_q <= heads), None)
+
+
 def launch(grid, args, split: bool, padded_blocks: bool, heads: int) -> None:
-    """As sparse_mla_decode_sm90.launch, for h_q <= 32; heads: h_q rounded up to one of HEADS."""
+    """As sparse_mla_decode_sm90.launch, for h_q <= 32; heads: program_heads(h_q)."""
     # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
     # 232 / 136 / 136 (consumer / producers: scripts/sm90_registers.py shows them, without spills).
     _sparse_decode_few_heads_kernel[grid](*args, SPLIT=split, PADDED_BLOCKS=padded_blocks, H=heads, num_warps=4,

@@ -223,13 +223,14 @@ def kernel_label(q, kind) -> str:
     if kind == WRAPPER:
         return "mla_decode_fp8 (positions→slots + decode)"
     config = default_config(q.shape[2]) if kind == PORTABLE else None
-    shown = config or default_config(q.shape[2])
-    few = [h for h in sm90_few_heads.HEADS if q.shape[2] <= h]
-    label = (f"sm90 Gluon few-heads, h{few[0]} n{sm90.BLOCK_N.value}, keys on M, 2 producers" if few and
-             uses_sm90_kernel(q, config) else
-             f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised"
-             if uses_sm90_kernel(q, config) else
-             f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}")
+    few = sm90_few_heads.program_heads(q.shape[2])
+    if not uses_sm90_kernel(q, config):
+        shown = default_config(q.shape[2])
+        label = f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}"
+    elif few:
+        label = f"sm90 Gluon few-heads, h{few} n{sm90.BLOCK_N.value}, keys on M, 2 producers"
+    else:
+        label = f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised"
     return label + (" (default)" if kind == DEFAULT else "")
 
 

@@ -80,7 +80,7 @@ def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: in
     indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
     saved = {name: getattr(decode, name) for name in ("uses_sm90_kernel", "check_device", "_merge_splits_kernel")}
     module, name = ((sparse_mla_decode_sm90_few_heads, "_sparse_decode_few_heads_kernel")
-                    if h_q <= max(sparse_mla_decode_sm90_few_heads.HEADS)
+                    if sparse_mla_decode_sm90_few_heads.program_heads(h_q)
                     else (sparse_mla_decode_sm90, "_sparse_decode_sm90_kernel"))
     kernel, recorder, merge_recorder = getattr(module, name), Recorder(), Recorder()
     decode.uses_sm90_kernel = lambda *args, **kwargs: True
