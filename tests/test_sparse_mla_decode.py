@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from conftest import DEVICE, force_portable_kernels
 from minirt.errors import InputError
 from minirt.kernels.kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, quantize_kv_fp8
-from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, mla_decode_fp8,
+from minirt.kernels.sparse_mla_decode import (DecodeConfig, default_config, longest_first, mla_decode_fp8,
                                               sparse_mla_decode_fp8)
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
 from minirt.kernels import sparse_mla_decode_sm90 as sm90
@@ -292,6 +292,30 @@ def test_noncontiguous_block_stride():
     backing[:, 16:] = 0xFF                                        # the gaps between blocks
     q = random_q(2, 1, 16, 17)
     check(decode(q, cache, indices, SM_SCALE, num_splits=2), reference(q, cache, indices, SM_SCALE))
+
+
+def test_strided_lengths_and_sink():
+    """topk_length and attn_sink may be views with a stride (every other entry of a longer tensor)."""
+    b, s_q, h_q, topk = 3, 2, 16, 64
+    _, cache = make_cache(2, 64, 13)
+    indices = random_indices(b, s_q, topk, 128, 13).to(DEVICE)
+    topk_length = torch.tensor([5, 64, 0, 64, 33, 1], dtype=torch.int32, device=DEVICE)[::2]    # 5, 0, 33
+    attn_sink = torch.randn(2 * h_q).to(DEVICE)[::2]
+    poison_unused(cache, indices, topk_length)
+    q = random_q(b, s_q, h_q, 13)
+    for num_splits in (1, 2):
+        check(decode(q, cache, indices, SM_SCALE, attn_sink=attn_sink, topk_length=topk_length,
+                     num_splits=num_splits), reference(q, cache, indices, SM_SCALE, attn_sink, topk_length))
+
+
+@pytest.mark.parametrize("b", [1, 5, 300])
+def test_longest_first_is_a_stable_descending_sort_of_the_used_lengths(b):
+    topk = 64
+    g = torch.Generator().manual_seed(b)
+    lengths = torch.randint(-3, 70, (b,), generator=g, dtype=torch.int32)   # ties, negatives, > topk
+    order = longest_first(lengths.to(DEVICE), topk).cpu()
+    expected = torch.sort(lengths.clamp(0, topk), descending=True, stable=True).indices
+    assert order.dtype == torch.int32 and torch.equal(order.long(), expected)
 
 
 def test_batch_with_different_lengths():
