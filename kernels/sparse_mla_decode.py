@@ -204,8 +204,8 @@ def longest_first(topk_length: torch.Tensor, topk: int) -> torch.Tensor:
 
     A long sequence started last would set the end of the launch: the GPU starts programs in grid
     order (H200, b 128 s_q 2 h_q 128, lengths uniform in [0, 2048]: 0.68x the plain case's efficiency
-    in batch order). One launch of b^2 comparisons, where torch.argsort took three kernels (~10 µs of
-    a ~220 µs decode call at b 128).
+    in batch order). One launch of b^2 comparisons: torch.argsort took three, and the call 8 µs more
+    (H200, same shape: 222 against 214 µs).
 
     Args:
         topk_length: [b] int32, contiguous.
