@@ -176,8 +176,6 @@ def _sparse_decode_kernel(
         _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs)
 
 
-# (The partials' and out's row strides are specialised: their divisibility lets the loads and stores of
-# whole rows vectorise, see sparse_mla_decode_sm90.RUNTIME_ARGS.)
 _ORDER_BLOCK = 128
 
 
@@ -220,6 +218,8 @@ def longest_first(topk_length: torch.Tensor, topk: int) -> torch.Tensor:
     return order
 
 
+# (The partials' and out's row strides are specialised: their divisibility lets the loads and stores of
+# whole rows vectorise, see sparse_mla_decode_sm90.RUNTIME_ARGS.)
 @triton.jit(do_not_specialize=[
     "num_splits", "s_q", "h_q", "n_head_blocks", "has_sink", "stride_pl_split", "stride_pl_row", "stride_l_b",
     "stride_l_s", "stride_l_h"])
