@@ -176,7 +176,7 @@ def _sparse_decode_kernel(
         _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs)
 
 
-_ORDER_BLOCK = 128
+_ORDER_BLOCK = 128   # sequences a program of the ordering kernel ranks, and compares them with per step
 
 
 @triton.jit
