@@ -33,6 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from minirt.formats import KV_TOKEN_BYTES
 
+SEQUENCES = 128   # bench_decode's batch: the slots of its h_q 16 s_q 1 row
 # (tokens per chunk, warps); programs per SM for each.
 SHAPES = [(16, 4), (32, 4), (64, 8)]
 PROGRAMS_PER_SM = [1, 2, 3, 4, 6, 8]
@@ -82,13 +83,13 @@ def tma_gather_kernel(desc, slots_ptr, out_ptr, n_per_program, n_slots, RING: gl
 def tma_rows(cache, slots) -> list:
     """TMA_CASES as table rows; each case's copies checked against the cache."""
     words = cache.view(-1, KV_TOKEN_BYTES).view(torch.int32)   # [slots, 164]
+    token_words = words.shape[1]
     sms = torch.cuda.get_device_properties(slots.device).multi_processor_count
-    slots = slots.view(128, -1)
     rows = []
     for box, per_seq, ring, read_ids in TMA_CASES:
         desc = TensorDescriptor.from_tensor(words, [1, box], gl.NVMMASharedLayout(swizzle_byte_width=0,
                                                                                    element_bitwidth=32, rank=2))
-        programs = slots.view(128 * per_seq, -1)
+        programs = slots.view(SEQUENCES * per_seq, -1)
         out = torch.empty(programs.shape[0], box, dtype=torch.int32, device=slots.device)
         run = lambda: tma_gather_kernel[(programs.shape[0],)](desc, programs, out, programs.shape[1], words.shape[0],  # noqa: E731
                                                               RING=ring, READ_IDS=read_ids, num_warps=4)
@@ -96,10 +97,11 @@ def tma_rows(cache, slots) -> list:
         if read_ids:
             chunk = TMA_CHUNK.value
             last = (programs.shape[1] // chunk - 1) // ring * ring * chunk
-            if not (torch.equal(out[:, :164], words[programs[:, last].long()]) and bool((out[:, 164:] == 0).all())):
+            if not (torch.equal(out[:, :token_words], words[programs[:, last].long()])
+                    and bool((out[:, token_words:] == 0).all())):
                 raise SystemExit(f"TMA gather (box {box}, {per_seq} programs a sequence) copied the wrong bytes")
         ms = bench_ms(run)
-        read = min(box, words.shape[1]) * 4
+        read = min(box, token_words) * 4
         rows.append(f"| {box} | {'memory' if read_ids else 'computed'} | {per_seq} | {ring * TMA_CHUNK.value * read / 1024:.0f} | "
                     f"{ms * 1e3:.1f} | {slots.numel() * read / ms / 1e6:.0f} | "
                     f"{ms * 1e6 * sms / slots.numel():.1f} |")
@@ -113,8 +115,8 @@ def main() -> None:
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     peak_tflops, copy_gbps = measure_ceilings("cuda")
-    cache, table = build_cache(128, SEQLEN, "cuda")
-    slots = build_queries(128, 1, 16, SEQLEN, TOPK, table, seed=1016)[2].reshape(-1)
+    cache, table = build_cache(SEQUENCES, SEQLEN, "cuda")
+    slots = build_queries(SEQUENCES, 1, 16, SEQLEN, TOPK, table, seed=1016)[2].reshape(-1)
     rows = []
     for tokens, warps in SHAPES:
         for k in PROGRAMS_PER_SM:
@@ -131,7 +133,8 @@ def main() -> None:
               f"(read + write)\n{slots.numel()} random tokens of 656 bytes\n\n")
     table_md = ("| tokens per chunk | warps | programs per SM | ~KB in flight per SM (if all resident) | GB/s |\n"
                 "|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
-    table_md += ("\nOne TMA copy per token (128 sequences of 2048 tokens; programs per sequence share its slots):\n\n"
+    table_md += (f"\nOne TMA copy per token ({SEQUENCES} sequences of {TOPK} tokens; programs per sequence share its "
+                 "slots):\n\n"
                  "| box (int32) | slot ids | programs per sequence | KB read in flight per program | µs | GB/s read | "
                  "ns per copy per SM |\n|---:|---|---:|---:|---:|---:|---:|\n" + "\n".join(tma_rows(cache, slots)) + "\n")
     write_report(header + table_md, args.out)
