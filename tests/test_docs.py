@@ -20,7 +20,7 @@ METADATA = ("Command", "Measured", "GPU", "Software", "Ceilings")
 
 HEADING = re.compile(r"^#{1,6} ")
 DATED_HEADING = re.compile(r"^#{1,6} .*\b\d{4}-\d{2}-\d{2}\b")
-# How the work was organised, not what minirt does: sessions, numbered device calls.
+# Remarks about how the work was organised rather than what minirt does.
 HISTORY = re.compile(r"\bsessions?\b|\bdevice calls?\b|\bcall \d+\b", re.IGNORECASE)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
