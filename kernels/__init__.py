@@ -3,6 +3,9 @@
 - ``sparse_mla_prefill``: NaN-safe sparse MLA prefill, FlashMLA ``flash_mla_sparse_fwd`` semantics.
 - ``quantize_kv_fp8`` / ``dequantize_kv_fp8`` / ``write_kv_fp8`` / ``new_kv_cache``: the fp8 paged
   latent cache in FlashMLA's 656-byte V32 layout.
+- ``quantize_kv_model1`` / ``dequantize_kv_model1`` / ``write_kv_model1`` / ``new_model1_cache`` /
+  ``model1_cache_from_entries`` / ``model1_cache_entries``: the fp8 paged K = V cache in FlashMLA's
+  584-byte MODEL1 (DeepSeek-V4) layout.
 - ``sparse_mla_decode_fp8`` and its wrapper ``mla_decode_fp8``: absorbed-MQA sparse decode over that
   cache, dequantising in registers.
 - ``lightning_indexer_scores`` / ``indexer_topk``: V3.2's indexer scores (exact mode) and a top-k
@@ -30,6 +33,8 @@ from .interpreter import choose_interpreter_without_gpu
 choose_interpreter_without_gpu()
 
 from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, quantize_kv_fp8, write_kv_fp8  # noqa: E402
+from .kv_cache_model1 import (dequantize_kv_model1, model1_cache_entries, model1_cache_from_entries,  # noqa: E402
+                              new_model1_cache, quantize_kv_model1, write_kv_model1)
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
 from .lightning_indexer import indexer_topk, lightning_indexer_scores  # noqa: E402
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
