@@ -33,6 +33,9 @@ SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's ue8m0 weight scales
+    "I8": torch.int8,                 # DeepSeek-V4's packed fp4 experts
+    "I64": torch.int64,               # DeepSeek-V4's tid2eid routing table
 }
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
