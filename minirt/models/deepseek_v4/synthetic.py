@@ -8,7 +8,7 @@ the tensor's name, as ``minirt.synthetic`` does), in row chunks, then quantised.
 
 Presets: ``v4-tiny`` (V4's real 512-wide heads, 448 + 64 rope, real window, compress ratios, indexer and
 mHC sizes; hidden 256, 8 heads, 8 experts; layers SWA, CSA, HCA, CSA, the first two hash-routed) and
-``v4-flash`` (V4-Flash's dimensions, its first 4 layers: SWA, SWA, CSA, HCA; about 13 GB).
+``v4-flash`` (V4-Flash's dimensions, its first 4 layers: SWA, SWA, CSA, HCA; about 16 GB).
 """
 from __future__ import annotations
 
