@@ -166,12 +166,14 @@ def indexer_topk(x: Tensor, qr: Tensor, w: Mapping[str, Tensor], cfg: DeepseekV4
 
 def sink_attention(q: Tensor, keys: Tensor, mask: Tensor, sink: Tensor, sm_scale: float) -> Tensor:
     """``o[t, h] = Σ_s e^{z_ts} k_s / (Σ_s e^{z_ts} + e^{sink_h})`` with ``z = sm_scale · q·k`` over the
-    allowed keys (K = V): q [T, H, d], keys [S, d], mask [T, S] bool, sink [H]. No allowed key: o = 0."""
+    allowed keys (K = V): q [T, H, d], keys [S, d], mask [T, S] bool, sink [H] (any value: +inf gives 0,
+    −inf no sink). A row with no allowed key gives 0. Computed as FlashMLA does: the sink-free softmax
+    output times ``σ(lse − sink)``, the share the keys keep against the sink."""
     z = (torch.einsum("thd,sd->hts", q, keys) * sm_scale).masked_fill(~mask, float("-inf"))
-    peak = torch.maximum(z.amax(-1, keepdim=True), sink[:, None, None])
-    p = (z - peak).exp()
-    denom = p.sum(-1, keepdim=True) + (sink[:, None, None] - peak).exp()
-    return torch.einsum("hts,sd->thd", p / denom, keys)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    keep = torch.sigmoid(lse - sink[:, None, None])
+    p = torch.where(mask[None], (z - lse).exp() * keep, 0.0)  # where, not a product: empty rows hold NaN
+    return torch.einsum("hts,sd->thd", p, keys)
 
 
 def attention_block(x: Tensor, w: Mapping[str, Tensor], cfg: DeepseekV4Config, kind: LayerKind) -> tuple[Tensor, Tensor | None]:
