@@ -176,7 +176,8 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     if model_type is None:
         raise ConfigError("missing required key 'model_type'")
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"key 'model_type': unknown model type {model_type!r} (expected one of {', '.join(MODEL_TYPES)})")
+        raise ConfigError(f"key 'model_type': unknown model type {model_type!r} (expected one of {', '.join(MODEL_TYPES)}; "
+                          "deepseek_v4 configs are read by minirt.config.load_config)")
     theta, yarn = _parse_rope(raw)
     has_indexer = raw.get("index_topk") is not None
     cfg = ModelConfig(
