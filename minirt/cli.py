@@ -165,7 +165,8 @@ def init(
     out: Annotated[Optional[Path], typer.Argument(
         help=f"Directory to write (empty or absent; see --force). Default: {default_weights_dir()}/PRESET, the "
         "tiny one being what every command uses without a checkpoint argument.", show_default=False)] = None,
-    preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB.")] = "tiny",
+    preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB. "
+                                           "v4-tiny: 4 DeepSeek-V4 layers, seconds on CPU. v4-flash: V4-Flash's first 4 layers, about 16 GB.")] = "tiny",
     layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Number of (dense) layers to write (default: the preset's, tiny 2, v32 3).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every tensor's generator.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty directory.")] = False,

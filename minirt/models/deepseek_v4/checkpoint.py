@@ -24,8 +24,8 @@ import torch
 from safetensors import safe_open
 
 from ...blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
-from ...checkpoint import (UNQUANTIZED_DTYPES, Progress, StoredTensor, _check_finite, _check_stored, _read_tensor,
-                           read_safetensors_header, read_weight_map, resolve_device)
+from ...checkpoint import (UNQUANTIZED_DTYPES, Progress, StoredTensor, _check_finite, _read_tensor, locate_tensors,
+                           resolve_device)
 from ...errors import CheckpointError, InputError
 from .config import FP4_BLOCK, DeepseekV4Config, LayerKind, MODEL_TYPE
 from .quant import E8M0_DTYPE, check_pow2_scales, dequantize_fp4
@@ -145,7 +145,7 @@ def tensor_specs(cfg: DeepseekV4Config, num_layers: int) -> dict[str, V4TensorSp
     return specs
 
 
-def _accepted_dtypes(stored_name: str, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+def _accepted_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     """Stored dtypes the loader takes where the release has ``dtype``: scales e8m0 or fp32, float
     tensors any of bf16 / fp16 / fp32, tid2eid int64 or int32."""
     if dtype == E8M0_DTYPE:
@@ -191,24 +191,9 @@ def plan_load(path: str | Path, num_layers: int | None = None) -> V4LoadPlan:
         raise CheckpointError(f"{path}: model_type {cfg.model_type!r} is not {MODEL_TYPE!r}")
     num_layers = cfg.num_hidden_layers if num_layers is None else num_layers
     specs = tensor_specs(cfg, num_layers)
-    expected = {n: v for name, spec in specs.items() for n, v in stored_layout(name, spec).items()}
-
-    map_file, weight_map = read_weight_map(path)
-    shard_of: dict[str, Path] = {}
-    for name in expected:
-        if name not in weight_map:
-            raise CheckpointError(f"{path}: tensor {name} is missing (not in {map_file})")
-        shard_of[name] = path / weight_map[name]
-        if not shard_of[name].is_file():
-            raise CheckpointError(f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
-    shard_files = tuple(sorted(set(shard_of.values())))
-    headers = {shard: read_safetensors_header(shard) for shard in shard_files}
-    stored: dict[str, StoredTensor] = {}
-    for name, (dtype, shape) in expected.items():
-        if name not in headers[shard_of[name]]:
-            raise CheckpointError(f"tensor {name} is missing from shard {shard_of[name].name} (the index maps it there)")
-        stored[name] = headers[shard_of[name]][name]
-        _check_stored(name, stored[name], _accepted_dtypes(name, dtype), shape)
+    expected = {n: (_accepted_dtypes(dtype), shape) for name, spec in specs.items()
+                for n, (dtype, shape) in stored_layout(name, spec).items()}
+    stored, shard_files = locate_tensors(path, expected)
     return V4LoadPlan(path, cfg, num_layers, specs, stored, shard_files,
                       num_parameters=sum(math.prod(s.shape) for s in specs.values()),
                       num_bytes=sum(t.nbytes for t in stored.values()))

@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...config import YarnScaling, _get, _parse_rope
+from ...config import YarnScaling, _get, _parse_rope, _parse_quantization as parse_fp8_quantization
 from ...errors import ConfigError
 
 MODEL_TYPE = "deepseek_v4"
@@ -152,21 +152,16 @@ def _int(raw: dict, key: str, default: Any = ...) -> int:
 
 
 def _parse_quantization(raw: dict) -> V4Quantization | None:
-    q = raw.get("quantization_config")
+    """V3's fp8 quantization_config rules, plus V4's: 128×128 blocks, ue8m0 scales, an expert dtype."""
+    q = parse_fp8_quantization(raw)
     if q is None:
         return None
-    if not isinstance(q, dict):
-        raise ConfigError("key 'quantization_config' must be an object")
-    if q.get("quant_method") != "fp8":
-        raise ConfigError(f"key 'quantization_config.quant_method': only 'fp8' is supported, got {q.get('quant_method')!r}")
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise ConfigError(f"key 'quantization_config.fmt': only 'e4m3' is supported, got {q.get('fmt')!r}")
-    block = q.get("weight_block_size", [128, 128])
-    if block != [128, 128]:
-        raise ConfigError(f"key 'quantization_config.weight_block_size' must be [128, 128] for DeepSeek-V4, got {block!r}")
-    if q.get("scale_fmt") != "ue8m0":
-        raise ConfigError(f"key 'quantization_config.scale_fmt' must be 'ue8m0' for DeepSeek-V4, got {q.get('scale_fmt')!r}")
-    expert_dtype = q.get("expert_dtype", raw.get("expert_dtype", "fp8"))
+    if q.weight_block_size != (128, 128):
+        raise ConfigError(f"key 'quantization_config.weight_block_size' must be [128, 128] for DeepSeek-V4, "
+                          f"got {list(q.weight_block_size)}")
+    if q.scale_fmt != "ue8m0":
+        raise ConfigError(f"key 'quantization_config.scale_fmt' must be 'ue8m0' for DeepSeek-V4, got {q.scale_fmt!r}")
+    expert_dtype = raw["quantization_config"].get("expert_dtype", raw.get("expert_dtype", "fp8"))
     if expert_dtype not in EXPERT_DTYPES:
         raise ConfigError(f"key 'quantization_config.expert_dtype' must be one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
     return V4Quantization((128, 128), "ue8m0", expert_dtype)

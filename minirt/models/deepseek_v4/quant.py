@@ -16,7 +16,7 @@ import torch
 
 from ...blockfp8 import quantize_block_fp8
 from ...formats import ceil_log2
-from ...errors import CheckpointError
+from ...errors import CheckpointError, InputError
 from .config import FP4_BLOCK
 
 E8M0_DTYPE = torch.float8_e8m0fnu
@@ -39,7 +39,12 @@ def check_pow2_scales(scale: torch.Tensor, name: str) -> None:
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[out, in/2] int8 (two e2m1 values a byte, low nibble first) and [out, in/32] scales → [out, in] ``dtype``."""
+    """[out, in/2] int8 (two e2m1 values a byte, low nibble first) and [out, in/32] scales → [out, in] ``dtype``.
+    InputError if the shapes do not pair up."""
+    if packed.dtype != torch.int8 or packed.ndim != 2 or tuple(scale.shape) != (packed.shape[0], 2 * packed.shape[1] // FP4_BLOCK) \
+            or (2 * packed.shape[1]) % FP4_BLOCK:
+        raise InputError(f"dequantize_fp4: expected int8 [out, in/2] values and [out, in/{FP4_BLOCK}] scales, got "
+                         f"{packed.dtype} {tuple(packed.shape)} and {tuple(scale.shape)}")
     table = torch.tensor(FP4_VALUES + tuple(-v for v in FP4_VALUES), dtype=torch.float32, device=packed.device)
     nibbles = torch.stack((packed & 0xF, (packed >> 4) & 0xF), dim=-1).flatten(-2).long()
     values = table[nibbles]

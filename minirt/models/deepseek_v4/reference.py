@@ -68,6 +68,7 @@ def rope_tail(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def unweighted_rmsnorm(x: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x²) + eps)`` over the last dim (V4's per-head q norm and mHC's input norm)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
