@@ -1,5 +1,6 @@
 """DeepSeek-V4 checkpoints: the native layout (v4-flash's specs), the fp4 / ue8m0 formats, the synthetic
 v4-tiny writer and the loader's refusals."""
+import dataclasses
 import json
 import shutil
 
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 from minirt.checkpoint import INDEX_FILE
 from minirt.cli import app
 from minirt.errors import CheckpointError
+from minirt.models.deepseek_v4 import V4Quantization
 from minirt.models.deepseek_v4.checkpoint import load_checkpoint, plan_load, stored_layout, tensor_specs
 from minirt.models.deepseek_v4.quant import check_pow2_scales, dequantize_fp4, quantize_fp4
 from minirt.synthetic import is_synthetic_checkpoint, preset_config, write_synthetic_checkpoint
@@ -69,6 +71,15 @@ def test_v4_flash_layout_matches_the_release():
     assert not any(k.startswith("mtp.") for k in s)
     gb = sum(torch.empty(0, dtype=d).element_size() * torch.Size(shape).numel() for d, shape in s.values()) / 1e9
     assert 16 < gb < 17  # fp4 experts 3.2 GB a layer, embed + head 2.1 GB
+
+
+def test_fp8_experts_layout():
+    """V4-Flash-Base ships fp8 experts: e4m3 with 128×128 block scales, like the other linear weights."""
+    cfg = dataclasses.replace(preset_config("v4-flash"), quantization=V4Quantization(expert_dtype="fp8"))
+    s = stored(cfg, 1)
+    assert s["layers.0.ffn.experts.7.w1.weight"] == (FP8, (2048, 4096))
+    assert s["layers.0.ffn.experts.7.w1.scale"] == (E8M0, (16, 32))
+    assert s["layers.0.ffn.experts.7.w2.scale"] == (E8M0, (32, 16))
 
 
 def test_fp4_nibble_order_and_values():
