@@ -33,6 +33,9 @@ SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's ue8m0 weight scales
+    "I8": torch.int8,                 # DeepSeek-V4's packed fp4 experts
+    "I64": torch.int64,               # DeepSeek-V4's tid2eid routing table
 }
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -270,6 +273,35 @@ def _check_stored(name: str, stored: StoredTensor, dtypes: tuple[torch.dtype, ..
         )
 
 
+def locate_tensors(
+    path: Path, expected: dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]]
+) -> tuple[dict[str, StoredTensor], tuple[Path, ...]]:
+    """Find each tensor of ``expected`` (stored name → (accepted dtypes, shape)) in the checkpoint directory
+    ``path`` through its index (or single file), reading only the headers of the shards holding them.
+    Returns (stored name → StoredTensor, those shards sorted). CheckpointError naming the tensor: not in
+    the map, mapped to a missing shard, absent from its shard, or of another dtype or shape."""
+    map_file, weight_map = read_weight_map(path)
+    shard_of: dict[str, Path] = {}
+    for name in expected:
+        if name not in weight_map:
+            raise CheckpointError(f"{path}: tensor {name} is missing (not in {map_file})")
+        shard = path / weight_map[name]
+        if not shard.is_file():
+            raise CheckpointError(f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
+        shard_of[name] = shard
+
+    shard_files = tuple(sorted(set(shard_of.values())))
+    headers = {shard: read_safetensors_header(shard) for shard in shard_files}
+    stored: dict[str, StoredTensor] = {}
+    for name, (dtypes, shape) in expected.items():
+        shard = shard_of[name]
+        if name not in headers[shard]:
+            raise CheckpointError(f"tensor {name} is missing from shard {shard.name} (the index maps it there)")
+        stored[name] = headers[shard][name]
+        _check_stored(name, stored[name], dtypes, shape)
+    return stored, shard_files
+
+
 def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
     """Plan loading the first ``num_layers`` dense layers (None: all dense layers) of the checkpoint
     directory ``path``, reading only config.json, the index and the headers of the shards needed.
@@ -298,26 +330,7 @@ def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
         else:
             expected[name] = (UNQUANTIZED_DTYPES, spec.shape)
 
-    map_file, weight_map = read_weight_map(path)
-    shard_of: dict[str, Path] = {}
-    for name in expected:
-        if name not in weight_map:
-            raise CheckpointError(f"{path}: tensor {name} is missing (not in {map_file})")
-        shard = path / weight_map[name]
-        if not shard.is_file():
-            raise CheckpointError(f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
-        shard_of[name] = shard
-
-    shard_files = tuple(sorted(set(shard_of.values())))
-    headers = {shard: read_safetensors_header(shard) for shard in shard_files}
-    stored: dict[str, StoredTensor] = {}
-    for name, (dtypes, shape) in expected.items():
-        shard = shard_of[name]
-        if name not in headers[shard]:
-            raise CheckpointError(f"tensor {name} is missing from shard {shard.name} (the index maps it there)")
-        stored[name] = headers[shard][name]
-        _check_stored(name, stored[name], dtypes, shape)
-
+    stored, shard_files = locate_tensors(path, expected)
     return LoadPlan(
         path=path,
         config=cfg,

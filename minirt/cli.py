@@ -140,7 +140,7 @@ def _checkpoint(weights: Path | None):
     """(directory, config) of the checkpoint argument, or the tiny default (written on first use); a
     path that is not a checkpoint directory is an error that says so, before anything else is read."""
     from . import default_checkpoint
-    from .config import ModelConfig
+    from .config import load_config
     from .errors import CheckpointError
 
     if weights is None:
@@ -156,7 +156,7 @@ def _checkpoint(weights: Path | None):
                                   "and safetensors shards)")
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
-    return path, ModelConfig.from_file(path / "config.json")
+    return path, load_config(path / "config.json")
 
 
 @app.command()
@@ -165,7 +165,8 @@ def init(
     out: Annotated[Optional[Path], typer.Argument(
         help=f"Directory to write (empty or absent; see --force). Default: {default_weights_dir()}/PRESET, the "
         "tiny one being what every command uses without a checkpoint argument.", show_default=False)] = None,
-    preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB.")] = "tiny",
+    preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB. "
+                                           "v4-tiny: 4 DeepSeek-V4 layers, seconds on CPU. v4-flash: V4-Flash's first 4 layers, about 16 GB.")] = "tiny",
     layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Number of (dense) layers to write (default: the preset's, tiny 2, v32 3).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every tensor's generator.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty directory.")] = False,
@@ -195,8 +196,12 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     from .cache import cache_bytes_per_token
     from .checkpoint import plan_load
     from .download import memory_text, plan_shards
+    from .models import family_of
 
     path, cfg = _checkpoint(weights)
+    family = family_of(cfg)
+    if family is not None:
+        return _print_rows(path, family.info_rows(path, cfg, layers))
     shards = plan_shards(path, layers)
     n = shards.num_layers
     missing = [s for s in shards.shards if not (path / s).is_file()]
@@ -228,6 +233,10 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
         ("cache per token", f"{cache_bytes_per_token(cfg, n, 'exact'):,} B (exact indexer) · "
                             f"{cache_bytes_per_token(cfg, n, 'fp8'):,} B (fp8 indexer)"),
     ]
+    _print_rows(path, rows)
+
+
+def _print_rows(path: Path, rows: list[tuple[str, str]]) -> None:
     out = Console(highlight=False, markup=False)
     out.print(str(path))
     t = Table(show_header=False)
@@ -267,8 +276,11 @@ def download(
 def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
     from . import load
     from .checkpoint import plan_load
+    from .config import load_config
+    from .models import family_of
 
-    order = list(plan_load(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
+    family = family_of(load_config(path))
+    order = list((family.plan_load if family is not None else plan_load)(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
     with _ProgressBar(f"loading ({backend})", order) as bar:
         return load(path, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
                     prefill_chunk=prefill_chunk, weights=weights, progress=bar)
@@ -494,10 +506,15 @@ def verify(
     import torch
 
     from .checkpoint import resolve_device, tensor_specs
+    from .models import family_of
     from .verify import run_verify
 
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
     path, cfg = _checkpoint(weights)
+    family = family_of(cfg)
+    if family is not None and family.RUNTIME_MISSING:
+        raise InputError(f"verify compares the kernel runtime with the eager reference, and {family.RUNTIME_MISSING} "
+                         "(`minirt generate --backend reference` runs the reference)")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_dense_layers
     tensor_specs(cfg, num_layers)  # MoE layers asked for: the loader's error, now

@@ -88,23 +88,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-        except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deep
-            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        try:
-            return _parse(raw)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        return _parse_file(path, _parse)
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json a checkpoint writer stores (legacy rope spelling, read by every version)."""
@@ -192,7 +176,8 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     if model_type is None:
         raise ConfigError("missing required key 'model_type'")
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"key 'model_type': unknown model type {model_type!r} (expected one of {', '.join(MODEL_TYPES)})")
+        raise ConfigError(f"key 'model_type': unknown model type {model_type!r} (expected one of {', '.join(MODEL_TYPES)}; "
+                          "deepseek_v4 configs are read by minirt.config.load_config)")
     theta, yarn = _parse_rope(raw)
     has_indexer = raw.get("index_topk") is not None
     cfg = ModelConfig(
@@ -239,3 +224,39 @@ def _check_consistency(cfg: ModelConfig) -> None:
         tok = getattr(cfg, key)
         if tok is not None and not 0 <= tok < cfg.vocab_size:
             raise ConfigError(f"key '{key}' ({tok}) must be in [0, vocab_size={cfg.vocab_size})")
+
+
+def _parse_file(path: str | Path, parse):
+    """``parse(raw)`` of the JSON object in ``path`` (a config.json or its directory); ConfigErrors name the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config.json not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deep
+        raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    try:
+        return parse(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def parse_config(raw: dict[str, Any]):
+    """The config of ``raw`` (a parsed config.json) in its model family's class: ``ModelConfig`` for
+    DeepSeek-V3 / V3.2, ``models.deepseek_v4.DeepseekV4Config`` for ``model_type: deepseek_v4``."""
+    if raw.get("model_type") == "deepseek_v4":
+        from .models.deepseek_v4.config import DeepseekV4Config
+
+        return DeepseekV4Config.from_dict(raw)
+    return _parse(raw)
+
+
+def load_config(path: str | Path):
+    """:func:`parse_config` of the config.json at ``path`` (the file or its checkpoint directory)."""
+    return _parse_file(path, parse_config)

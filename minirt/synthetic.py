@@ -37,7 +37,8 @@ BOS_TOKEN, EOS_TOKEN = "<bos>", "<eos>"
 CHUNK_ELEMENTS = 1 << 24  # rows per generated chunk ≈ this / columns (64 MiB of float32)
 GENERATOR_KEY = "minirt_synthetic"  # in the index's metadata: what wrote the checkpoint (preset, seed, device)
 
-_SAFETENSORS_DTYPE_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
+_SAFETENSORS_DTYPE_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32",
+                            torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.int64: "I64"}
 
 
 @dataclass(frozen=True)
@@ -143,13 +144,23 @@ def _make_presets() -> dict[str, Preset]:
 
 
 PRESETS: dict[str, Preset] = _make_presets()
+# Presets of the other model families → the module writing them (``preset_config``, ``write_files``, ``plan_load``).
+FAMILY_PRESETS = {"v4-tiny": "minirt.models.deepseek_v4.synthetic", "v4-flash": "minirt.models.deepseek_v4.synthetic"}
+
+
+def _family(preset: str):
+    import importlib
+
+    return importlib.import_module(FAMILY_PRESETS[preset])
 
 
 def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelConfig:
     """The ModelConfig ``write_synthetic_checkpoint`` writes: the preset's, with num_hidden_layers and
     first_k_dense_replace set to ``num_layers`` (all layers dense) when it is given."""
+    if preset in FAMILY_PRESETS:
+        return _family(preset).preset_config(preset, num_layers)
     if preset not in PRESETS:
-        raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise InputError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *FAMILY_PRESETS])}")
     cfg = PRESETS[preset].config
     if num_layers is None:
         return cfg
@@ -179,11 +190,13 @@ def _init_mean_std(name: str, spec: TensorSpec) -> tuple[float, float]:
     return 0.0, spec.shape[1] ** -0.5
 
 
-def _row_chunks(name: str, spec: TensorSpec, seed: int, device: torch.device, row_align: int) -> Iterator[tuple[int, torch.Tensor]]:
+def _row_chunks(name: str, spec: TensorSpec, seed: int, device: torch.device, row_align: int,
+                mean_std: tuple[float, float] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """(first row, float32 rows) chunks of tensor ``name``'s values, each a multiple of row_align rows
-    (the fp8 block height) except the last; one chunk for a 1-D tensor."""
+    (the fp8 block height) except the last; one chunk for a 1-D tensor. Values N(mean, std²) with
+    ``mean_std``, default ``_init_mean_std``'s."""
     generator = torch.Generator(device=device).manual_seed(_tensor_seed(seed, name))
-    mean, std = _init_mean_std(name, spec)
+    mean, std = mean_std or _init_mean_std(name, spec)
     rows = spec.shape[0]
     cols = spec.shape[1] if len(spec.shape) == 2 else None
     step = rows if cols is None else max(row_align, CHUNK_ELEMENTS // cols // row_align * row_align)
@@ -319,6 +332,8 @@ def _generator_record(preset: str, seed: int, device: torch.device) -> dict[str,
 
 def _write_files(tmp: Path, preset_name: str, cfg: ModelConfig, seed: int, device: torch.device,
                  progress: Progress | None) -> None:
+    if preset_name in FAMILY_PRESETS:
+        return _family(preset_name).write_files(tmp, preset_name, cfg, seed, device, progress)
     preset = PRESETS[preset_name]
     num_layers = cfg.num_hidden_layers
     specs = tensor_specs(cfg, num_layers)
@@ -423,7 +438,7 @@ def is_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int
     cfg = preset_config(preset, num_layers)
     out_dir = Path(out_dir)
     try:
-        plan = plan_load(out_dir)
+        plan = (_family(preset).plan_load if preset in FAMILY_PRESETS else plan_load)(out_dir)
         index = json.loads((out_dir / INDEX_FILE).read_text())
     except (MinirtError, OSError, ValueError):
         return False
