@@ -360,6 +360,17 @@ _GATHER_GROUPS = 8       # 128-column groups per gather program
 _COMBINE_BLOCK = 1024    # output columns per combine program
 
 
+def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of x named by row_token (-1: a zero row), quantised: ([rows, D] fp8, [rows, D / 128])."""
+    rows, d = row_token.numel(), x.shape[1]
+    x_fp8 = torch.empty((rows, d), dtype=FP8_DTYPE, device=x.device)
+    x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
+    _gather_quantize_kernel[(rows, triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
+        x, row_token, x_fp8.view(torch.uint8), x_scales, x.stride(0),
+        D=d, GROUPS=_GATHER_GROUPS, MIN_EXPONENT=ACT_MIN_EXPONENT)
+    return x_fp8, x_scales
+
+
 def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, fp4: bool, swiglu: bool,
                   limit: Optional[float], n_experts: int, config: MoeConfig) -> None:
     """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]."""
@@ -442,12 +453,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         x = x.contiguous()
     fp4 = experts.format == "fp4"
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts, config.block_m)
+    x_fp8, x_scales = _gather_quantize(x, row_token)
     rows = row_token.numel()
-    x_fp8 = torch.empty((rows, d), dtype=FP8_DTYPE, device=x.device)
-    x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
-    _gather_quantize_kernel[(rows, triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
-        x, row_token, x_fp8.view(torch.uint8), x_scales, x.stride(0),
-        D=d, GROUPS=_GATHER_GROUPS, MIN_EXPONENT=ACT_MIN_EXPONENT)
     h = torch.empty((rows, i), dtype=FP8_DTYPE, device=x.device)
     h_scales = torch.empty((rows, i // BLOCK_K), dtype=torch.float32, device=x.device)
     _grouped_gemm(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,
