@@ -21,7 +21,7 @@ V3.2 / V4-Flash-Base) multiplied on fp8 tensor cores with every 128-wide k block
 fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded to bf16
 in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact).
 
-Two launch shapes: prefill (many tokens per expert) 128-row tiles of tokens against 128 weight
+Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
 rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
 16 tokens on its narrow side (swap_ab), so each active expert's weights are read once per 16 of
 its tokens and inactive experts not at all.
@@ -44,6 +44,10 @@ from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
 FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
+# The same as @triton.jit code reads them (its globals must be constexprs).
+_BLOCK_K = tl.constexpr(BLOCK_K)
+_FP4_GROUP = tl.constexpr(FP4_GROUP)
+_ACT_MIN_EXPONENT = tl.constexpr(ACT_MIN_EXPONENT)
 FORMATS = ("fp8", "fp4")
 
 
@@ -168,13 +172,16 @@ class MoeConfig:
     padded to whole tiles); block_n: weight rows per program (128: one activation scale group of the
     SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode)."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 128
     swap_ab: bool = False
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
 
 
+# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block). 128-row
+# tiles need two 128 x 128 accumulators and a block product per thread and spill (sm_90a, ptxas of
+# triton 3.6); 64 rows also pad each expert's rows by half as much.
 PREFILL_CONFIG = MoeConfig()
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
 # Assignments per expert (on average) up to which the decode shape runs: a 16-token tile then holds
@@ -224,33 +231,32 @@ def _plan(expert_ids: torch.Tensor, n_experts: int, block_m: int):
 
 @triton.jit
 def _gather_quantize_kernel(x_ptr, row_token_ptr, q_ptr, scale_ptr, stride_xt,
-                            D: tl.constexpr, GROUPS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+                            D: tl.constexpr, GROUPS: tl.constexpr):
     # Program (row, group block): the row's token's GROUPS x 128 columns, quantised; padding rows zero.
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     token = tl.load(row_token_ptr + row).to(tl.int64)
-    mask = groups < D // BLOCK_K
-    cols = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    mask = groups < D // _BLOCK_K
+    cols = groups[:, None] * _BLOCK_K + tl.arange(0, _BLOCK_K)[None, :]
     x = tl.load(x_ptr + token * stride_xt + cols, mask=mask[:, None] & (token >= 0), other=0.0).to(tl.float32)
-    codes, scale = pow2_quantize_rows(x, MIN_EXPONENT)
+    codes, scale = pow2_quantize_rows(x, _ACT_MIN_EXPONENT)
     tl.store(q_ptr + row * D + cols, codes.to(tl.uint8), mask=mask[:, None])
-    tl.store(scale_ptr + row * (D // BLOCK_K) + groups, scale, mask=mask)
+    tl.store(scale_ptr + row * (D // _BLOCK_K) + groups, scale, mask=mask)
 
 
 @triton.jit
-def _e2m1_values(packed, SCALE_BYTES):
-    """packed [N, K / 2] uint8 (two e2m1 codes a byte, the low nibble first), SCALE_BYTES [N, K / 32]
-    uint8 e8m0 -> [N, K] float32 code value x 2^(byte - 127), exact (a byte of 0 reads as 0)."""
-    codes = tl.join(packed & 0xF, packed >> 4).reshape(packed.shape[0], 2 * packed.shape[1]).to(tl.int32)
+def _e2m1_values(packed, scale_bytes, N: tl.constexpr):
+    """packed [N, 64] uint8 (two e2m1 codes a byte, the low nibble first), scale_bytes [N, 4] uint8
+    e8m0 -> [N, 128] float32 code value x 2^(byte - 127), exact (a byte of 0 reads as 0)."""
+    codes = tl.join(packed & 0xF, packed >> 4).reshape(N, _BLOCK_K).to(tl.int32)
     magnitude = codes & 7
     # e2m1 magnitude code m = (exponent e, mantissa bit b): 2^(e-1) x (1 + b/2) for e > 0, b/2 for e = 0;
     # the first as float32 bits (exponent e + 126, b the top mantissa bit).
     normal = ((magnitude << 22) + (126 << 23)).to(tl.float32, bitcast=True)
     value = tl.where(magnitude < 2, magnitude.to(tl.float32) * 0.5, normal)
     value = tl.where((codes & 8) != 0, -value, value)
-    scale = (SCALE_BYTES.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    n, k = value.shape
-    return (value.reshape(n, k // 32, 32) * scale[:, :, None]).reshape(n, k)
+    scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return (value.reshape(N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP) * scale[:, :, None]).reshape(N, _BLOCK_K)
 
 
 @triton.jit
@@ -260,14 +266,14 @@ def _weight_block(b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constex
     another): fp8 as stored (the caller applies its block scale), or fp4 decoded with its scales
     ([E * N, K / 32] bytes), in bf16 (float32 when interpreted)."""
     if FP4:
-        packed = b_desc.load([row, kb * (BLOCK_K // 2)])
+        packed = b_desc.load([row, kb * (_BLOCK_K // 2)])
         rows = row + tl.arange(0, BLOCK_N)
-        scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // FP4_GROUP)
-                              + kb * (BLOCK_K // FP4_GROUP) + tl.arange(0, BLOCK_K // FP4_GROUP)[None, :])
-        w = _e2m1_values(packed, scale_bytes)
+        scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
+                              + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
+        w = _e2m1_values(packed, scale_bytes, BLOCK_N)
         return w if INTERPRETED else w.to(tl.bfloat16)
     else:
-        w = b_desc.load([row, kb * BLOCK_K])
+        w = b_desc.load([row, kb * _BLOCK_K])
         return w.to(tl.float32) if INTERPRETED else w
 
 
@@ -278,7 +284,7 @@ def _block_scale(b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr):
     if FP4:
         return 1.0
     else:
-        return tl.load(b_scale_ptr + (row // BLOCK_K).to(tl.int64) * (K // BLOCK_K) + kb)
+        return tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
 
 
 @triton.jit
@@ -311,11 +317,11 @@ def _grouped_gemm_kernel(
         gate_row = expert * N + col
         up_row = gate_row + N_OUT
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // BLOCK_K)
+        a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, K // BLOCK_K):
-            a = a_desc.load([tile * BLOCK_M, kb * BLOCK_K])
+        for kb in range(0, K // _BLOCK_K):
+            a = a_desc.load([tile * BLOCK_M, kb * _BLOCK_K])
             # fp8 x fp8 on fp8 tensor cores; fp8 x fp4 in bf16 (both converted exactly).
             a = a.to(tl.float32) if INTERPRETED else (a.to(tl.bfloat16) if FP4 else a)
             a_scale = tl.load(a_scale_rows + kb)
@@ -334,9 +340,9 @@ def _grouped_gemm_kernel(
                 acc = tl.minimum(acc, limit)
                 acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
             h = acc / (1.0 + tl.exp(-acc)) * acc_up
-            codes, scale = pow2_quantize_rows(h, ACT_MIN_EXPONENT)
+            codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
             tl.store(out_rows, codes.to(tl.uint8))
-            tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // BLOCK_K) + col // BLOCK_K, scale)
+            tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
         else:
             tl.store(out_rows, acc.to(tl.bfloat16))
 
@@ -367,7 +373,7 @@ def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor) -> tuple[torch.Te
     x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
     _gather_quantize_kernel[(rows, triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
         x, row_token, x_fp8.view(torch.uint8), x_scales, x.stride(0),
-        D=d, GROUPS=_GATHER_GROUPS, MIN_EXPONENT=ACT_MIN_EXPONENT)
+        D=d, GROUPS=_GATHER_GROUPS)
     return x_fp8, x_scales
 
 
