@@ -4,10 +4,10 @@ into the first, and the weighted combine back to token order.
 moe_experts(x, expert_ids, weights, experts) runs, all on the device and of static shapes (no host
 sync: CUDA-graph capturable):
 
-1. plan (torch ops): the T * top_k (token, slot) assignments sorted by expert (stable: token order
-   within an expert); each expert's rows padded to whole tiles of BLOCK_M rows in one buffer of at
-   most min(T * top_k, ceil(T * top_k / BLOCK_M) + E) tiles, each tile's expert in a table (E past
-   the last tile: those programs do nothing);
+1. plan (two small kernels): the T * top_k (token, slot) assignments grouped by expert, each expert's
+   rows padded to whole tiles of BLOCK_M rows in one buffer of at most
+   min(T * top_k, ceil(T * top_k / BLOCK_M) + E) tiles, each tile's expert in a table (E past the
+   last tile: those programs do nothing);
 2. gather: each row's token quantised to fp8 with 1 x 128 power-of-two scales (the activation rule
    of fp8_gemm.quantize_act_fp8, through the same Triton helper), padding rows zero;
 3. gate/up: per tile, [BLOCK_M, D] x w13[e]^T for a gate block and its up block (w13 = cat(w1, w3)
@@ -185,7 +185,7 @@ class MoeConfig:
 PREFILL_CONFIG = MoeConfig()
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
 # Assignments per expert (on average) up to which the decode shape runs: a 16-token tile then holds
-# most of an expert's tokens, and 128-row tiles would be mostly padding.
+# most of an expert's tokens, and 64-row tiles would be mostly padding.
 DECODE_MAX_PER_EXPERT = 16
 
 
@@ -200,33 +200,69 @@ def max_tiles(n_assignments: int, n_experts: int, block_m: int) -> int:
     return min(n_assignments, triton.cdiv(n_assignments, block_m) + n_experts)
 
 
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, E: tl.constexpr, BLOCK: tl.constexpr):
+    # Each valid slot takes the next row of its expert (atomics: the order of an expert's rows varies
+    # from run to run, its rows' values do not: every row is computed on its own).
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    experts = tl.load(ids_ptr + slots, mask=slots < n_slots, other=-1)
+    valid = (experts >= 0) & (experts < E)
+    rank = tl.atomic_add(counts_ptr + tl.where(valid, experts, 0), 1, mask=valid)
+    tl.store(rank_ptr + slots, rank, mask=valid)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, rank_ptr, row_of_slot_ptr, row_token_ptr, tile_expert_ptr, n_slots,
+                  n_tiles, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    # Every program derives the tile layout from the counts (E values): expert e's tiles are
+    # [tile_end[e] - tiles[e], tile_end[e]). It places BLOCK slots and names the expert of BLOCK tiles.
+    experts_all = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + experts_all, mask=experts_all < E, other=0)
+    tile_end = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_row = (tile_end - (counts + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+
+    start = tl.program_id(0) * BLOCK
+    slots = start + tl.arange(0, BLOCK)
+    experts = tl.load(ids_ptr + slots, mask=slots < n_slots, other=-1)
+    valid = (experts >= 0) & (experts < E)
+    rank = tl.load(rank_ptr + slots, mask=valid, other=0)
+    # first_row[expert] as a masked sum (a gather from a register tensor).
+    expert_row = tl.sum(tl.where(experts_all[None, :] == experts[:, None], first_row[None, :], 0), 1)
+    rows = tl.where(valid, expert_row + rank, -1)
+    tl.store(row_of_slot_ptr + slots, rows, mask=slots < n_slots)
+    tl.store(row_token_ptr + rows, slots // TOP_K, mask=valid)
+
+    tiles = start + tl.arange(0, BLOCK)
+    # The expert of tile j: the number of experts whose tiles end at or before j (E past the last).
+    tile_expert = tl.sum((tile_end[None, :] <= tiles[:, None]) & (experts_all[None, :] < E), 1)
+    tl.store(tile_expert_ptr + tiles, tile_expert.to(tl.int32), mask=tiles < n_tiles)
+
+
+_PLAN_BLOCK = 128
+
+
 def _plan(expert_ids: torch.Tensor, n_experts: int, block_m: int):
     """(row_token [tiles * block_m] int32: each row's token, -1 for padding; tile_expert [tiles] int32,
     E past the used tiles; row_of_slot [T * top_k] int32: each assignment's row, -1 for skipped
-    slots). Torch ops of static shapes, no host sync."""
+    slots), tiles = max_tiles(...). Four launches of static shapes, no host sync."""
     n_tokens, top_k = expert_ids.shape
     n_slots = n_tokens * top_k
     device = expert_ids.device
     tiles = max_tiles(n_slots, n_experts, block_m)
-    flat = expert_ids.reshape(-1).long()
-    flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)     # skipped slots sort last
-    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    order = torch.sort(flat, stable=True).indices                               # slots, by expert
-    first_sorted = torch.cumsum(counts, 0) - counts                             # each expert's first sorted position
-    expert_tiles = (counts + block_m - 1) // block_m
-    expert_tiles[n_experts] = 0
-    tile_end = torch.cumsum(expert_tiles, 0)
-    first_row = (tile_end - expert_tiles) * block_m
-    tile_expert = torch.searchsorted(tile_end[:n_experts], torch.arange(tiles, device=device), right=True)
-    sorted_expert = flat[order]
-    rows = first_row[sorted_expert] + torch.arange(n_slots, device=device) - first_sorted[sorted_expert]
-    skipped = sorted_expert == n_experts
+    ids = expert_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(n_slots, dtype=torch.int32, device=device)
     row_of_slot = torch.empty(n_slots, dtype=torch.int32, device=device)
-    row_of_slot.scatter_(0, order, torch.where(skipped, -1, rows).to(torch.int32))
-    # Skipped slots write to a spare row past the end, cut off after.
-    row_token = torch.full((tiles * block_m + 1,), -1, dtype=torch.int32, device=device)
-    row_token.scatter_(0, torch.where(skipped, tiles * block_m, rows), (order // top_k).to(torch.int32))
-    return row_token[:-1], tile_expert.to(torch.int32), row_of_slot
+    row_token = torch.full((tiles * block_m,), -1, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=device)
+    _rank_kernel[(triton.cdiv(n_slots, _PLAN_BLOCK),)](ids, counts, rank, n_slots, E=n_experts, BLOCK=_PLAN_BLOCK)
+    _place_kernel[(triton.cdiv(max(n_slots, tiles), _PLAN_BLOCK),)](
+        ids, counts, rank, row_of_slot, row_token, tile_expert, n_slots, tiles, E=n_experts,
+        E_PAD=triton.next_power_of_2(n_experts), TOP_K=top_k, BLOCK_M=block_m, BLOCK=_PLAN_BLOCK)
+    return row_token, tile_expert, row_of_slot
 
 
 @triton.jit

@@ -242,6 +242,19 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit):
         assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) > 10 * EXPERTS_TOL
 
 
+def test_moe_experts_expert_over_several_tiles(poisoned):
+    """Expert 0 takes every token's first slot: 17 rows, two 16-row tiles (the second partly padding)."""
+    gen = generator(5)
+    e, d, i, n_tokens = 6, 128, 128, 17
+    experts, dense = make_experts("fp8", gen, e, d, i)
+    x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
+    expert_ids = torch.stack([torch.zeros(n_tokens, dtype=torch.long, device=DEVICE),
+                              torch.randint(1, e, (n_tokens,), generator=gen, device=DEVICE)], 1)
+    weights = torch.rand(n_tokens, 2, generator=gen, device=DEVICE) + 0.5
+    out = moe_experts(x, expert_ids, weights, experts, config=DECODE_CONFIG)
+    assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) < EXPERTS_TOL
+
+
 def test_moe_experts_skips_invalid_slots(poisoned):
     """Slots of expert -1 or E add nothing; a token with none valid gets zeros."""
     gen = generator(4)
@@ -268,3 +281,34 @@ def test_expert_weights_reject_bad_tensors():
         ExpertWeights("fp6", w, s, w2, s2)
     with pytest.raises(InputError, match=r"w3\[1\]"):
         expert_weights_fp8([w[0], w[1]], [s[0], s[1]], [w[0], w[1][:64]], [s[0], s[1]], [w2[0], w2[1]], [s2[0], s2[1]])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and host-sync detection need a GPU")
+def test_moe_decode_is_sync_free_and_graph_capturable():
+    """Routing and experts raise no host sync (sync debug mode "error") and replay from a CUDA graph
+    on new inputs with the eager results."""
+    gen = generator(6)
+    e, d, i, n_tokens, top_k = 16, 256, 128, 4, 4
+    experts, _ = make_experts("fp8", gen, e, d, i)
+    logits = torch.randn(n_tokens, e, generator=gen, device=DEVICE)
+    bias = torch.randn(e, generator=gen, device=DEVICE) * 0.1
+    x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
+
+    def step():
+        weights, ids = route_topk(logits, bias, top_k=top_k, scoring="sigmoid", n_group=4, topk_group=2)
+        return moe_experts(x, ids, weights, experts)
+
+    step()   # compiles outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    logits.copy_(torch.randn(n_tokens, e, generator=gen, device=DEVICE))
+    x.copy_(torch.randn(n_tokens, d, generator=gen, device=DEVICE))
+    graph.replay()
+    assert torch.equal(captured, step())
