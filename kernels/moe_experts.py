@@ -122,6 +122,11 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.w13.device
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the four tensors (all experts; one expert's share is nbytes / n_experts)."""
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_scales, self.w2, self.w2_scales))
+
 
 def _stack(name: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Per-expert 2-D tensors stacked to [E, ...] of ``dtype``: float32 converts any float dtype (scales),

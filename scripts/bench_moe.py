@@ -95,11 +95,6 @@ def random_experts(model: Model, gen: torch.Generator) -> moe.ExpertWeights:
                              codes(e, d, i // 2), scale_bytes(e, d, i // 32))
 
 
-def expert_bytes(experts: moe.ExpertWeights) -> int:
-    """Bytes of one expert's weights and scales."""
-    return sum(t[0].numel() * t.element_size() for t in (experts.w13, experts.w13_scales, experts.w2, experts.w2_scales))
-
-
 def route(model: Model, n_tokens: int, gen: torch.Generator):
     logits = torch.randn(n_tokens, model.experts, generator=gen, device=DEVICE)
     bias = 0.01 * torch.randn(model.experts, generator=gen, device=DEVICE)
@@ -183,7 +178,7 @@ def bench_gemms(model, experts, x, ids, lines):
 def bench_model(model, tokens, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines):
     gen = torch.Generator(DEVICE).manual_seed(0)
     experts = random_experts(model, gen)
-    per_expert = expert_bytes(experts)
+    per_expert = experts.nbytes // experts.n_experts
     shared = (quantize_block_fp8(0.02 * torch.randn(2 * model.inter, model.hidden, generator=gen, device=DEVICE)),
               quantize_block_fp8(0.02 * torch.randn(model.hidden, model.inter, generator=gen, device=DEVICE)))
     shared_bytes = sum(w.numel() + s.numel() * 4 for w, s in shared)
