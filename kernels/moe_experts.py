@@ -271,8 +271,20 @@ def _plan(expert_ids: torch.Tensor, n_experts: int, block_m: int):
 
 
 @triton.jit
+def _split_columns(cols, SPLIT: tl.constexpr):
+    """Where column c of a 128-wide k block is stored: in place, or (SPLIT, the fp4 experts' inputs)
+    its even columns first, then its odd ones: the two nibbles of a packed weight byte then meet
+    two separate 64-wide halves of the activations, and no nibble has to move."""
+    if SPLIT:
+        within = cols % _BLOCK_K
+        return cols - within + (within % 2) * (_BLOCK_K // 2) + within // 2
+    else:
+        return cols
+
+
+@triton.jit
 def _gather_quantize_kernel(x_ptr, row_token_ptr, q_ptr, scale_ptr, stride_xt,
-                            D: tl.constexpr, GROUPS: tl.constexpr):
+                            D: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     # Program (row, group block): the row's token's GROUPS x 128 columns, quantised; padding rows zero.
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -281,61 +293,70 @@ def _gather_quantize_kernel(x_ptr, row_token_ptr, q_ptr, scale_ptr, stride_xt,
     cols = groups[:, None] * _BLOCK_K + tl.arange(0, _BLOCK_K)[None, :]
     x = tl.load(x_ptr + token * stride_xt + cols, mask=mask[:, None] & (token >= 0), other=0.0).to(tl.float32)
     codes, scale = pow2_quantize_rows(x, _ACT_MIN_EXPONENT)
-    tl.store(q_ptr + row * D + cols, codes.to(tl.uint8), mask=mask[:, None])
+    tl.store(q_ptr + row * D + _split_columns(cols, SPLIT), codes.to(tl.uint8), mask=mask[:, None])
     tl.store(scale_ptr + row * (D // _BLOCK_K) + groups, scale, mask=mask)
 
 
 @triton.jit
-def _e2m1_values(packed, scale_bytes, N: tl.constexpr):
-    """packed [N, 64] uint8 (two e2m1 codes a byte, the low nibble first), scale_bytes [N, 4] uint8
-    e8m0 -> [N, 128] float32 code value x 2^(byte - 127), exact (a byte of 0 reads as 0)."""
-    codes = tl.join(packed & 0xF, packed >> 4).reshape(N, _BLOCK_K).to(tl.int32)
+def _e2m1_values(codes):
+    """e2m1 codes (int32 0..15: sign bit 8, magnitude m = (exponent e, mantissa bit b)) -> float32:
+    2^(e-1) x (1 + b/2) for e > 0, b/2 for e = 0."""
     magnitude = codes & 7
-    # e2m1 magnitude code m = (exponent e, mantissa bit b): 2^(e-1) x (1 + b/2) for e > 0, b/2 for e = 0;
-    # the first as float32 bits (exponent e + 126, b the top mantissa bit).
-    normal = ((magnitude << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude < 2, magnitude.to(tl.float32) * 0.5, normal)
-    value = tl.where((codes & 8) != 0, -value, value)
-    scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return (value.reshape(N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP) * scale[:, :, None]).reshape(N, _BLOCK_K)
+    # 2^(e-1) x (1 + b/2) as float32 bits (exponent e + 126, b the top mantissa bit); for e = 0 this
+    # reads 0.5 + b/4, and 2 x that - 1 is b/2.
+    value = ((magnitude << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude < 2, 2.0 * value - 1.0, value)
+    return tl.where(codes >= 8, -value, value)
 
 
 @triton.jit
-def _weight_block(b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """Rows [row, row + BLOCK_N) x k block kb of a stacked weight ([E * N, K], experts' rows one after
-    another): fp8 as stored (the caller applies its block scale), or fp4 decoded with its scales
-    ([E * N, K / 32] bytes), in bf16 (float32 when interpreted)."""
+def _mma(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc + a . w^T ([BLOCK_M, BLOCK_N]), or acc + w . a^T when SWAP_AB."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc)
+    else:
+        return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr):
+    """k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
+    weight (experts' rows one after another), with its scales (promotion: one fp32 product per k
+    block). fp8: the 128 x 128 block scale ([E * N / 128, K / 128], one per tile); fp4 ([E * N, K / 2]
+    bytes, scales [E * N, K / 32]): the low nibbles (even inputs) against the activations' first
+    64 columns, the high ones against the last 64 (_split_columns), both decoded and scaled to bf16
+    and multiplied with the fp8 activations converted to bf16 (all exact)."""
+    zeros = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    op_dtype: tl.constexpr = tl.float32 if INTERPRETED else tl.bfloat16
     if FP4:
-        packed = b_desc.load([row, kb * (_BLOCK_K // 2)])
+        half: tl.constexpr = _BLOCK_K // 2
+        a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
+        a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
+        packed = b_desc.load([row, kb * half]).to(tl.int32)
         rows = row + tl.arange(0, BLOCK_N)
         scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
                               + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
-        w = _e2m1_values(packed, scale_bytes, BLOCK_N)
-        return w if INTERPRETED else w.to(tl.bfloat16)
+        # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
+        scales = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)),
+                            (BLOCK_N, half))
+        w_even = (_e2m1_values(packed & 0xF) * scales).to(op_dtype)
+        w_odd = (_e2m1_values(packed >> 4) * scales).to(op_dtype)
+        product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
+        scale = a_scale
     else:
+        a = a_desc.load([a_row, kb * _BLOCK_K])
         w = b_desc.load([row, kb * _BLOCK_K])
-        return w.to(tl.float32) if INTERPRETED else w
-
-
-@triton.jit
-def _block_scale(b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr):
-    """The fp8 block scale of weight rows [row, row + BLOCK_N) (inside one 128-row block: the scales are
-    [E * N / 128, K / 128]) at k block kb; 1 for fp4, whose scales _weight_block applied."""
-    if FP4:
-        return 1.0
-    else:
-        return tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
-
-
-@triton.jit
-def _block_product(a, w, a_scale, b_scale, SWAP_AB: tl.constexpr):
-    """One k block's product (fp32 accumulation within the block), times its scales (promotion):
-    [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when SWAP_AB."""
+        if INTERPRETED:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        product = _mma(a, w, zeros, SWAP_AB)
+        scale = a_scale * tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
     if SWAP_AB:
-        return tl.dot(w, tl.trans(a)) * (a_scale * b_scale)[None, :]
+        return product * scale[None, :]
     else:
-        return tl.dot(a, tl.trans(w)) * (a_scale * b_scale)[:, None]
+        return product * scale[:, None]
 
 
 @triton.jit
@@ -348,44 +369,41 @@ def _grouped_gemm_kernel(
     # Program (tile, column block), tile-major: the column blocks of one tile (one expert's weight)
     # run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight has N
     # rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N) and
-    # the matching up rows, silu(g) * u stored as fp8 codes with one scale per row (BLOCK_N = 128);
-    # otherwise rows [c, c + BLOCK_N) (N = N_OUT) stored as bf16.
+    # the matching up rows, silu(g) * u stored as fp8 codes with one scale per row (BLOCK_N = 128),
+    # its columns split as the down product's fp4 weight wants them (_split_columns); otherwise rows
+    # [c, c + BLOCK_N) (N = N_OUT) stored as bf16.
     pid = tl.program_id(0)
     tile = pid // (N_OUT // BLOCK_N)
     col = (pid % (N_OUT // BLOCK_N)) * BLOCK_N
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
         gate_row = expert * N + col
-        up_row = gate_row + N_OUT
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, K // _BLOCK_K):
-            a = a_desc.load([tile * BLOCK_M, kb * _BLOCK_K])
-            # fp8 x fp8 on fp8 tensor cores; fp8 x fp4 in bf16 (both converted exactly).
-            a = a.to(tl.float32) if INTERPRETED else (a.to(tl.bfloat16) if FP4 else a)
             a_scale = tl.load(a_scale_rows + kb)
-            w = _weight_block(b_desc, b_scale_ptr, gate_row, kb, FP4, K, BLOCK_N, INTERPRETED)
-            acc += _block_product(a, w, a_scale, _block_scale(b_scale_ptr, gate_row, kb, FP4, K), SWAP_AB)
+            acc += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, K,
+                            BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
             if SWIGLU:
-                w = _weight_block(b_desc, b_scale_ptr, up_row, kb, FP4, K, BLOCK_N, INTERPRETED)
-                acc_up += _block_product(a, w, a_scale, _block_scale(b_scale_ptr, up_row, kb, FP4, K), SWAP_AB)
+                acc_up += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
+                                   FP4, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
         if SWAP_AB:
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
         offs_n = col + tl.arange(0, BLOCK_N)
-        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT + offs_n[None, :]
+        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT
         if SWIGLU:
             if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
                 acc = tl.minimum(acc, limit)
                 acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
             h = acc / (1.0 + tl.exp(-acc)) * acc_up
             codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
-            tl.store(out_rows, codes.to(tl.uint8))
+            tl.store(out_rows + _split_columns(offs_n, FP4)[None, :], codes.to(tl.uint8))
             tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
         else:
-            tl.store(out_rows, acc.to(tl.bfloat16))
+            tl.store(out_rows + offs_n[None, :], acc.to(tl.bfloat16))
 
 
 @triton.jit
@@ -407,14 +425,15 @@ _GATHER_GROUPS = 8       # 128-column groups per gather program
 _COMBINE_BLOCK = 1024    # output columns per combine program
 
 
-def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of x named by row_token (-1: a zero row), quantised: ([rows, D] fp8, [rows, D / 128])."""
+def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of x named by row_token (-1: a zero row), quantised: ([rows, D] fp8, [rows, D / 128]),
+    the columns of each 128 block even then odd when split (fp4 experts)."""
     rows, d = row_token.numel(), x.shape[1]
     x_fp8 = torch.empty((rows, d), dtype=FP8_DTYPE, device=x.device)
     x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
     _gather_quantize_kernel[(rows, triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
         x, row_token, x_fp8.view(torch.uint8), x_scales, x.stride(0),
-        D=d, GROUPS=_GATHER_GROUPS)
+        D=d, GROUPS=_GATHER_GROUPS, SPLIT=split)
     return x_fp8, x_scales
 
 
@@ -425,10 +444,11 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     k = 2 * k_stored if fp4 else k_stored
     n_out = n // 2 if swiglu else n
     stacked = weight.view(n_experts * n, k_stored)
-    b_block = [config.block_n, BLOCK_K // 2 if fp4 else BLOCK_K]
+    # fp4: packed bytes, and the activations' k blocks loaded in halves (_split_columns).
+    block_k = BLOCK_K // 2 if fp4 else BLOCK_K
     _grouped_gemm_kernel[(tile_expert.numel() * (n_out // config.block_n),)](
-        TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K]), a_scales,
-        TensorDescriptor.from_tensor(stacked, b_block), scales, tile_expert, out,
+        TensorDescriptor.from_tensor(a, [config.block_m, block_k]), a_scales,
+        TensorDescriptor.from_tensor(stacked, [config.block_n, block_k]), scales, tile_expert, out,
         out if out_scales is None else out_scales, 0.0 if limit is None else float(limit),
         E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         SWAP_AB=config.swap_ab, FP4=fp4, SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
@@ -500,7 +520,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         x = x.contiguous()
     fp4 = experts.format == "fp4"
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts, config.block_m)
-    x_fp8, x_scales = _gather_quantize(x, row_token)
+    x_fp8, x_scales = _gather_quantize(x, row_token, fp4)
     rows = row_token.numel()
     h = torch.empty((rows, i), dtype=FP8_DTYPE, device=x.device)
     h_scales = torch.empty((rows, i // BLOCK_K), dtype=torch.float32, device=x.device)

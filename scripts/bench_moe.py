@@ -139,7 +139,7 @@ def bench_gemms(model, experts, x, ids, lines):
     d, i, n_slots = model.hidden, model.inter, ids.numel()
     row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
     rows = row_token.numel()
-    a, a_scales = moe._gather_quantize(x, row_token)
+    a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4")
     h = torch.empty((rows, i), dtype=torch.float8_e4m3fn, device=DEVICE)
     h_scales = torch.empty((rows, i // 128), device=DEVICE)
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=DEVICE)
