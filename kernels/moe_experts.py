@@ -127,6 +127,18 @@ class ExpertWeights:
         """Bytes of the four tensors (all experts; one expert's share is nbytes / n_experts)."""
         return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_scales, self.w2, self.w2_scales))
 
+    @staticmethod
+    def bytes_per_expert(format: str, hidden_size: int, intermediate_size: int) -> int:
+        """Bytes one expert takes in ExpertWeights of this format and shape, without building it (for
+        memory checks before loading): fp8 3 D I codes + fp32 block scales; fp4 3 D I / 2 code bytes +
+        one scale byte per 32 inputs."""
+        d, i = hidden_size, intermediate_size
+        if format == "fp8":
+            return 3 * d * i + 4 * 3 * (d // BLOCK_K) * (i // BLOCK_K)
+        if format == "fp4":
+            return 3 * d * i // 2 + 3 * d * i // FP4_GROUP
+        raise InputError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+
 
 def _stack(name: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Per-expert 2-D tensors stacked to [E, ...] of ``dtype``: float32 converts any float dtype (scales),

@@ -269,6 +269,30 @@ def test_moe_experts_skips_invalid_slots(poisoned):
     assert rel_error(out, ref) < EXPERTS_TOL
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_expert_weights_bytes(fmt):
+    experts, _ = make_experts(fmt, generator(7), 3, 256, 128)
+    assert experts.nbytes == 3 * ExpertWeights.bytes_per_expert(fmt, 256, 128)
+    assert experts.n_experts == 3 and experts.hidden_size == 256 and experts.intermediate_size == 128
+
+
+def test_custom_ops_equal_the_functions():
+    gen = generator(8)
+    logits = torch.randn(3, 8, generator=gen, device=DEVICE)
+    weights, ids = torch.ops.minirt.route_topk(logits, None, 2, "sqrtsoftplus", 1, 1, True, 1.5)
+    ref_weights_, ref_ids = route_topk(logits, None, top_k=2, scoring="sqrtsoftplus", scaling=1.5)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights_)
+    table = torch.randint(0, 8, (10, 2), generator=gen, device=DEVICE)
+    tokens = torch.randint(0, 10, (3,), generator=gen, device=DEVICE)
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.minirt.route_hash(logits, table, tokens, "sigmoid"),
+                                                 route_hash(logits, table, tokens, scoring="sigmoid")))
+    experts, _ = make_experts("fp4", gen, 8, 128, 128)
+    x = torch.randn(3, 128, generator=gen, device=DEVICE).bfloat16()
+    out = torch.ops.minirt.moe_experts(x, ids, weights, experts.w13, experts.w13_scales, experts.w2,
+                                       experts.w2_scales, "fp4", 10.0)
+    assert torch.equal(out, moe_experts(x, ids, weights, experts, swiglu_limit=10.0))
+
+
 def test_expert_weights_reject_bad_tensors():
     w = torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn)
     s = torch.ones(2, 2, 1)
