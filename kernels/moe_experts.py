@@ -310,15 +310,23 @@ def _gather_quantize_kernel(x_ptr, row_token_ptr, q_ptr, scale_ptr, stride_xt,
 
 
 @triton.jit
-def _e2m1_values(codes):
-    """e2m1 codes (int32 0..15: sign bit 8, magnitude m = (exponent e, mantissa bit b)) -> float32:
-    2^(e-1) x (1 + b/2) for e > 0, b/2 for e = 0."""
-    magnitude = codes & 7
-    # 2^(e-1) x (1 + b/2) as float32 bits (exponent e + 126, b the top mantissa bit); for e = 0 this
-    # reads 0.5 + b/4, and 2 x that - 1 is b/2.
-    value = ((magnitude << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude < 2, 2.0 * value - 1.0, value)
-    return tl.where(codes >= 8, -value, value)
+def _e2m1_scaled(codes, factors):
+    """e2m1 codes (int32 0..15: sign bit 8, magnitude = exponent e (2 bits), mantissa bit b) x factors.
+
+    The code's fields are placed in a float32 (sign; exponent field e; b the top mantissa bit): for
+    e > 0 that reads 2^(e-127) (1 + b/2), for e = 0 the subnormal b 2^-127, both the e2m1 value times
+    2^-126. The kernels' fp32 multiplies keep subnormals (mul.f32, no .ftz), so one multiply by
+    factors = 2^126 x the scale (or a power of two less) makes the value exact."""
+    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * factors
+
+
+# The fp4 weights are decoded to 2^-FP4_SHIFT times their value (then multiplied back after each k
+# block's product): with scale bytes s (2^(s - 127)) that keeps the bf16 copies normal for s in
+# [66, 192] (scales 2^-61 .. 2^65; checkpoints have ~2^-8), where the factor 2^(s - 127 + 126 - 64)
+# is a float32 built from its exponent field s + 62.
+_FP4_SHIFT = tl.constexpr(64)
+_FP4_UNSHIFT = tl.constexpr(2.0 ** 64)
 
 
 @triton.jit
@@ -350,13 +358,13 @@ def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.const
         scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
                               + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
         # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
-        scales = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)),
-                            (BLOCK_N, half))
-        w_even = (_e2m1_values(packed & 0xF) * scales).to(op_dtype)
-        w_odd = (_e2m1_values(packed >> 4) * scales).to(op_dtype)
+        factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
+        factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)),
+                             (BLOCK_N, half))
+        w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
+        w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
         product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
-        scale = a_scale
+        scale = a_scale * _FP4_UNSHIFT
     else:
         a = a_desc.load([a_row, kb * _BLOCK_K])
         w = b_desc.load([row, kb * _BLOCK_K])
