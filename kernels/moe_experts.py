@@ -41,6 +41,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
+from .fp8_gemm import _capability
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
 FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
@@ -65,7 +66,9 @@ class ExpertWeights:
         w2: [E, D, I] float8_e4m3fn; w2_scales: [E, D / 128, I / 128] float32.
     format "fp4" (V4-Flash / Pro experts):
         w13: [E, 2I, D / 2] uint8, e2m1 codes packed two per byte, the low nibble element 2i.
-        w13_scales: [E, 2I, D / 32] uint8, e8m0 exponents (scale 2^(byte - 127)) per 32 inputs.
+        w13_scales: [E, 2I, D / 32] uint8, e8m0 exponents (scale 2^(byte - 127)) per 32 inputs;
+            exact for bytes 66..192 (scales 2^-61 .. 2^65), smaller ones read as (nearly) 0, larger
+            ones (and e8m0's NaN, 255) are not supported.
         w2: [E, D, I / 2] uint8; w2_scales: [E, D, I / 32] uint8.
     All four tensors contiguous and on one device.
     """
@@ -508,7 +511,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
 
     Raises:
         minirt.errors.InputError: wrong dtypes or shapes, a bad config, tensors on different devices
-            or on one the kernels cannot use.
+            or on one the kernels cannot use (CPU without TRITON_INTERPRET=1; GPUs before sm_90).
     """
     if not isinstance(experts, ExpertWeights):
         raise InputError(f"experts must be an ExpertWeights, got {type(experts).__name__}")
@@ -533,6 +536,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128):
         raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K} and block_m 16, 32, 64 or 128, got {config!r}")
     check_device({"x": x, "expert_ids": expert_ids, "weights": weights, "experts.w13": experts.w13})
+    if x.device.type == "cuda" and _capability(x.device) < (9, 0):
+        raise InputError("moe_experts needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")
     out = torch.empty((n_tokens, d), dtype=torch.bfloat16, device=x.device)
     if n_tokens == 0:
         return out
