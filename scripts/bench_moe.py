@@ -1,6 +1,7 @@
 """Benchmark minirt's MoE kernels on DeepSeek-V3.2's and DeepSeek-V4-Flash's expert shapes.
 
-    python3 scripts/bench_moe.py [--out results.md] [--tokens 1 16 64 4096 16384]
+    python3 scripts/bench_moe.py [--out results.md] [--tokens 1 16 64 4096 16384] [--models V3.2 V4-Flash]
+                                 [--configs 64,8,4 128,8,3 16,4,4,swap ...]
 
 Models: V3.2 (D 7168, I 2048, 256 experts, top-8, block-fp8 experts, sigmoid routing with 8 groups /
 4 kept) and V4-Flash (D 4096, I 2048, 256 experts, top-6, fp4 experts, sqrt-softplus routing, SwiGLU
@@ -16,7 +17,8 @@ Tables:
 - expert block: moe_experts as called (plan, gather + quantise, both GEMMs, combine) at every T:
   ms, TFLOP/s, GB/s of the active experts' weights (each read once at least), the ratios to the
   ceilings measured in the same run (scripts/ceilings.py: bf16 matmul, device copy), peak memory
-  beyond the weights. Target (decode, T 1): the 8 routed experts plus a shared expert of the same
+  beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
+  num_stages, "swap" for the decode orientation). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
 
 Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
@@ -175,7 +177,14 @@ def bench_gemms(model, experts, x, ids, lines):
         print(row, flush=True)
 
 
-def bench_model(model, tokens, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines):
+def parse_config(text: str) -> moe.MoeConfig:
+    """"block_m,num_warps,num_stages[,swap]" -> a MoeConfig (block_n 128)."""
+    parts = text.split(",")
+    block_m, num_warps, num_stages = (int(p) for p in parts[:3])
+    return moe.MoeConfig(block_m=block_m, swap_ab=parts[3:] == ["swap"], num_warps=num_warps, num_stages=num_stages)
+
+
+def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines):
     gen = torch.Generator(DEVICE).manual_seed(0)
     experts = random_experts(model, gen)
     per_expert = experts.nbytes // experts.n_experts
@@ -202,6 +211,8 @@ def bench_model(model, tokens, tflops_ceiling, gbps_ceiling, lines, gemm_lines, 
         torch.cuda.synchronize()
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = bench_ms(run)
+        variants = ", ".join(f"{text}: {bench_ms(lambda c=config: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=c)):.3f}"
+                             for text, config in configs) or "-"
         active = int(torch.unique(ids).numel())
         nbytes = active * per_expert
         flops = 2 * ids.numel() * 3 * model.hidden * model.inter
@@ -216,7 +227,7 @@ def bench_model(model, tokens, tflops_ceiling, gbps_ceiling, lines, gemm_lines, 
             met = "met" if layer_gbps >= TARGET_DECODE_GBPS else "MISSED"
             layer = f"{layer_gbps:.0f} ({active} + 1 experts, {(nbytes + shared_bytes) / 1e6:.0f} MB; {met})"
         row = (f"| {model.name} | {n_tokens} | {ms:.3f} | {flops / ms / 1e9:.1f} ({flops / ms / 1e9 / tflops_ceiling:.2f}) | "
-               f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f}) | {active} | {layer} | {peak_mb:.0f} |")
+               f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f}) | {active} | {layer} | {peak_mb:.0f} | {variants} |")
         lines.append(row)
         print(row, flush=True)
         if n_tokens == PREFILL_T:
@@ -230,22 +241,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="-", help="markdown report file (default: stdout)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
+    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap]")
     args = parser.parse_args()
+    configs = [(text, parse_config(text)) for text in args.configs]
     tflops, gbps = measure_ceilings()
     name = torch.cuda.get_device_name()
     lines = [f"# MoE kernels on {name} ({datetime.date.today()})", "",
              f"Ceilings (this run): bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbps:.0f} GB/s.", "",
              "## Expert block (moe_experts)", "",
              "| model | T | ms | TFLOP/s (x matmul ceiling) | weights GB/s (x copy ceiling) | active experts | "
-             f"decode layer GB/s with the shared expert (target >= {TARGET_DECODE_GBPS}) | peak MB |",
-             "|---|---:|---:|---:|---:|---:|---|---:|"]
+             f"decode layer GB/s with the shared expert (target >= {TARGET_DECODE_GBPS}) | peak MB | --configs ms |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     gemm_lines = ["", "## Grouped GEMMs (prefill shape) vs torch._scaled_mm on the dense GEMM of the same size", "",
                   "| model | T | GEMM | M x N x K | grouped TFLOP/s (ms) | _scaled_mm TFLOP/s (ms) | ratio | "
                   f"target (>= {TARGET_TFLOPS}, >= {TARGET_VS_SCALED_MM}x) |", "|---|---:|---|---|---:|---:|---:|---|"]
     route_lines = ["", "## Routing (route_topk, 256 experts)", "", "| model | T | us |", "|---|---:|---:|"]
     print("\n".join(lines), flush=True)
     for model in MODELS:
-        bench_model(model, args.tokens, tflops, gbps, lines, gemm_lines, route_lines)
+        if model.name in args.models:
+            bench_model(model, args.tokens, configs, tflops, gbps, lines, gemm_lines, route_lines)
     write_report("\n".join(lines + gemm_lines + route_lines) + "\n", args.out)
 
 
