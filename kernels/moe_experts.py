@@ -41,7 +41,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from .fp8_gemm import _capability
+from .fp8_gemm import _arrival_counters, _capability, _num_sms
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
 FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
@@ -190,11 +190,15 @@ def _experts(fmt, w1, w1_scales, w3, w3_scales, w2, w2_scales, dtype, scale_dtyp
 class MoeConfig:
     """Launch shape of moe_experts' grouped GEMMs. block_m: token rows per tile (every expert's rows
     padded to whole tiles); block_n: weight rows per program (128: one activation scale group of the
-    SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode)."""
+    SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode);
+    split_k: at most this many programs per output tile, each over an equal share of the k blocks
+    (the most that divide them), the last to finish summing the fp32 partials in split order; None
+    picks it (_splits)."""
 
     block_m: int = 64
     block_n: int = 128
     swap_ab: bool = False
+    split_k: Optional[int] = None
     num_warps: int = 8
     num_stages: int = 4
 
@@ -204,6 +208,9 @@ class MoeConfig:
 # triton 3.6); 64 rows also pad each expert's rows by half as much.
 PREFILL_CONFIG = MoeConfig()
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
+# Split-K (automatic) aims at this many programs per SM, each keeping >= SPLIT_MIN_K_BLOCKS k blocks.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MIN_K_BLOCKS = 4
 # Assignments per expert (on average) up to which the decode shape runs: a 16-token tile then holds
 # most of an expert's tokens, and 64-row tiles would be mostly padding.
 DECODE_MAX_PER_EXPERT = 16
@@ -383,21 +390,46 @@ def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.const
 
 
 @triton.jit
+def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: tl.constexpr,
+                BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, FP4: tl.constexpr, SWIGLU: tl.constexpr,
+                HAS_LIMIT: tl.constexpr):
+    """The epilogue of one output tile: bf16 rows, or (SWIGLU) silu(g) * u as fp8 codes with one scale
+    per row (BLOCK_N = 128), its columns split as the down product's fp4 weight wants them."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    offs_n = col + tl.arange(0, BLOCK_N)
+    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT
+    if SWIGLU:
+        if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+            acc = tl.minimum(acc, limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        h = acc / (1.0 + tl.exp(-acc)) * acc_up
+        codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
+        tl.store(out_rows + _split_columns(offs_n, FP4)[None, :], codes.to(tl.uint8))
+        tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
+    else:
+        tl.store(out_rows + offs_n[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
 def _grouped_gemm_kernel(
-    a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, limit,
+    a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, partial_ptr,
+    arrivals_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, FP4: tl.constexpr,
-    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
+    FP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    # Program (tile, column block), tile-major: the column blocks of one tile (one expert's weight)
-    # run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight has N
-    # rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N) and
-    # the matching up rows, silu(g) * u stored as fp8 codes with one scale per row (BLOCK_N = 128),
-    # its columns split as the down product's fp4 weight wants them (_split_columns); otherwise rows
-    # [c, c + BLOCK_N) (N = N_OUT) stored as bf16.
+    # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
+    # weight) run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight
+    # has N rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N)
+    # and the matching up rows; otherwise rows [c, c + BLOCK_N) (N = N_OUT). Split s of SPLITS takes
+    # k blocks [s, s + 1) x K / 128 / SPLITS.
     pid = tl.program_id(0)
-    tile = pid // (N_OUT // BLOCK_N)
-    col = (pid % (N_OUT // BLOCK_N)) * BLOCK_N
+    split = pid % SPLITS
+    tile_col = pid // SPLITS
+    tile = tile_col // (N_OUT // BLOCK_N)
+    col = (tile_col % (N_OUT // BLOCK_N)) * BLOCK_N
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
         gate_row = expert * N + col
@@ -405,28 +437,41 @@ def _grouped_gemm_kernel(
         a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, K // _BLOCK_K):
+        per_split: tl.constexpr = K // _BLOCK_K // SPLITS
+        for i in range(0, per_split):
+            kb = split * per_split + i
             a_scale = tl.load(a_scale_rows + kb)
             acc += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, K,
                             BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
             if SWIGLU:
                 acc_up += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
                                    FP4, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
-        if SWAP_AB:
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
-        offs_n = col + tl.arange(0, BLOCK_N)
-        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT
-        if SWIGLU:
-            if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
-                acc = tl.minimum(acc, limit)
-                acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            h = acc / (1.0 + tl.exp(-acc)) * acc_up
-            codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
-            tl.store(out_rows + _split_columns(offs_n, FP4)[None, :], codes.to(tl.uint8))
-            tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
+        if SPLITS == 1:
+            _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB, FP4,
+                        SWIGLU, HAS_LIMIT)
         else:
-            tl.store(out_rows + offs_n[None, :], acc.to(tl.bfloat16))
+            # partial_ptr: [tiles x column blocks, SPLITS, 2, tile] float32. Every split stores its
+            # partial sums and counts itself in; the last of its tile adds them in split order (the
+            # same sums whichever finishes last), runs the epilogue and resets the counter.
+            tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+            rows = tl.arange(0, BLOCK_N if SWAP_AB else BLOCK_M)
+            cols = tl.arange(0, BLOCK_M if SWAP_AB else BLOCK_N)
+            offsets = rows[:, None] * (BLOCK_M if SWAP_AB else BLOCK_N) + cols[None, :]
+            partials = partial_ptr + tile_col.to(tl.int64) * (SPLITS * 2 * tile_elems) + offsets
+            tl.store(partials + split * 2 * tile_elems, acc)
+            tl.store(partials + (split * 2 + 1) * tile_elems, acc_up)
+            # All threads' stores precede the (acq_rel, gpu scope) count, one atomic per program.
+            tl.debug_barrier()
+            if tl.atomic_add(arrivals_ptr + tile_col, 1) == SPLITS - 1:
+                acc = tl.zeros_like(acc)
+                acc_up = tl.zeros_like(acc_up)
+                for s in range(0, SPLITS):
+                    # .cg: from L2, where the other programs' partials are, never a stale L1 line.
+                    acc += tl.load(partials + s * 2 * tile_elems, cache_modifier=".cg")
+                    acc_up += tl.load(partials + (s * 2 + 1) * tile_elems, cache_modifier=".cg")
+                tl.store(arrivals_ptr + tile_col, 0)
+                _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
+                            FP4, SWIGLU, HAS_LIMIT)
 
 
 @triton.jit
@@ -460,6 +505,16 @@ def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor, split: bool) -> t
     return x_fp8, x_scales
 
 
+def _splits(programs: int, n_k_blocks: int, device: torch.device, split_k: Optional[int]) -> int:
+    """Splits of the k blocks: the most that divide them evenly up to split_k, or (None) up to
+    SPLIT_PROGRAMS_PER_SM programs per SM keeping >= SPLIT_MIN_K_BLOCKS k blocks each (decode
+    launches of a few experts' tiles; prefill has enough programs and never splits)."""
+    if split_k is None:
+        split_k = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * _num_sms(device), programs),
+                      n_k_blocks // SPLIT_MIN_K_BLOCKS)
+    return max(s for s in range(1, max(1, split_k) + 1) if n_k_blocks % s == 0)
+
+
 def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, fp4: bool, swiglu: bool,
                   limit: Optional[float], n_experts: int, config: MoeConfig) -> None:
     """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]."""
@@ -469,11 +524,18 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     stacked = weight.view(n_experts * n, k_stored)
     # fp4: packed bytes, and the activations' k blocks loaded in halves (_split_columns).
     block_k = BLOCK_K // 2 if fp4 else BLOCK_K
-    _grouped_gemm_kernel[(tile_expert.numel() * (n_out // config.block_n),)](
+    tile_cols = tile_expert.numel() * (n_out // config.block_n)
+    splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
+    partials = arrivals = out      # unread placeholders without split-K
+    if splits > 1:
+        partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
+                               device=a.device)
+        arrivals = _arrival_counters(a.device, tile_cols)
+    _grouped_gemm_kernel[(tile_cols * splits,)](
         TensorDescriptor.from_tensor(a, [config.block_m, block_k]), a_scales,
         TensorDescriptor.from_tensor(stacked, [config.block_n, block_k]), scales, tile_expert, out,
-        out if out_scales is None else out_scales, 0.0 if limit is None else float(limit),
-        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        out if out_scales is None else out_scales, partials, arrivals, 0.0 if limit is None else float(limit),
+        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
         SWAP_AB=config.swap_ab, FP4=fp4, SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
         num_warps=config.num_warps, num_stages=config.num_stages)
 

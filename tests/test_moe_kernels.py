@@ -18,8 +18,10 @@ from minirt.kernels import (ExpertWeights, check_tid2eid, expert_weights_fp4, ex
                             route_hash, route_topk)
 from minirt.kernels.moe_experts import DECODE_CONFIG, MoeConfig
 
-# A prefill-shaped launch (tokens on the MMA's M side) small enough for the interpreter.
+# A prefill-shaped launch (tokens on the MMA's M side) small enough for the interpreter, and the
+# decode one with split-K forced (the gate/up product's 2 k blocks in 2 splits).
 TILES_CONFIG = MoeConfig(block_m=16, num_warps=4, num_stages=2)
+SPLIT_CONFIG = MoeConfig(block_m=16, swap_ab=True, split_k=2, num_warps=4, num_stages=2)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # Relative-norm error of moe_experts against the oracle: bf16 expert outputs (2^-8 per element,
 # 2^-7 where the interpreter truncates), fp32 sums in another order, and now and then a SwiGLU value
@@ -220,8 +222,8 @@ def rel_error(out, ref):
 @pytest.mark.parametrize("fmt, config, n_tokens, limit", [
     ("fp8", DECODE_CONFIG, 1, None),
     ("fp8", TILES_CONFIG, 6, None),
-    ("fp8", DECODE_CONFIG, 5, 0.5),
-    ("fp4", DECODE_CONFIG, 3, 0.5),
+    ("fp8", SPLIT_CONFIG, 5, 0.5),
+    ("fp4", SPLIT_CONFIG, 3, 0.5),
     ("fp4", TILES_CONFIG, 4, None),
 ])
 def test_moe_experts(poisoned, fmt, config, n_tokens, limit):
