@@ -24,7 +24,10 @@ in registers (exact) and multiplied with the fp8 activations converted to bf16 (
 Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
 rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
 16 tokens on its narrow side (swap_ab), so each active expert's weights are read once per 16 of
-its tokens and inactive experts not at all.
+its tokens and inactive experts not at all; launches of fewer programs than the GPU has SMs
+(a few experts' tiles) split K, the last split of each tile adding the partials in split order.
+Results do not depend on the order in which an expert's rows are placed (each row is computed on its
+own), so they are deterministic although the plan places rows with atomics.
 """
 from __future__ import annotations
 
