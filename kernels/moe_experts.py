@@ -453,7 +453,7 @@ def _grouped_gemm_kernel(
             _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB, FP4,
                         SWIGLU, HAS_LIMIT)
         else:
-            # partial_ptr: [tiles x column blocks, SPLITS, 2, tile] float32. Every split stores its
+            # partial_ptr: [tiles x column blocks, SPLITS, 2 (gate / up, or the product alone), tile] float32. Every split stores its
             # partial sums and counts itself in; the last of its tile adds them in split order (the
             # same sums whichever finishes last), runs the epilogue and resets the counter.
             tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
@@ -462,7 +462,8 @@ def _grouped_gemm_kernel(
             offsets = rows[:, None] * (BLOCK_M if SWAP_AB else BLOCK_N) + cols[None, :]
             partials = partial_ptr + tile_col.to(tl.int64) * (SPLITS * 2 * tile_elems) + offsets
             tl.store(partials + split * 2 * tile_elems, acc)
-            tl.store(partials + (split * 2 + 1) * tile_elems, acc_up)
+            if SWIGLU:
+                tl.store(partials + (split * 2 + 1) * tile_elems, acc_up)
             # All threads' stores precede the (acq_rel, gpu scope) count, one atomic per program.
             tl.debug_barrier()
             if tl.atomic_add(arrivals_ptr + tile_col, 1) == SPLITS - 1:
@@ -471,7 +472,8 @@ def _grouped_gemm_kernel(
                 for s in range(0, SPLITS):
                     # .cg: from L2, where the other programs' partials are, never a stale L1 line.
                     acc += tl.load(partials + s * 2 * tile_elems, cache_modifier=".cg")
-                    acc_up += tl.load(partials + (s * 2 + 1) * tile_elems, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += tl.load(partials + (s * 2 + 1) * tile_elems, cache_modifier=".cg")
                 tl.store(arrivals_ptr + tile_col, 0)
                 _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
                             FP4, SWIGLU, HAS_LIMIT)

@@ -19,7 +19,7 @@ from minirt.kernels import (ExpertWeights, check_tid2eid, expert_weights_fp4, ex
 from minirt.kernels.moe_experts import DECODE_CONFIG, MoeConfig
 
 # A prefill-shaped launch (tokens on the MMA's M side) small enough for the interpreter, and the
-# decode one with split-K forced (the gate/up product's 2 k blocks in 2 splits).
+# decode one with split-K forced (a product of 2 k blocks in 2 splits).
 TILES_CONFIG = MoeConfig(block_m=16, num_warps=4, num_stages=2)
 SPLIT_CONFIG = MoeConfig(block_m=16, swap_ab=True, split_k=2, num_warps=4, num_stages=2)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -219,16 +219,16 @@ def rel_error(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("fmt, config, n_tokens, limit", [
-    ("fp8", DECODE_CONFIG, 1, None),
-    ("fp8", TILES_CONFIG, 6, None),
-    ("fp8", SPLIT_CONFIG, 5, 0.5),
-    ("fp4", SPLIT_CONFIG, 3, 0.5),
-    ("fp4", TILES_CONFIG, 4, None),
+@pytest.mark.parametrize("fmt, config, n_tokens, limit, i", [
+    ("fp8", DECODE_CONFIG, 1, None, 128),
+    ("fp8", TILES_CONFIG, 6, None, 128),
+    ("fp8", SPLIT_CONFIG, 5, 0.5, 256),      # both products split (2 k blocks each)
+    ("fp4", SPLIT_CONFIG, 3, 0.5, 128),
+    ("fp4", TILES_CONFIG, 4, None, 128),
 ])
-def test_moe_experts(poisoned, fmt, config, n_tokens, limit):
+def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
     gen = generator(3)
-    e, d, i, top_k = 8, 256, 128, 2
+    e, d, top_k = 8, 256, 2
     experts, dense = make_experts(fmt, gen, e, d, i)
     x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
     # The last expert gets no token.
