@@ -338,3 +338,20 @@ def test_moe_decode_is_sync_free_and_graph_capturable():
     x.copy_(torch.randn(n_tokens, d, generator=gen, device=DEVICE))
     graph.replay()
     assert torch.equal(captured, step())
+
+
+def test_moe_experts_rejects_bad_input():
+    experts, _ = make_experts("fp8", generator(9), 2, 128, 128)
+    x = torch.randn(3, 128, device=DEVICE).bfloat16()
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE)
+    weights = torch.ones(3, 2, device=DEVICE)
+    with pytest.raises(InputError, match=r"x must be .*\[T, 128\]"):
+        moe_experts(x[:, :64], ids, weights, experts)
+    with pytest.raises(InputError, match="expert_ids"):
+        moe_experts(x, ids.float(), weights, experts)
+    with pytest.raises(InputError, match="weights"):
+        moe_experts(x, ids, weights[:, :1], experts)
+    with pytest.raises(InputError, match="ExpertWeights"):
+        moe_experts(x, ids, weights, (experts.w13, experts.w2))
+    with pytest.raises(InputError, match="config"):
+        moe_experts(x, ids, weights, experts, config=MoeConfig(block_n=64))
