@@ -556,8 +556,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     x is quantised to fp8 per token and 128 columns (fp8_gemm.quantize_act_fp8's rule, bit for bit)
     and so is the SwiGLU output before W2 (DeepSeek's act_quant on the expert's intermediate); each
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
-    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127)). Expert outputs are rounded to
-    bf16 per expert, then summed over the slots in slot order in fp32 (deterministic).
+    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
+    multiplied back per k block). Expert outputs are rounded to bf16 per expert, then summed over
+    the slots in slot order in fp32. Deterministic: the same inputs give the same bits.
 
     Sync-free and of static shapes (CUDA-graph capturable): the permutation by expert runs on the
     device with buffers sized for the worst case (max_tiles), the programs of unused tiles exit.
