@@ -290,9 +290,14 @@ def test_custom_ops_equal_the_functions():
                                                  route_hash(logits, table, tokens, scoring="sigmoid")))
     experts, _ = make_experts("fp4", gen, 8, 128, 128)
     x = torch.randn(3, 128, generator=gen, device=DEVICE).bfloat16()
-    out = torch.ops.minirt.moe_experts(x, ids, weights, experts.w13, experts.w13_scales, experts.w2,
-                                       experts.w2_scales, "fp4", 10.0)
+    expert_args = (experts.w13, experts.w13_scales, experts.w2, experts.w2_scales, "fp4", 10.0)
+    out = torch.ops.minirt.moe_experts(x, ids, weights, *expert_args)
     assert torch.equal(out, moe_experts(x, ids, weights, experts, swiglu_limit=10.0))
+    # Schemas, fake implementations (shapes and dtypes without a kernel) and torch.compile tracing.
+    torch.library.opcheck(torch.ops.minirt.route_topk, (logits, None, 2, "sqrtsoftplus", 1, 1, True, 1.5))
+    torch.library.opcheck(torch.ops.minirt.route_hash, (logits, table, tokens, "sigmoid"))
+    torch.library.opcheck(torch.ops.minirt.moe_experts, (x, ids, weights, *expert_args),
+                          test_utils=("test_schema", "test_faketensor"))   # the others rerun the kernels
 
 
 def test_expert_weights_reject_bad_tensors():
