@@ -128,6 +128,10 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.w13.device
 
+    def to(self, device) -> "ExpertWeights":
+        """The same experts with every tensor on ``device``."""
+        return ExpertWeights(self.format, *(t.to(device) for t in (self.w13, self.w13_scales, self.w2, self.w2_scales)))
+
     @property
     def nbytes(self) -> int:
         """Bytes of the four tensors (all experts; one expert's share is nbytes / n_experts)."""

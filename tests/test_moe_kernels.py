@@ -276,6 +276,8 @@ def test_expert_weights_bytes(fmt):
     experts, _ = make_experts(fmt, generator(7), 3, 256, 128)
     assert experts.nbytes == 3 * ExpertWeights.bytes_per_expert(fmt, 256, 128)
     assert experts.n_experts == 3 and experts.hidden_size == 256 and experts.intermediate_size == 128
+    moved = experts.to("cpu")
+    assert moved.device.type == "cpu" and torch.equal(moved.w2.view(torch.uint8).cpu(), experts.w2.view(torch.uint8).cpu())
 
 
 def test_custom_ops_equal_the_functions():
