@@ -150,47 +150,72 @@ class ExpertWeights:
         raise InputError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
 
 
-def _stack(name: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Per-expert 2-D tensors stacked to [E, ...] of ``dtype``: float32 converts any float dtype (scales),
-    a 1-byte dtype reinterprets any 1-byte dtype (int8 codes, e8m0 bytes)."""
-    if len(tensors) == 0:
-        raise InputError(f"{name}: no experts given")
-    stacked = []
+def _check_experts(name: str, tensors: Sequence[torch.Tensor], scales: bool) -> None:
+    """Raise InputError unless tensors is a non-empty sequence of 2-D tensors of one shape, of a float
+    dtype (scales) or a 1-byte one (codes), naming the first bad one."""
+    if not isinstance(tensors, Sequence) or len(tensors) == 0:
+        raise InputError(f"{name}: expected a sequence of per-expert tensors, got {type(tensors).__name__}")
     for e, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != tensors[0].shape \
-                or (t.element_size() != 1 if dtype != torch.float32 else not t.is_floating_point()):
-            raise InputError(f"{name}[{e}] must be a 2-D {'float' if dtype == torch.float32 else '1-byte'} tensor "
-                             f"of expert 0's shape {tuple(getattr(tensors[0], 'shape', ()))}, got "
+                or (not t.is_floating_point() if scales else t.element_size() != 1):
+            raise InputError(f"{name}[{e}] must be a 2-D {'float' if scales else '1-byte'} tensor of expert 0's "
+                             f"shape {tuple(getattr(tensors[0], 'shape', ()))}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        stacked.append(t.float() if dtype == torch.float32 else t.view(dtype))
-    return torch.stack(stacked)
 
 
-def expert_weights_fp8(w1, w1_scales, w3, w3_scales, w2, w2_scales) -> ExpertWeights:
+def _stacked(parts: Sequence[tuple[str, Sequence[torch.Tensor]]], dtype: torch.dtype, device) -> torch.Tensor:
+    """Per-expert tensors [E] x [n_p, k] of each part p (name, tensors), concatenated along dim 1
+    and stacked into one [E, sum n_p, k] ``dtype`` tensor on ``device``, filled expert by expert (no
+    second full copy): float32 converts float scales, a 1-byte dtype reinterprets 1-byte codes."""
+    scales = dtype == torch.float32
+    for name, tensors in parts:
+        _check_experts(name, tensors, scales)
+    n_experts = len(parts[0][1])
+    if any(len(tensors) != n_experts for _, tensors in parts):
+        raise InputError(f"{', '.join(name for name, _ in parts)}: different numbers of experts "
+                         f"({', '.join(str(len(t)) for _, t in parts)})")
+    widths = [tensors[0].shape[1] for _, tensors in parts]
+    if len(set(widths)) != 1:
+        raise InputError(f"{', '.join(name for name, _ in parts)}: different input widths {widths}")
+    out = torch.empty((n_experts, sum(t[0].shape[0] for _, t in parts), widths[0]), dtype=dtype, device=device)
+    for e in range(n_experts):
+        row = 0
+        for _, tensors in parts:
+            t = tensors[e] if scales else tensors[e].view(dtype)
+            out[e, row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    return out
+
+
+def expert_weights_fp8(w1, w1_scales, w3, w3_scales, w2, w2_scales, device=None) -> ExpertWeights:
     """
     ExpertWeights in block fp8 from per-expert checkpoint tensors (each a sequence of E tensors, in
-    expert order): w1 / w3 [I, D] float8_e4m3fn with scales [I / 128, D / 128], w2 [D, I] with
-    scales [D / 128, I / 128]. Scales of any float dtype (V4's float8_e8m0fnu included) are converted
-    to float32. Raises InputError (naming the expert) on a wrong shape or dtype.
+    expert order, on any device): w1 / w3 [I, D] float8_e4m3fn with scales [I / 128, D / 128], w2
+    [D, I] with scales [D / 128, I / 128]. Scales of any float dtype (V4's float8_e8m0fnu included)
+    are converted to float32. The result is built on ``device`` (default: w1[0]'s), expert by expert.
+    Raises InputError (naming the tensor and expert) on a wrong shape or dtype.
     """
-    return _experts("fp8", w1, w1_scales, w3, w3_scales, w2, w2_scales, FP8_DTYPE, torch.float32)
+    return _experts("fp8", w1, w1_scales, w3, w3_scales, w2, w2_scales, FP8_DTYPE, torch.float32, device)
 
 
-def expert_weights_fp4(w1, w1_scales, w3, w3_scales, w2, w2_scales) -> ExpertWeights:
+def expert_weights_fp4(w1, w1_scales, w3, w3_scales, w2, w2_scales, device=None) -> ExpertWeights:
     """
     ExpertWeights in fp4 from per-expert checkpoint tensors (each a sequence of E tensors): w1 / w3
     [I, D / 2] int8 or uint8 (packed e2m1, the low nibble element 2i) with e8m0 scales [I, D / 32]
     (float8_e8m0fnu or uint8 bytes), w2 [D, I / 2] with scales [D, I / 32]. The bytes are kept as
-    they are. Raises InputError on a wrong shape or element size.
+    they are; the result is built on ``device`` (default: w1[0]'s). Raises InputError on a wrong
+    shape or element size.
     """
-    return _experts("fp4", w1, w1_scales, w3, w3_scales, w2, w2_scales, torch.uint8, torch.uint8)
+    return _experts("fp4", w1, w1_scales, w3, w3_scales, w2, w2_scales, torch.uint8, torch.uint8, device)
 
 
-def _experts(fmt, w1, w1_scales, w3, w3_scales, w2, w2_scales, dtype, scale_dtype) -> ExpertWeights:
+def _experts(fmt, w1, w1_scales, w3, w3_scales, w2, w2_scales, dtype, scale_dtype, device) -> ExpertWeights:
     """Stack and concatenate per-expert tensors into ExpertWeights (which validates the result)."""
-    w13 = torch.cat([_stack("w1", w1, dtype), _stack("w3", w3, dtype)], 1)
-    s13 = torch.cat([_stack("w1_scales", w1_scales, scale_dtype), _stack("w3_scales", w3_scales, scale_dtype)], 1)
-    return ExpertWeights(fmt, w13, s13, _stack("w2", w2, dtype), _stack("w2_scales", w2_scales, scale_dtype))
+    _check_experts("w1", w1, False)
+    device = w1[0].device if device is None else device
+    return ExpertWeights(fmt, _stacked([("w1", w1), ("w3", w3)], dtype, device),
+                         _stacked([("w1_scales", w1_scales), ("w3_scales", w3_scales)], scale_dtype, device),
+                         _stacked([("w2", w2)], dtype, device), _stacked([("w2_scales", w2_scales)], scale_dtype, device))
 
 
 @dataclass(frozen=True)

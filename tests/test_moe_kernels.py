@@ -187,7 +187,9 @@ def make_experts(fmt, gen, e, d, i):
     random, dequantize = (random_fp8_expert, dequantize_block_fp8) if fmt == "fp8" else (random_fp4_expert, dequantize_fp4)
     w1, w3, w2 = ([random(gen, *shape) for _ in range(e)] for shape in ((i, d), (i, d), (d, i)))
     build = expert_weights_fp8 if fmt == "fp8" else expert_weights_fp4
-    experts = build(*(t for w in (w1, w3, w2) for t in ([q for q, _ in w], [s for _, s in w])))
+    # fp4 scales as checkpoints store them (float8_e8m0fnu), fp8 ones as float32.
+    as_stored = (lambda s: s) if fmt == "fp8" else (lambda s: s.view(torch.float8_e8m0fnu))
+    experts = build(*(t for w in (w1, w3, w2) for t in ([q for q, _ in w], [as_stored(s) for _, s in w])))
     dense = [tuple(dequantize(*w[x]).double() for w in (w1, w3, w2)) for x in range(e)]
     return experts, dense
 
