@@ -1,4 +1,5 @@
 """One small exception hierarchy: the CLI turns any MinirtError into one line on stderr, exit 2."""
+from __future__ import annotations
 
 
 class MinirtError(Exception):
@@ -23,3 +24,13 @@ class DeviceError(MinirtError):
 
 class WriteError(MinirtError):
     """A file or directory could not be written (names the path and the operating system's reason)."""
+
+
+def excerpt(text, limit: int = 60) -> str:
+    """``repr(text)`` when short, else its start and end around ``…`` with the length: what an error
+    message echoes of an argument or a name read from a file, so one bad value cannot flood the line."""
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    half = limit // 2
+    return f"{text[:half]!r}…{text[-half:]!r} ({len(text):,} characters)"
