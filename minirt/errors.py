@@ -22,6 +22,10 @@ class DeviceError(MinirtError):
     """The requested device is not available."""
 
 
+class NumericalError(MinirtError):
+    """A forward pass produced a non-finite logit (names the first module whose output was non-finite)."""
+
+
 class WriteError(MinirtError):
     """A file or directory could not be written (names the path and the operating system's reason)."""
 
