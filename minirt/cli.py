@@ -59,7 +59,8 @@ class _OneLineErrors(typer.core.TyperGroup):
         except typer.TyperException as e:  # click's usage errors, as typer ships them
             if type(e).__name__ == "NoArgsIsHelpError":  # no arguments: the help is printed already
                 sys.exit(e.exit_code)
-            hint = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) is not None else ""
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{' '.join(['minirt', *ctx.command_path.split()[1:]])} --help`)" if ctx is not None else ""
             sys.exit(_fail(" ".join(e.format_message().split())[:300] + hint))
         except typer.Abort:
             sys.exit(_fail("aborted"))
@@ -272,11 +273,12 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     from .cache import cache_bytes_per_token
     from .checkpoint import plan_load
     from .download import memory_text, plan_shards
+    from .files import is_present
 
     path, cfg = _checkpoint(weights)
     shards = plan_shards(path, layers)
     n = shards.num_layers
-    missing = [s for s in shards.shards if not (path / s).is_file()]
+    missing = [s for s in shards.shards if not is_present(path / s)]  # a FIFO is there: plan_load refuses it
     on_disk = sum((path / s).stat().st_size for s in shards.shards if s not in missing)
     rows = [
         ("model_type", cfg.model_type), ("layers (dense / total)", f"{cfg.num_dense_layers} / {cfg.num_hidden_layers}"),

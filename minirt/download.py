@@ -327,7 +327,8 @@ def _download(repo_id, out_dir: Path, num_layers, revision, endpoint, hub: str, 
     def size_on_hub(filename: str) -> int:
         budget["failures"] = 0
         try:
-            return get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint)).size or 0
+            return get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint),
+                                            retry_on_errors=True).size or 0
         except Exception as e:
             raise _hub_error(e, repo_id, filename, hub) from e
 
@@ -337,7 +338,8 @@ def _download(repo_id, out_dir: Path, num_layers, revision, endpoint, hub: str, 
         budget["failures"] = 0
         try:
             if limit is not None:
-                size = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint)).size
+                size = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint),
+                                            retry_on_errors=True).size
                 if (size or 0) > limit:
                     raise CheckpointError(f"{repo_id}/{filename} on {hub} is {size:,} bytes, more than the {limit:,} "
                                           "minirt reads")

@@ -173,11 +173,7 @@ class Engine:
         finally:
             for h in hooks:
                 h.remove()
-        first = next((name for name, _ in modules if name in flagged), None)
-        where = (f"the first non-finite output is that of {first}" if first is not None
-                 else "the step rerun to locate them gave finite values")
-        raise NumericalError(f"{stage} produced non-finite logits (NaN or Inf): {where}; the checkpoint's weights or "
-                             "config.json values are out of range")
+        raise NumericalError.in_logits(stage, next((name for name, _ in modules if name in flagged), None))
 
     def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The decode step proper: static shapes, no host sync (so it can be graph-captured)."""

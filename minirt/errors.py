@@ -25,6 +25,14 @@ class DeviceError(MinirtError):
 class NumericalError(MinirtError):
     """A forward pass produced a non-finite logit (names the first module whose output was non-finite)."""
 
+    @classmethod
+    def in_logits(cls, stage: str, first: str | None) -> "NumericalError":
+        """The error for ``stage`` ("prefill", "decode") whose first non-finite output came from ``first``
+        ("layer 1 (model.layers.1)", ...; None: not found)."""
+        where = f"the first non-finite output is that of {first}" if first else "no module's output was non-finite on a rerun"
+        return cls(f"{stage} produced non-finite logits (NaN or Inf): {where}; the checkpoint's weights or config.json "
+                   "values are out of range")
+
 
 class WriteError(MinirtError):
     """A file or directory could not be written (names the path and the operating system's reason)."""

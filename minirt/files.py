@@ -131,12 +131,18 @@ def read_json(path: str | Path, what: str, limit: int, error: type[MinirtError])
     return parse_json(read_bytes(path, what, limit, error), shown(path), error)
 
 
+NAME_MAX = 255  # bytes of one file name component (Linux, macOS)
+
+
 def member(directory: Path, name: str, listed_in: str, error: type[MinirtError]) -> Path:
     """``directory / name`` for a file name an index lists, or ``error`` when the name could reach
-    outside ``directory``: absolute, with a ``..`` part, empty, or holding a NUL or a backslash."""
+    outside ``directory`` (absolute, with a ``..`` part, empty, or holding a NUL or a backslash) or
+    has a part longer than a file system allows (``NAME_MAX`` bytes)."""
     parts = PurePosixPath(name).parts
     if (not name or "\x00" in name or "\\" in name or name.startswith("/") or ".." in parts
             or Path(name).is_absolute()):
         raise error(f"{listed_in} names file {excerpt(name)}, which is not a file name inside "
                     f"{shown(directory)} (absolute, '..', empty or with a NUL or backslash)")
+    if any(len(part.encode("utf-8", "surrogateescape")) > NAME_MAX for part in parts):
+        raise error(f"{listed_in} names file {excerpt(name)}, longer than the {NAME_MAX} bytes a file name may have")
     return directory / name
