@@ -500,11 +500,12 @@ def generate(
 
 
 def _token_ids(text: str) -> list[int]:
-    """--tokens as ints; the error names the first item that is not one (not the whole list)."""
+    """--tokens as ints; the error shows an excerpt of a long list and the first item that is no int."""
     items = [t for t in text.split(",") if t.strip()]
     for i, item in enumerate(items):
         if not re.fullmatch(r"\s*[+-]?\d{1,30}\s*", item):
-            raise InputError(f"--tokens must be comma-separated integers; item {i + 1} of {len(items)} is {excerpt(item)}")
+            where = f"; item {i + 1} of {len(items)} is {excerpt(item)}" if len(text) > 60 else ""
+            raise InputError(f"--tokens must be comma-separated integers, got {excerpt(text)}{where}")
     return [int(t) for t in items]
 
 
