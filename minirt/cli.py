@@ -519,9 +519,11 @@ def _check_generate_fits(cfg, layers: int | None, batch: int, seq_len: int, devi
     """InputError, with both numbers, when the cache for ``batch`` sequences of ``seq_len`` tokens and the
     [batch, vocab] logits exceed the memory ``device`` has available: before anything is loaded."""
     from .cache import cache_bytes_per_token
+    from .checkpoint import tensor_specs
     from .formats import CACHE_BLOCK_SIZE
 
     num_layers = layers if layers is not None else cfg.num_dense_layers
+    tensor_specs(cfg, num_layers)  # MoE layers or a count that is no count: the loader's error, now
     tokens = batch * -(-seq_len // CACHE_BLOCK_SIZE) * CACHE_BLOCK_SIZE
     need = cache_bytes_per_token(cfg, num_layers, indexer_precision) * tokens + 3 * batch * cfg.vocab_size * 4
     free = available_memory(device)

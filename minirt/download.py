@@ -296,6 +296,8 @@ def download_checkpoint(repo_id: str, out_dir: str | Path, num_layers: int | Non
     from huggingface_hub import constants
 
     repo_name(repo_id)
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        raise InputError(f"num_layers must be a positive int, got {num_layers!r:.40}")
     out_dir = as_path(out_dir, "the output directory")
     _check_network_budget(timeout_s, retries)
     if endpoint is not None and not re.fullmatch(r"https?://[^\s]+", endpoint):
