@@ -137,8 +137,9 @@ def _is_size(value) -> bool:
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """Parse and validate a safetensors file's header without reading tensor data.
 
-    Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing or
-    truncated file, a header length beyond the file, a header that is not a JSON object, an entry
+    Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing, not
+    regular (a FIFO, a device) or truncated file, a header length beyond the file or beyond
+    ``files.MAX_HEADER_BYTES`` (100 MB, the safetensors library's own cap), a header that is not a JSON object, an entry
     that is not ``{"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}``, a
     ``__metadata__`` that is not an object of strings, an unsupported dtype, a byte range that
     disagrees with dtype × shape, tensor data past the end of the file, or byte ranges that overlap,
@@ -300,8 +301,10 @@ def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
 
     Checks that every needed tensor is mapped to an existing shard and present in its header with the
     expected dtype and shape (fp8 weights float8_e4m3fn with a float32 ``_scale_inv`` of the block grid
-    shape; others bf16/fp16/fp32). Raises ConfigError for a bad config.json, CheckpointError (naming the
-    tensor and shard or file) for everything else, including MoE layers asked for.
+    shape; others bf16/fp16/fp32). Only regular files are read, and only files inside ``path`` (a
+    shard name in the index may not be absolute or hold ``..``; a symlink in ``path`` may point
+    anywhere). Raises InputError for an empty path, ConfigError for a bad config.json, CheckpointError
+    (naming the tensor and shard or file) for everything else, including MoE layers asked for.
     """
     path = as_path(path, "checkpoint path")
     check_checkpoint_dir(path)

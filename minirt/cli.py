@@ -178,7 +178,7 @@ def _whole_number(text: str | None, option: str, minimum: int) -> int | None:
     if text is None:
         return None
     if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < minimum:
-        raise InputError(f"{option} must be a whole number >= {minimum}, got {text!r}")
+        raise InputError(f"{option} must be a whole number >= {minimum}, got {excerpt(text)}")
     return int(text)
 
 
@@ -606,7 +606,7 @@ def verify(
     import torch
 
     from .checkpoint import resolve_device, tensor_specs
-    from .sampling import SamplingParams
+    from .sampling import check_seed
     from .verify import run_verify
 
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
@@ -618,7 +618,7 @@ def verify(
         prompt_len = 2 * (cfg.index_topk or 32) + 8
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need --prompt-len >= 1 and --decode-steps >= 0, got {prompt_len}, {decode_steps}")
-    SamplingParams(seed=seed)  # the same seed range as generate's
+    check_seed(seed)
     _check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
 
     engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)

@@ -51,7 +51,8 @@ class Engine:
     written so far and its attention reads the prompt's bf16 latents so far, so any chunk size gives
     the same numbers, and transient memory follows the chunk, not the prompt. On CUDA a decode step is
     captured once per batch size as a CUDA graph and replayed; ``use_cuda_graph = False`` runs every
-    step eagerly."""
+    step eagerly. A step whose logits hold a NaN or ±Inf raises NumericalError naming the first module
+    (embedding, layer i, final norm, lm_head) whose output was non-finite."""
 
     backend = "triton"
 

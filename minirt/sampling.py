@@ -35,9 +35,14 @@ class SamplingParams:
             raise InputError(f"top_k must be a whole number >= 0, got {self.top_k!r:.40}")
         if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r:.40}")
-        if not (isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool)
-                and 0 <= self.seed <= MAX_SEED):
-            raise InputError(f"seed must be a whole number in [0, 2^64), got {self.seed!r:.40}")
+        check_seed(self.seed)
+
+
+def check_seed(seed) -> int:
+    """``seed`` if it can seed a torch.Generator (an int in [0, 2^64)), else InputError."""
+    if not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):
+        raise InputError(f"seed must be a whole number in [0, 2^64), got {seed!r:.40}")
+    return seed
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
