@@ -36,6 +36,7 @@ from minirt.errors import CheckpointError, ConfigError, InputError, MinirtError,
 from minirt.sampling import SamplingParams
 from minirt.synthetic import PRESETS, write_synthetic_checkpoint
 from minirt.tokenizer import load_tokenizer
+from conftest import DEVICE
 from test_cli_defects import _env, no_loading, one_error_line  # noqa: F401 (no_loading is a fixture)
 from test_download import REPO, Hub
 from test_hardening import runner, shard_of
@@ -503,7 +504,7 @@ def test_non_finite_logits_name_the_first_layer(tiny, backend):
     huge_layer_1_norm(tiny)
     with pytest.raises(NumericalError, match=r"prefill produced non-finite logits \(NaN or Inf\): the first "
                                              r"non-finite output is that of layer 1 \(model\.layers\.1\)"):
-        minirt.load(tiny, device="cpu", backend=backend).prefill([[1, 2]])
+        minirt.load(tiny, device=DEVICE, backend=backend).prefill([[1, 2]])
 
 
 def test_non_finite_logits_are_one_line_in_generate(tiny):
@@ -513,8 +514,9 @@ def test_non_finite_logits_are_one_line_in_generate(tiny):
 
 
 def test_non_finite_logits_in_decode_name_the_layer(tiny_master):
-    engine = minirt.load(tiny_master, device="cpu")
-    logits = engine.prefill([[1, 2, 3]])
+    # On a GPU the second step replays the CUDA graph the first one captured: the check is in the graph.
+    engine = minirt.load(tiny_master, device=DEVICE)
+    logits = engine.decode(engine.prefill([[1, 2, 3]]).argmax(-1))
     engine.model.model.layers[1].post_attention_layernorm.weight.data.fill_(3e38)
     with pytest.raises(NumericalError, match=r"decode produced .* layer 1 \(model\.layers\.1\)"):
         engine.decode(logits.argmax(-1))
