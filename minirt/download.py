@@ -144,8 +144,7 @@ def _budget_client_factory(timeout_s: float, budget: dict):
     refused or dropped connections, HTTP 408 / 429 / 5xx) are counted in ``budget["failures"]``: past
     ``budget["retries"]`` of them a request raises _RetryBudgetSpent. Retry-After headers are dropped,
     so a hub cannot make the client sleep for as long as it says."""
-    import httpx2
-    from huggingface_hub.utils._http import hf_request_event_hook
+    import httpx2  # huggingface_hub's HTTP client
 
     network_errors = (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError)
 
@@ -194,8 +193,7 @@ def _budget_client_factory(timeout_s: float, budget: dict):
         def close(self):
             self.inner.close()
 
-    return lambda: httpx2.Client(transport=BudgetTransport(), event_hooks={"request": [hf_request_event_hook]},
-                                 follow_redirects=True)
+    return lambda: httpx2.Client(transport=BudgetTransport(), follow_redirects=True)
 
 
 @contextlib.contextmanager
@@ -203,17 +201,18 @@ def _network_budget(timeout_s: float, retries: int):
     """huggingface_hub's requests under ``_budget_client_factory`` and its log warnings silenced (the
     errors come back as exceptions) for the block; yields the budget, whose failures the caller resets
     per file."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils import _http as hub_http  # the factory in use has no public getter
     from huggingface_hub.utils import logging as hub_logging
-    from huggingface_hub.utils._http import default_client_factory, set_client_factory
 
     budget = {"failures": 0, "retries": retries}
-    verbosity = hub_logging.get_verbosity()
+    verbosity, factory = hub_logging.get_verbosity(), hub_http._GLOBAL_CLIENT_FACTORY
     hub_logging.set_verbosity_error()
     set_client_factory(_budget_client_factory(timeout_s, budget))
     try:
         yield budget
     finally:
-        set_client_factory(default_client_factory)
+        set_client_factory(factory)
         hub_logging.set_verbosity(verbosity)
 
 
