@@ -401,6 +401,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def available_memory(device) -> int:
+    """Bytes that can still be allocated on ``device``: CUDA's free memory, or the CPU's available RAM
+    (MemAvailable in /proc/meminfo; elsewhere free physical pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _check_ue8m0(scale: torch.Tensor, name: str, shard: Path) -> None:
     """A ue8m0 block scale is a power of two (an 8-bit exponent): zero, negative or any other value
     means the file is not what its config says."""
@@ -427,7 +442,8 @@ def load_checkpoint(
     tensor, ``_scale_inv`` included, must be finite (NaN or ±Inf → CheckpointError naming the tensor,
     shard and first bad flat index), and a positive power of two where config.json's
     ``scale_fmt`` is ``ue8m0``; fp8 weights are dequantised (``blockfp8.dequantize_block_fp8``) and
-    must stay finite in ``dtype``. Returns (config, {HF weight name: tensor}) with tensors of the
+    must stay finite in ``dtype``. Weights that would not fit in ``available_memory(device)`` are
+    refused (CheckpointError with both sizes) before any is read. Returns (config, {HF weight name: tensor}) with tensors of the
     TensorSpec shapes in ``dtype`` on ``device``; no ``_scale_inv`` entries. With ``fp8_as_stored``
     the fp8 weights are not dequantised: they come as stored (float8_e4m3fn) with their float32
     ``<name>_scale_inv`` entries beside them. ``progress(done, total, name)``, if given, is called
@@ -438,6 +454,12 @@ def load_checkpoint(
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
     block = plan.config.quantization.weight_block_size if plan.config.quantization else None
+    need = sum(sum(plan.stored[n].nbytes for n in (name, name + SCALE_SUFFIX)) if spec.quantized and fp8_as_stored
+               else math.prod(spec.shape) * dtype.itemsize for name, spec in plan.specs.items())
+    free = available_memory(device)
+    if need > free:
+        raise CheckpointError(f"{plan.path}: {plan.num_layers} layer(s) take {need:,} bytes as loaded on {device.type}, "
+                              f"{free:,} are available")
 
     weights: dict[str, torch.Tensor] = {}
     done = 0

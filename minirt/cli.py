@@ -27,6 +27,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 
 from . import default_weights_dir
+from .checkpoint import available_memory
 from .download import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
 from .errors import InputError, MinirtError, excerpt
 
@@ -530,23 +531,6 @@ def _check_generate_fits(cfg, layers: int | None, batch: int, seq_len: int, devi
     if need > free:
         raise InputError(f"--batch {batch} × {seq_len} tokens needs about {decimal(need)} of cache and logits on "
                          f"{device.type}, {decimal(free)} is available")
-
-
-def available_memory(device) -> int:
-    """Bytes that can still be allocated on ``device``: CUDA's free memory, or the CPU's available RAM
-    (MemAvailable in /proc/meminfo; elsewhere free physical pages)."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:

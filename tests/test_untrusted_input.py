@@ -561,3 +561,13 @@ def test_symlink_loop_is_named_as_one(tiny, tmp_path):
     (tiny / "loop.safetensors").symlink_to(tiny / "loop.safetensors")
     with pytest.raises(CheckpointError, match="loop.safetensors: shard of tensor .* is a symlink loop"):
         plan_load(tiny)
+
+
+def test_weights_larger_than_the_memory_are_refused_before_reading(tiny, monkeypatch):
+    import minirt.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: 1_000_000)
+    read = []
+    with pytest.raises(CheckpointError, match=r"2 layer\(s\) take [\d,]+ bytes as loaded on cpu, 1,000,000 are available"):
+        load_checkpoint(tiny, progress=lambda done, total, name: read.append(name))
+    assert read == []
