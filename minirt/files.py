@@ -56,7 +56,7 @@ def kind_of(mode: int) -> str | None:
     """None for a regular file, else what it is ('a FIFO', 'a directory', ...)."""
     if stat.S_ISREG(mode):
         return None
-    return next((name for is_kind, name in _KINDS if is_kind(mode)), "not a regular file")
+    return next((name for is_kind, name in _KINDS if is_kind(mode)), "of an unknown kind")
 
 
 def stat_regular(path: str | Path, what: str, error: type[MinirtError], missing: str | None = None) -> os.stat_result:
