@@ -25,7 +25,9 @@ def default_weights_dir() -> Path:
     """Where the embedded default checkpoint lives: $MINIRT_WEIGHTS, else the checkout's ``weights/``
     (an editable install), else ``~/.cache/minirt``."""
     if "MINIRT_WEIGHTS" in os.environ:
-        return Path(os.environ["MINIRT_WEIGHTS"])
+        from .files import as_path
+
+        return as_path(os.environ["MINIRT_WEIGHTS"], "MINIRT_WEIGHTS")  # empty: an error, not the current directory
     repo_weights = Path(__file__).resolve().parent.parent / "weights"
     return repo_weights if repo_weights.is_dir() else Path.home() / ".cache" / "minirt"
 
@@ -79,7 +81,9 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     if weights not in (None, "fp8", "bf16"):
         raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    path = Path(path) if path is not None else default_checkpoint(progress)
+    from .files import as_path
+
+    path = as_path(path, "checkpoint path") if path is not None else default_checkpoint(progress)
     family = family_of(load_config(path))
     if family is not None:  # another model family (DeepSeek-V4): its own loader
         return family.load(path, layers, dev, backend, progress)

@@ -29,8 +29,9 @@ import torch
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, plan_load, resolve_device, tensor_specs
-from .config import Fp8Quantization, ModelConfig, YarnScaling
+from .config import INT_LIMITS, Fp8Quantization, ModelConfig, YarnScaling
 from .errors import InputError, MinirtError, WriteError
+from .files import as_path
 from .tokenizer import TOKENIZER_FILE
 
 BOS_TOKEN, EOS_TOKEN = "<bos>", "<eos>"
@@ -165,7 +166,10 @@ def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelC
     if num_layers is None:
         return cfg
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise InputError(f"num_layers must be a positive int, got {num_layers!r}")
+        raise InputError(f"num_layers must be a positive int, got {num_layers!r:.40}")
+    if num_layers > INT_LIMITS["num_hidden_layers"]:
+        raise InputError(f"num_layers is {num_layers:,}, more than the {INT_LIMITS['num_hidden_layers']:,} layers the "
+                         "DeepSeek-V3/V3.2 family allows")
     return dataclasses.replace(cfg, num_hidden_layers=num_layers, first_k_dense_replace=num_layers)
 
 
@@ -320,6 +324,16 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         raise InputError(f"{out_dir} is not empty; use force=True (--force) to replace it")
 
 
+def _check_disk(out_dir: Path, cfg: ModelConfig) -> None:
+    """WriteError, with both sizes, when the checkpoint would not fit on the disk that is to hold it."""
+    specs = tensor_specs(cfg, cfg.num_hidden_layers)
+    need = sum(_nbytes(*v) for v in _stored_layout(specs, cfg.quantization.weight_block_size).values())
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise WriteError(f"{out_dir}: the checkpoint takes {need:,} bytes, the disk there has {free:,} free")
+
+
 def _os_reason(e: OSError) -> str:
     """'No space left on device', with the path the operating system refused when it names one."""
     reason = e.strerror or str(e)
@@ -388,18 +402,20 @@ def write_synthetic_checkpoint(
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
     removed on any failure; directories and files get the usual permissions (the umask's). The index's
     metadata records preset, seed and device type (``GENERATOR_KEY``, read by ``is_synthetic_checkpoint``).
-    Raises InputError for an unknown preset, a bad num_layers, or an out_dir that
-    is a file or a non-empty directory (unless force=True, which replaces it); WriteError when the
-    operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
+    Raises InputError for an unknown preset, a bad num_layers (not an int in [1, 1024]), an empty
+    out_dir, or an out_dir that is a file or a non-empty directory (unless force=True, which replaces
+    it); WriteError before anything is written when the disk has less room than the checkpoint takes,
+    and when the operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
     name)``, if given, is called after each chunk written with bytes written so far and in total.
     """
     cfg = preset_config(preset, num_layers)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InputError(f"seed must be an int, got {seed!r}")
     device = resolve_device(device)
-    out_dir = Path(out_dir).resolve()  # "." must name a directory with a parent to hold the temporary
+    out_dir = as_path(out_dir, "the output directory").resolve()  # "." needs a parent to hold the temporary
     try:
         _check_out_dir(out_dir, force)
+        _check_disk(out_dir, cfg)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         # mkdir, not tempfile.mkdtemp: mkdtemp's mode 0700 would become the checkpoint's; this gets the umask's.
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
