@@ -534,7 +534,10 @@ def _check_generate_fits(cfg, layers: int | None, batch: int, seq_len: int, devi
     from .cache import cache_bytes_per_token
     from .checkpoint import tensor_specs
     from .formats import CACHE_BLOCK_SIZE
+    from .models import family_of
 
+    if family_of(cfg) is not None:  # another family's loader sizes and checks its own caches
+        return
     num_layers = layers if layers is not None else cfg.num_dense_layers
     tensor_specs(cfg, num_layers)  # MoE layers or a count that is no count: the loader's error, now
     tokens = batch * -(-seq_len // CACHE_BLOCK_SIZE) * CACHE_BLOCK_SIZE

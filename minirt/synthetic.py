@@ -324,10 +324,17 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         raise InputError(f"{out_dir} is not empty; use force=True (--force) to replace it")
 
 
-def _check_disk(out_dir: Path, cfg: ModelConfig) -> None:
-    """WriteError, with both sizes, when the checkpoint would not fit on the disk that is to hold it."""
+def _checkpoint_bytes(preset: str, cfg: ModelConfig) -> int:
+    """The bytes of the tensors the checkpoint of ``preset`` at ``cfg`` stores."""
+    if preset in FAMILY_PRESETS:
+        return _family(preset).checkpoint_bytes(cfg)
     specs = tensor_specs(cfg, cfg.num_hidden_layers)
-    need = sum(_nbytes(*v) for v in _stored_layout(specs, cfg.quantization.weight_block_size).values())
+    return sum(_nbytes(*v) for v in _stored_layout(specs, cfg.quantization.weight_block_size).values())
+
+
+def _check_disk(out_dir: Path, preset: str, cfg: ModelConfig) -> None:
+    """WriteError, with both sizes, when the checkpoint would not fit on the disk that is to hold it."""
+    need = _checkpoint_bytes(preset, cfg)
     existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if need > free:
@@ -415,7 +422,7 @@ def write_synthetic_checkpoint(
     out_dir = as_path(out_dir, "the output directory").resolve()  # "." needs a parent to hold the temporary
     try:
         _check_out_dir(out_dir, force)
-        _check_disk(out_dir, cfg)
+        _check_disk(out_dir, preset, cfg)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         # mkdir, not tempfile.mkdtemp: mkdtemp's mode 0700 would become the checkpoint's; this gets the umask's.
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
