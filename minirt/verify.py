@@ -103,6 +103,13 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
     """
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need prompt_len >= 1 and decode_steps >= 0, got {prompt_len}, {decode_steps}")
+    if getattr(oracle, "backend", None) != "reference" or getattr(engine, "backend", None) != "triton":
+        raise InputError("run_verify(engine, oracle, ...) takes a triton engine and a reference oracle "
+                         "(minirt.load(..., backend='reference'))")
+    if engine.num_layers != oracle.num_layers or engine.cfg != oracle.cfg:
+        raise InputError(f"engine and oracle must load the same checkpoint and layers: the engine has "
+                         f"{engine.num_layers} layer(s), the oracle {oracle.num_layers}"
+                         + ("" if engine.cfg == oracle.cfg else ", and their configs differ"))
     say = progress or (lambda stage: None)
     table = tolerances(engine)
 
