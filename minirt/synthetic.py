@@ -300,11 +300,19 @@ def byte_level_tokenizer(bos_token_id: int, eos_token_id: int):
     return tokenizer
 
 
+class DirectoryNotEmpty(InputError):
+    """The output directory holds files and force is off (``path``: that directory)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} is not empty; force=True replaces it")
+        self.path = path
+
+
 def _check_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise InputError(f"{out_dir} is not empty; use force=True (--force) to replace it")
+        raise DirectoryNotEmpty(out_dir)
 
 
 def _os_reason(e: OSError) -> str:

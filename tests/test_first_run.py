@@ -1,8 +1,13 @@
 """A first run, tried as a new user would: each defect of what the command line and the Python API
 show a newcomer on a CPU machine, through the real entry points (``python -m minirt`` in a subprocess,
 typer's runner in-process where that is enough, the public Python API)."""
-import torch
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 from conftest import DEVICE
 
 import minirt
@@ -13,6 +18,12 @@ from minirt.layers import DecoderLayer
 # Inductor's C++ backend would add minutes of compile time on CPU; aot_eager still traces the graph
 # through every op's fake implementation.
 COMPILE_BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
+
+
+def memory_limit(limit: int):
+    """A preexec_fn capping a child's data segment (heap and anonymous maps) at ``limit`` bytes, so a
+    regression fails that child instead of the machine."""
+    return lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
 # torch.compile of a whole layer ------------------------------------------------------------------------
@@ -76,3 +87,50 @@ def test_a_layer_past_the_cache_or_a_batched_input_is_an_input_error(tiny_master
     with pytest.raises(InputError, match=r"x must be a float tensor \[N, 256\].*got \(1, 4, 256\)"):
         first(torch.randn(1, 4, engine.cfg.hidden_size, device=DEVICE), ctx)
     assert DecoderLayer.forward.__doc__ and "[N, hidden]" in DecoderLayer.forward.__doc__
+
+
+# 1. Loading holds one copy of the weights --------------------------------------------------------------
+
+
+PEAK_SCRIPT = """
+import sys, minirt
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+minirt.load(sys.argv[2], device="cpu")  # imports, thread pools and the interpreter stay out of the peak
+open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size (VmHWM)
+base = status("VmRSS")
+engine = minirt.load(sys.argv[1], device="cpu", backend=sys.argv[3])
+weights = engine.model.parameters() if sys.argv[3] == "triton" else engine.model.weights.values()
+print(status("VmHWM") - base, sum(w.numel() * w.element_size() for w in weights))
+"""
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    """One layer with a 32k vocabulary at hidden 1024: about 340 MB of fp32 weights, most of them in
+    the two bf16 [vocab, hidden] tensors."""
+    import dataclasses
+
+    from minirt import synthetic
+
+    tiny = synthetic.PRESETS["tiny"]
+    cfg = dataclasses.replace(tiny.config, vocab_size=32768, hidden_size=1024, intermediate_size=2048,
+                              num_hidden_layers=1, first_k_dense_replace=1)
+    synthetic.PRESETS["wide"] = dataclasses.replace(tiny, config=cfg)
+    try:
+        return synthetic.write_synthetic_checkpoint(tmp_path_factory.mktemp("wide") / "wide", preset="wide")
+    finally:
+        del synthetic.PRESETS["wide"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to measure peak memory")
+def test_loading_peaks_at_one_copy_of_the_weights(wide_checkpoint, tiny_master):
+    # Both backends load through checkpoint.load_checkpoint; the runtime's is the one a user meets first.
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(wide_checkpoint), str(tiny_master), "triton"],
+                            capture_output=True, text=True, timeout=300, preexec_fn=memory_limit(3 << 30))
+    assert result.returncode == 0, result.stderr
+    peak, weights = map(int, result.stdout.split())
+    assert weights > 300e6
+    # Beyond the weights: a few 16 MiB read chunks and their casts (the allocator keeps some), about
+    # 150 MB whatever the checkpoint's size; a second full copy would be 300 MB more.
+    assert peak - weights < 200e6, f"loading {weights / 1e6:.0f} MB of weights peaked at {peak / 1e6:.0f} MB"
