@@ -1,7 +1,10 @@
 """A first run, tried as a new user would: each defect of what the command line and the Python API
 show a newcomer on a CPU machine, through the real entry points (``python -m minirt`` in a subprocess,
 typer's runner in-process where that is enough, the public Python API)."""
+import os
+import re
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEVICE
+from test_cli_defects import SGR, _env, no_loading, run  # noqa: F401  (no_loading: a fixture)
+from typer.testing import CliRunner
 
 import minirt
+from minirt.checkpoint import plan_load
+from minirt.cli import app
 from minirt.context import KVStash, decode_context, prefill_context
 from minirt.errors import InputError
+from minirt.generate import generate
 from minirt.layers import DecoderLayer
+from minirt.sampling import SamplingParams
+
+runner = CliRunner()
 
 # Inductor's C++ backend would add minutes of compile time on CPU; aot_eager still traces the graph
 # through every op's fake implementation.
@@ -134,3 +145,166 @@ def test_loading_peaks_at_one_copy_of_the_weights(wide_checkpoint, tiny_master):
     # Beyond the weights: a few 16 MiB read chunks and their casts (the allocator keeps some), about
     # 150 MB whatever the checkpoint's size; a second full copy would be 300 MB more.
     assert peak - weights < 200e6, f"loading {weights / 1e6:.0f} MB of weights peaked at {peak / 1e6:.0f} MB"
+
+
+# 2, 12. generate: a batch's every sequence; token ids without a trailing space; plurals -------------------
+
+
+def test_generate_batch_prints_every_sequence_as_the_api_returns_them(tiny_master):
+    result = runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1,2,3", "--batch", "2", "-n", "6",
+                                 "--temperature", "1", "--seed", "3", "--backend", "reference", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    oracle = minirt.load(tiny_master, backend="reference", device="cpu")
+    expected = generate(oracle, [[1, 2, 3]] * 2, 6, SamplingParams(temperature=1.0, seed=3), oracle.cfg.eos_token_id)
+    assert expected.tokens[0] != expected.tokens[1]
+    assert result.stdout == "".join(f"sequence {i}: {' '.join(map(str, t))}\n" for i, t in enumerate(expected.tokens))
+
+
+def test_generate_token_ids_plurals_and_strict_token_list(tiny_master):
+    result = runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1,2,3", "-n", "2", "--backend", "reference",
+                                 "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert re.fullmatch(r"\d+ \d+\n", result.stdout)  # no trailing space
+    assert "decode: 1 step × batch 1 = 1 token, " in result.stderr
+    bad = runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1,,2"])
+    assert bad.exit_code == 2 and bad.stderr == "minirt: error: --tokens must be comma-separated integers, got '1,,2'\n"
+
+
+# 10. verify says what is in memory ----------------------------------------------------------------------
+
+
+def test_verify_says_the_weights_are_fp32_in_memory_on_the_cpu(tiny_master):
+    result = runner.invoke(app, ["verify", str(tiny_master), "--layers", "1", "--prompt-len", "40", "--decode-steps",
+                                 "1", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "the runtime (fp32 weights, dequantised at load) against the eager fp32 reference, 1 layer, " \
+           "40 prompt tokens + 1 decode step, cpu" in result.stdout
+
+
+# 5. messages speak the command line's language ----------------------------------------------------------
+
+
+def test_command_line_errors_name_command_line_options(tmp_path, tiny_master, monkeypatch, no_loading):
+    import minirt.cli
+
+    busy = tmp_path / "weights" / "tiny"
+    busy.mkdir(parents=True)
+    (busy / "notes.txt").write_text("mine")
+    monkeypatch.setenv("MINIRT_WEIGHTS", str(tmp_path / "weights"))
+    monkeypatch.setattr(minirt.cli, "TINY_DIR", busy)
+    lines = {
+        "generate": runner.invoke(app, ["generate"]).stderr,
+        "init": runner.invoke(app, ["init", str(busy)]).stderr,
+        "layers": runner.invoke(app, ["init", str(tmp_path / "new"), "--layers", "0"]).stderr,
+        "tokens": runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1,999999"]).stderr,
+    }
+    assert lines["generate"] == f"minirt: error: {busy} holds other files, not the tiny default checkpoint: move them " \
+                                "away, or replace them with `minirt init --force`\n"
+    assert lines["init"] == f"minirt: error: {busy} is not empty; --force replaces it\n"
+    assert lines["layers"] == "minirt: error: --layers must be a whole number >= 1, got 0\n"
+    assert lines["tokens"] == "minirt: error: --tokens: token id 999999 is outside the vocabulary [0, 512)\n"
+    assert not any(word in text for text in lines.values() for word in ("force=True", "num_layers", "prompt 0"))
+
+
+def test_writing_the_default_checkpoint_says_so_off_a_terminal(tmp_path, monkeypatch):
+    import minirt.cli
+
+    monkeypatch.setenv("MINIRT_WEIGHTS", str(tmp_path))
+    monkeypatch.setattr(minirt.cli, "TINY_DIR", tmp_path / "tiny")
+    result = runner.invoke(app, ["info"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith(f"writing the tiny default checkpoint (random weights) to {tmp_path / 'tiny'}, once")
+
+
+# 7. download checks its arguments before the network and leaves nothing behind ---------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["notarepo"], "the repository must be OWNER/NAME, e.g. deepseek-ai/DeepSeek-V3.2, got 'notarepo'"),
+    (["deepseek-ai/DeepSeek-V3.2", "--layers", "0"], "--layers must be a whole number >= 1, got 0"),
+    (["deepseek-ai/DeepSeek-V3.2", "--layers", "-2"], "--layers must be a whole number >= 1, got -2"),
+])
+def test_download_refuses_bad_arguments_before_the_network(tmp_path, monkeypatch, args, message):
+    import minirt.download
+
+    monkeypatch.setattr(minirt.download, "download_checkpoint", lambda *a, **k: pytest.fail("network reached"))
+    result = runner.invoke(app, ["download", *args[:1], str(tmp_path / "out"), *args[1:]])
+    assert result.exit_code == 2 and result.stderr == f"minirt: error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_download_leaves_no_directory(tmp_path, monkeypatch):
+    import minirt.download
+
+    def unreachable(repo_id, out_dir, *args, **kwargs):
+        (Path(out_dir) / ".cache" / "huggingface").mkdir(parents=True)  # the hub client's bookkeeping
+        raise minirt.download.DownloadError("cannot reach the hub")
+
+    monkeypatch.setattr(minirt.download, "download_checkpoint", unreachable)
+    result = runner.invoke(app, ["download", "someone/model", str(tmp_path / "weights" / "model")])
+    assert result.exit_code == 2 and result.stderr == "minirt: error: cannot reach the hub\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+# 3, 6. init: SIGTERM cleans up as Ctrl-C does; stale temporaries; two at once; a mount point -------------
+
+
+SLOW_INIT = """
+import sys, time
+import minirt.synthetic as synthetic
+write = synthetic._write_files
+def write_then_wait(tmp, *args):
+    write(tmp, *args)
+    print("written", flush=True)
+    time.sleep(120)
+synthetic._write_files = write_then_wait
+from minirt.cli import app
+app(prog_name="minirt")
+"""
+
+
+def test_sigterm_during_init_leaves_no_temporary(tmp_path):
+    out = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_INIT, "init", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout.readline() == "written\n"  # the temporary directory is full now
+        assert [p.name for p in tmp_path.iterdir()][0].startswith(".ckpt.tmp-")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    finally:
+        proc.kill()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_init_clears_the_temporaries_of_earlier_killed_writes(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / f".ckpt.tmp-{dead.pid}-0123456789ab", tmp_path / ".ckpt.tmp-0123456789ab"]
+    alive = tmp_path / f".ckpt.tmp-{os.getpid()}-abcdefabcdef"  # a write running now (this process)
+    for d in (*stale, alive):
+        d.mkdir()
+        (d / "model-00001-of-000004.safetensors").write_bytes(b"partial")
+    result = runner.invoke(app, ["init", str(tmp_path / "ckpt"), "--layers", "1"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "ckpt"])
+
+
+def test_two_inits_into_one_directory_both_succeed(tmp_path):
+    out = tmp_path / "ckpt"
+    procs = [subprocess.Popen([sys.executable, "-m", "minirt", "init", str(out), "--layers", "1"],
+                              stderr=subprocess.PIPE, text=True, env=_env()) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert all(code == 0 for code, _ in results), results
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and plan_load(out).num_layers == 1
+
+
+def test_init_into_a_mount_point_says_why_not(tmp_path, monkeypatch):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real_ismount(p))
+    result = runner.invoke(app, ["init", str(mount)])
+    assert result.exit_code == 2
+    assert result.stderr == f"minirt: error: {mount} is a mount point, which a checkpoint written elsewhere cannot be " \
+                            f"renamed onto: write into a directory inside it, e.g. minirt init {mount / 'tiny'}\n"
