@@ -545,11 +545,15 @@ def generate(
     if warm_seconds is not None:
         console.print(f"warm-up: {warm_seconds:.2f} s, not in the figures below (Triton compiles the kernels on their "
                       "first call; the first decode step of a batch size captures its CUDA graph)")
+    where = f"({engine.backend}, {engine.device})"
     console.print(f"prefill: {_count(result.prefill_tokens, 'token')}, {result.prefill_tokens_per_s:,.1f} tok/s "
-                  f"({result.prefill_seconds:.2f} s) | decode: {_count(result.decode_steps, 'step')} × batch {batch} = "
-                  f"{_count(result.decode_tokens, 'token')}, {result.decode_tokens_per_s:,.1f} tok/s with sampling and "
-                  f"streaming; the engine's steps alone {result.decode_steps_per_s:,.1f} steps/s "
-                  f"({engine.backend}, {engine.device})")
+                  f"({result.prefill_seconds:.2f} s) {where}")
+    if result.decode_steps:
+        console.print(f"decode: {_count(result.decode_steps, 'step')} × batch {batch} = {_count(result.decode_tokens, 'token')}, "
+                      f"{result.decode_tokens_per_s:,.1f} tok/s with sampling and streaming; the engine's steps alone "
+                      f"{result.decode_steps_per_s:,.1f} steps/s")
+    else:
+        console.print("decode: no step (each sequence's one token came from prefill)")
     if engine.backend == "triton" and engine.device.type == "cpu":
         console.print("cpu: the Triton kernels run in the interpreter (exact, but far slower than on a GPU)")
     elif warm_seconds is None and engine.device.type == "cuda" and engine.backend == "triton":

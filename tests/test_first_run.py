@@ -308,3 +308,77 @@ def test_init_into_a_mount_point_says_why_not(tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert result.stderr == f"minirt: error: {mount} is a mount point, which a checkpoint written elsewhere cannot be " \
                             f"renamed onto: write into a directory inside it, e.g. minirt init {mount / 'tiny'}\n"
+
+
+# 11. Ctrl-C in generate ends the line and counts the tokens ----------------------------------------------
+
+
+def test_ctrl_c_in_generate_ends_the_line_and_says_how_many_tokens(tiny_master):
+    proc = subprocess.Popen([sys.executable, "-m", "minirt", "generate", str(tiny_master), "--tokens", "1,2,3",
+                             "-n", "100000", "--backend", "reference", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    try:
+        first = proc.stdout.read(1)  # the first token is out: generation runs
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    text = (first + stdout).decode()
+    assert text.endswith("\n") and not text.endswith(" \n")
+    count = len(text.split())
+    assert re.search(rf"^stopped: interrupted after {count} tokens? of at most 100000$", stderr.decode(), re.M), stderr
+
+
+# 12, #27.2. The progress bar fits 80 columns and ends with the work; the next phase says what it is ------
+
+
+def test_loading_bar_fits_80_columns_and_the_next_phase_is_named(tiny_master):
+    result = run("generate", str(tiny_master), "--tokens", "1,2", "-n", "1", tty=("stderr",), columns=80)
+    assert result.returncode == 0, result.stderr
+    frames = [SGR.sub("", f) for f in re.split(r"[\r\n]", result.stderr) if "loading" in f or "building" in f]
+    assert any("loading (triton)" in f for f in frames) and any("building the triton engine" in f for f in frames)
+    assert all(len(f) <= 80 for f in frames), max(frames, key=len)
+    total = f"{plan_load(tiny_master).num_bytes / 1e6:.1f}/{plan_load(tiny_master).num_bytes / 1e6:.1f} MB"
+    assert sum(total in f for f in frames) <= 2  # the finished bar: drawn once (and erased), not redrawn
+
+
+# 4, #27.1, #27.3. Long work says how long; warm-up apart from the figures; what the decode figure counts -
+
+
+def test_generate_notes_a_long_prefill_and_keeps_the_warm_up_apart(tiny_master, monkeypatch):
+    import minirt.cli
+
+    monkeypatch.setattr(minirt.cli._LongRunNote, "AFTER_S", 0.0)  # any rest is "long" here
+    monkeypatch.setattr(minirt.cli._LongRunNote, "OVER_S", 0.0)
+    result = runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1,2,3", "-n", "3", "--prefill-chunk", "1",
+                                 "--warm-up", "--device", DEVICE])
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    assert re.search(r"^minirt: [12] more prompt tokens at [\d.]+ tok/s take about \d+ s; Ctrl-C stops$", err, re.M), err
+    assert re.search(r"^warm-up: [\d.]+ s, not in the figures below \(Triton compiles the kernels", err, re.M), err
+    assert re.search(r"decode: 2 steps × batch 1 = 2 tokens, [\d,.]+ tok/s with sampling and streaming; the engine's "
+                     r"steps alone [\d,.]+ steps/s", err), err
+
+
+def test_generate_refuses_a_batch_that_cannot_fit_before_loading(tiny_master, no_loading):
+    result = runner.invoke(app, ["generate", str(tiny_master), "--batch", "100000000", "--tokens", "1,2,3", "-n", "4"])
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert re.fullmatch(r"minirt: error: generate --batch 100000000 over 3 \+ 4 tokens needs about [\d.]+ [kMGTP]B on "
+                        r"\w+ \(weights, cache, prefill latents\), [\d.]+ [kMGT]B is available: at most --batch \d+ fits",
+                        line), line
+
+
+# 12. --help lists a choice option's choices -------------------------------------------------------------
+
+
+def test_help_lists_the_choices_of_choice_options():
+    flat = lambda command: re.sub(r"\s+", " ", runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output)
+    assert "--preset tiny|v32" in flat("init")
+    for option, choices in (("--backend", "triton|reference"), ("--indexer-precision", "exact|fp8"),
+                            ("--weights", "fp8|bf16")):
+        assert f"{option} {choices}" in flat("generate"), option
+    assert "--weights fp8|bf16" in flat("verify")
+    bad = runner.invoke(app, ["generate", "--backend", "cuda"])
+    assert bad.exit_code == 2 and bad.stderr == "minirt: error: --backend must be one of triton, reference, got 'cuda'\n"
