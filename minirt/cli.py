@@ -41,6 +41,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's paragraph is reflowed to the terminal, not cut where its lines end
 )
 console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)  # paths may hold [brackets]
 _state = {"debug": False}
@@ -320,7 +321,7 @@ def download(
     from .download import download_checkpoint
 
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id.rstrip("/")):
-        raise InputError(f"the repository must be OWNER/NAME, e.g. deepseek-ai/DeepSeek-V3.2, got {repo_id!r}")
+        raise InputError(f"{repo_id!r} is not a repository id: expected OWNER/NAME, e.g. deepseek-ai/DeepSeek-V3.2")
     _check_layers(layers)
     hub_logging.set_verbosity_error()  # its retry warnings; a failure ends in one error line of ours
     out = out if out is not None else default_weights_dir() / repo_id.rstrip("/").split("/")[-1]
@@ -448,10 +449,10 @@ def generate(
                                                    help="exact (fp32 scores) or fp8 (official Hadamard + fp8).")] = "exact",
     prefill_chunk: PrefillChunkOpt = None,
     weights_format: WeightsOpt = None,
-    warm_up: Annotated[Optional[bool], typer.Option(
-        "--warm-up/--no-warm-up", show_default=False,
+    warm_up: Annotated[str, typer.Option(
+        "--warm-up", metavar="auto|yes|no",
         help="Run the prompt once untimed first, so the figures leave out Triton's compilation and the CUDA-graph "
-        "capture (seconds on a GPU). Default: on with the triton backend on a GPU, off elsewhere.")] = None,
+        "capture (seconds on a GPU). auto: yes with the triton backend on a GPU.")] = "auto",
 ):
     """Generate text (or token ids) and report why it stopped and the prefill and decode tokens/s.
 
@@ -477,6 +478,7 @@ def generate(
     _choice(backend, "--backend", ("triton", "reference"))
     _choice(indexer_precision, "--indexer-precision", ("exact", "fp8"))
     _choice(weights_format, "--weights", ("fp8", "bf16"))
+    _choice(warm_up, "--warm-up", ("auto", "yes", "no"))
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if tokens is not None:
         if not all(re.fullmatch(r"\s*[+-]?\d+\s*", t) for t in tokens.split(",")):
@@ -524,7 +526,7 @@ def generate(
                 out.write(tokenizer.decode(ids), dim=True)
             out.write((tokenizer.decode(new) if as_text else " ".join(map(str, new))) + "\n")
 
-    warm = warm_up if warm_up is not None else (engine.backend == "triton" and engine.device.type == "cuda")
+    warm = warm_up == "yes" or (warm_up == "auto" and engine.backend == "triton" and engine.device.type == "cuda")
     try:
         warm_seconds = None
         if warm:
@@ -557,7 +559,7 @@ def generate(
     if engine.backend == "triton" and engine.device.type == "cpu":
         console.print("cpu: the Triton kernels run in the interpreter (exact, but far slower than on a GPU)")
     elif warm_seconds is None and engine.device.type == "cuda" and engine.backend == "triton":
-        console.print("note: without --warm-up these figures include the kernels' compilation and the graph capture")
+        console.print("note: with --warm-up no these figures include the kernels' compilation and the graph capture")
 
 
 @contextlib.contextmanager

@@ -220,7 +220,7 @@ def test_writing_the_default_checkpoint_says_so_off_a_terminal(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("args, message", [
-    (["notarepo"], "the repository must be OWNER/NAME, e.g. deepseek-ai/DeepSeek-V3.2, got 'notarepo'"),
+    (["notarepo"], "'notarepo' is not a repository id: expected OWNER/NAME, e.g. deepseek-ai/DeepSeek-V3.2"),
     (["deepseek-ai/DeepSeek-V3.2", "--layers", "0"], "--layers must be a whole number >= 1, got 0"),
     (["deepseek-ai/DeepSeek-V3.2", "--layers", "-2"], "--layers must be a whole number >= 1, got -2"),
 ])
@@ -352,7 +352,7 @@ def test_generate_notes_a_long_prefill_and_keeps_the_warm_up_apart(tiny_master, 
     monkeypatch.setattr(minirt.cli._LongRunNote, "AFTER_S", 0.0)  # any rest is "long" here
     monkeypatch.setattr(minirt.cli._LongRunNote, "OVER_S", 0.0)
     result = runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1,2,3", "-n", "3", "--prefill-chunk", "1",
-                                 "--warm-up", "--device", DEVICE])
+                                 "--warm-up", "yes", "--device", DEVICE])
     assert result.exit_code == 0, result.output
     err = result.stderr
     assert re.search(r"^minirt: [12] more prompt tokens at [\d.]+ tok/s take about \d+ s; Ctrl-C stops$", err, re.M), err
@@ -377,8 +377,24 @@ def test_help_lists_the_choices_of_choice_options():
     flat = lambda command: re.sub(r"\s+", " ", runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output)
     assert "--preset tiny|v32" in flat("init")
     for option, choices in (("--backend", "triton|reference"), ("--indexer-precision", "exact|fp8"),
-                            ("--weights", "fp8|bf16")):
+                            ("--weights", "fp8|bf16"), ("--warm-up", "auto|yes|no")):
         assert f"{option} {choices}" in flat("generate"), option
     assert "--weights fp8|bf16" in flat("verify")
+    verify_help = runner.invoke(app, ["verify", "--help"], env={"COLUMNS": "200"}).output
+    assert "Refuses (exit 2) a length past max_position_embeddings" in verify_help  # a paragraph, not cut lines
     bad = runner.invoke(app, ["generate", "--backend", "cuda"])
     assert bad.exit_code == 2 and bad.stderr == "minirt: error: --backend must be one of triton, reference, got 'cuda'\n"
+
+
+# 13, #27.4. The README: the CPU build before the install command; what a first run costs -----------------
+
+
+def test_readme_puts_the_cpu_build_first_and_says_what_a_first_run_costs():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert readme.index("--index-url https://download.pytorch.org/whl/cpu") < readme.index("-e . && minirt generate")
+    assert re.search(r"whole suite takes about \S+ minutes on a 2-core machine", readme)
+    costs = readme[readme.index("### What a first run costs"):readme.index("Arguments are checked before")]
+    gpu, cpu = (next(row for row in costs.splitlines() if row.startswith(f"| {m} |")) for m in ("GPU", "CPU"))
+    assert "compiles every kernel" in gpu and "CUDA graph" in gpu and "warm-up" in gpu
+    assert "interpreter" in cpu
+    assert "fp32 in memory on the CPU" in readme  # weights="bf16" there
