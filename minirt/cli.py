@@ -191,7 +191,7 @@ def _checkpoint(weights: Path | None):
     if weights is None:
         from .synthetic import DirectoryNotEmpty
 
-        if not (TINY_DIR / "config.json").is_file():
+        if not TINY_DIR.exists() or (TINY_DIR.is_dir() and not any(TINY_DIR.iterdir())):
             console.print(f"writing the tiny default checkpoint (random weights) to {TINY_DIR}, once: every command "
                           "without a checkpoint argument uses it")
         try:
