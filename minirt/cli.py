@@ -531,7 +531,7 @@ def generate(
         warm_seconds = None
         if warm:
             with Live(Spinner("dots", "warm-up: compiling the kernels, capturing the decode graph"), console=console,
-                      transient=True) if console.is_terminal else _nothing():
+                      transient=True) if console.is_terminal else contextlib.nullcontext():
                 warm_seconds = run_warm_up(engine, [ids] * batch, n)
         if as_text and streaming:
             out.write(tokenizer.decode(ids), dim=True)
@@ -549,7 +549,7 @@ def generate(
                       "first call; the first decode step of a batch size captures its CUDA graph)")
     where = f"({engine.backend}, {engine.device})"
     console.print(f"prefill: {_count(result.prefill_tokens, 'token')}, {result.prefill_tokens_per_s:,.1f} tok/s "
-                  f"({result.prefill_seconds:.2f} s) {where}")
+                  f"in {result.prefill_seconds:.2f} s {where}")
     if result.decode_steps:
         console.print(f"decode: {_count(result.decode_steps, 'step')} × batch {batch} = {_count(result.decode_tokens, 'token')}, "
                       f"{result.decode_tokens_per_s:,.1f} tok/s with sampling and streaming; the engine's steps alone "
@@ -560,11 +560,6 @@ def generate(
         console.print("cpu: the Triton kernels run in the interpreter (exact, but far slower than on a GPU)")
     elif warm_seconds is None and engine.device.type == "cuda" and engine.backend == "triton":
         console.print("note: with --warm-up no these figures include the kernels' compilation and the graph capture")
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
 
 
 def _choice(value: str | None, option: str, choices: tuple[str, ...]) -> None:

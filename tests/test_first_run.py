@@ -65,6 +65,26 @@ def test_a_whole_decoder_layer_compiles_with_fullgraph(tiny_master):
     assert float((compiled_step.float() - eager_step.float()).norm() / eager_step.float().norm()) < 1e-2
 
 
+def test_opcheck_the_ops_the_layers_call():
+    from minirt.kernels import new_index_cache
+
+    gen, check = torch.Generator().manual_seed(3), ("test_schema", "test_faketensor")
+    cache = new_index_cache(2, 16, device=DEVICE)
+    keys = torch.randn(5, 128, generator=gen).to(DEVICE)
+    slots = torch.tensor([0, 3, 17, -1, 30], device=DEVICE)
+    torch.library.opcheck(torch.ops.minirt.write_index_keys, (cache, keys, slots), test_utils=check)
+    torch.library.opcheck(torch.ops.minirt.quantize_act_fp8, (torch.randn(3, 256, generator=gen).to(DEVICE),),
+                          test_utils=check)
+    exact_keys = torch.randn(2, 16, 128, generator=gen).to(DEVICE)  # the exact cache: fp32 keys in pages
+    table = torch.tensor([[1, 0]], dtype=torch.int32, device=DEVICE)
+    limit = torch.tensor([[20, 31]], device=DEVICE)
+    q = torch.randn(1, 2, 2, 128, generator=gen).to(DEVICE)
+    args = (q, torch.rand(1, 2, 2, generator=gen).to(DEVICE), exact_keys, table, limit)
+    torch.library.opcheck(torch.ops.minirt.paged_indexer_scores, args, test_utils=check)
+    scores = torch.ops.minirt.paged_indexer_scores(*args)
+    torch.library.opcheck(torch.ops.minirt.indexer_topk, (scores, 8), test_utils=check)
+
+
 # The Python API raises MinirtError subclasses ---------------------------------------------------------
 
 
