@@ -422,7 +422,7 @@ def _stop_line(reasons: list[str], tokens: list[list[int]], max_new_tokens: int,
     if len(reasons) == 1:
         if at_eos:
             return f"stopped: {eos_text} after {len(tokens[0])} of at most {max_new_tokens} tokens"
-        return f"stopped: {max_new_tokens} tokens, the --max-new-tokens limit"
+        return f"stopped: {_count(max_new_tokens, 'token')}, the --max-new-tokens limit"
     return (f"stopped: {at_eos} of {len(reasons)} sequences at {eos_text}, {len(reasons) - at_eos} at "
             f"--max-new-tokens ({max_new_tokens})")
 

@@ -186,6 +186,9 @@ def test_generate_token_ids_plurals_and_strict_token_list(tiny_master):
     assert result.exit_code == 0, result.output
     assert re.fullmatch(r"\d+ \d+\n", result.stdout)  # no trailing space
     assert "decode: 1 step × batch 1 = 1 token, " in result.stderr
+    one = runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1", "-n", "1", "--backend", "reference",
+                              "--device", "cpu"])
+    assert one.exit_code == 0 and "stopped: 1 token, the --max-new-tokens limit\n" in one.stderr
     bad = runner.invoke(app, ["generate", str(tiny_master), "--tokens", "1,,2"])
     assert bad.exit_code == 2 and bad.stderr == "minirt: error: --tokens must be comma-separated integers, got '1,,2'\n"
 
