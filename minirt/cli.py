@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -92,7 +93,8 @@ def _errors_to_exit_code(fn):
     is handled as Ctrl-C (exit 130) is, with exit 143."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        main = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
         try:
             return fn(*args, **kwargs)
         except MinirtError as e:
@@ -103,7 +105,8 @@ def _errors_to_exit_code(fn):
         except Terminated:
             raise typer.Exit(128 + signal.SIGTERM) from None
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if main:
+                signal.signal(signal.SIGTERM, previous)
     return wrapper
 
 
