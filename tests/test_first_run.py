@@ -346,7 +346,9 @@ def test_init_into_a_mount_point_says_why_not(tmp_path, monkeypatch):
 def test_ctrl_c_in_generate_ends_the_line_and_says_how_many_tokens(tiny_master):
     proc = subprocess.Popen([sys.executable, "-m", "minirt", "generate", str(tiny_master), "--tokens", "1,2,3",
                              "-n", "100000", "--backend", "reference", "--device", "cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                            # as a terminal's Ctrl-C finds it: a background job inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = proc.stdout.read(1)  # the first token is out: generation runs
         proc.send_signal(signal.SIGINT)
