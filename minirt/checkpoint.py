@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
 from .config import ModelConfig
@@ -130,6 +129,7 @@ class StoredTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # the file offset of its first data byte
 
 
 def _is_size(value) -> bool:
@@ -209,7 +209,7 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
                 f"{path}: truncated safetensors file: tensor {shown(name)} ends at data byte {end}, "
                 f"but the file holds only {data_size} data bytes"
             )
-        tensors[name] = StoredTensor(path, dtype, tuple(shape), nbytes)
+        tensors[name] = StoredTensor(path, dtype, tuple(shape), nbytes, 8 + header_len + begin)
         ranges.append((begin, end, name))
     covered = 0
     for begin, end, name in sorted(ranges):
@@ -377,21 +377,63 @@ def _first_nonfinite(t: torch.Tensor) -> int | None:
     return int(bad.flatten().to(torch.uint8).argmax())  # argmax returns the first of equal maxima
 
 
-def _check_finite(t: torch.Tensor, name: str, shard: Path, what: str = "value") -> None:
+def _check_finite(t: torch.Tensor, name: str, shard: Path, what: str = "value", first: int = 0) -> None:
+    """CheckpointError naming the first NaN or ±Inf of t; ``first``: the flat index of t's first element
+    in the whole tensor (t may be a row range of it)."""
     index = _first_nonfinite(t)
     if index is not None:
         value = t.flatten()[index].float().item()
-        raise CheckpointError(f"tensor {name} in {shard.name}: non-finite {what} ({value}) at flat index {index}")
+        raise CheckpointError(f"tensor {name} in {shard.name}: non-finite {what} ({value}) at flat index {first + index}")
 
 
-def _read_tensor(handle, stored: StoredTensor, name: str) -> torch.Tensor:
-    """One tensor from an open safe_open handle, checked finite (on the CPU copy, before any cast)."""
+READ_CHUNK_BYTES = 16 << 20  # stored bytes read, checked and converted at a time (its temporaries: ~5x)
+
+
+def _read_rows(file, stored: StoredTensor, name: str, first_row: int, rows: int) -> torch.Tensor:
+    """Rows [first_row, first_row + rows) of a stored tensor (along its leading dim; a 0-d tensor is
+    one row), read from its open shard into a new CPU tensor of the stored dtype."""
+    row_bytes = stored.nbytes // stored.shape[0] if stored.shape else stored.nbytes
+    data = torch.empty(rows * row_bytes, dtype=torch.uint8)
     try:
-        t = handle.get_tensor(name)
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise CheckpointError(f"{stored.shard}: cannot read tensor {name} ({e})") from None
-    _check_finite(t, name, stored.shard)
-    return t
+        file.seek(stored.offset + first_row * row_bytes)
+        got = file.readinto(memoryview(data.numpy()))
+    except OSError as e:
+        raise CheckpointError(f"{stored.shard}: cannot read tensor {name} ({e.strerror or e})") from None
+    if got != data.numel():
+        raise CheckpointError(f"{stored.shard}: cannot read tensor {name} (the file ends early)")
+    return data.view(stored.dtype).view(rows, *stored.shape[1:]) if stored.shape else data.view(stored.dtype)[0]
+
+
+def _load_tensor(file, stored: StoredTensor, name: str, device: torch.device, dtype: torch.dtype,
+                 scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """One stored tensor as a new ``dtype`` tensor on ``device``, dequantised with ``scale_inv`` (its
+    block scales) when given. It is read, checked finite (before and after the cast) and converted
+    ``READ_CHUNK_BYTES`` of stored data at a time, straight into the result: loading holds the result
+    and one chunk, never a second full-size copy (nor a memory map of the shard)."""
+    out = torch.empty(stored.shape, dtype=dtype, device=device)
+    rows = stored.shape[0] if stored.shape else 1
+    if rows == 0:
+        return out
+    step = max(1, READ_CHUNK_BYTES // max(1, stored.nbytes // rows))
+    if scale_inv is not None:
+        step = max(block[0], step // block[0] * block[0])  # whole scale blocks per chunk
+    per_row = math.prod(stored.shape[1:])
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        raw = _read_rows(file, stored, name, start, n)
+        _check_finite(raw, name, stored.shard, first=start * per_row)
+        raw = raw.to(device)
+        if scale_inv is not None:
+            value = dequantize_block_fp8(raw, scale_inv[start // block[0] : -(-(start + n) // block[0])], block, dtype)
+        else:
+            value = raw.to(dtype)
+        if value.dtype != stored.dtype:
+            _check_finite(value, name, stored.shard, f"value after conversion to {dtype}", first=start * per_row)
+        if stored.shape:
+            out[start : start + n].copy_(value)
+        else:
+            out.copy_(value)
+    return out
 
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -477,24 +519,28 @@ def load_checkpoint(
     weights: dict[str, torch.Tensor] = {}
     done = 0
     with contextlib.ExitStack() as stack:
-        handles = {}
+        files = {}
         for shard in plan.shard_files:
             try:
-                handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own SafetensorError, or OSError
-                raise CheckpointError(f"{shard}: cannot open safetensors file ({e})") from None
+                files[shard] = stack.enter_context(open(shard, "rb", buffering=0))
+            except OSError as e:
+                raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
+
+        def read(name: str, dtype: torch.dtype, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+            stored = plan.stored[name]
+            return _load_tensor(files[stored.shard], stored, name, device, dtype, scale_inv, block)
+
         for name, spec in plan.specs.items():
             names = (name, name + SCALE_SUFFIX) if spec.quantized else (name,)
-            raw = [_read_tensor(handles[plan.stored[n].shard], plan.stored[n], n) for n in names]
-            if spec.quantized and plan.config.quantization.scale_fmt == "ue8m0":
-                _check_ue8m0(raw[1], names[1], plan.stored[names[1]].shard)
-            raw = [t.to(device) for t in raw]
-            if spec.quantized and fp8_as_stored:
-                weights |= dict(zip(names, raw))
+            if not spec.quantized:
+                weights[name] = read(name, dtype)
             else:
-                w = dequantize_block_fp8(raw[0], raw[1], block, dtype) if spec.quantized else raw[0].to(dtype)
-                _check_finite(w, name, plan.stored[name].shard, f"value after conversion to {dtype}")
-                weights[name] = w
+                scale = read(name + SCALE_SUFFIX, torch.float32)
+                if plan.config.quantization.scale_fmt == "ue8m0":
+                    _check_ue8m0(scale, name + SCALE_SUFFIX, plan.stored[name + SCALE_SUFFIX].shard)
+                weights[name] = read(name, FP8_DTYPE) if fp8_as_stored else read(name, dtype, scale)
+                if fp8_as_stored:
+                    weights[name + SCALE_SUFFIX] = scale
             done += sum(plan.stored[n].nbytes for n in names)
             if progress is not None:
                 progress(done, plan.num_bytes, name)

@@ -5,12 +5,15 @@ Arguments are checked before any weights are loaded.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -24,7 +27,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.spinner import Spinner
-from rich.table import Table
+from rich.table import Column, Table
 
 from . import default_weights_dir
 from .checkpoint import available_memory
@@ -124,6 +127,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's paragraph is reflowed to the terminal, not cut where its lines end
 )
 console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)  # paths may hold [brackets]
 _state = {"debug": False}
@@ -134,7 +138,7 @@ WeightsArg = Annotated[Optional[Path], typer.Argument(
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", "-l", help="Load the first N layers (default: all dense layers).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")]
 WeightsOpt = Annotated[Optional[str], typer.Option(
-    "--weights", show_default=False,
+    "--weights", metavar="fp8|bf16", show_default=False,
     help="fp8 (the checkpoint's block-fp8 weights, fp8 GEMMs) or bf16 (dequantised at load). Default: fp8 for an "
     "fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else bf16.")]
 PrefillChunkOpt = Annotated[Optional[str], typer.Option(
@@ -160,10 +164,22 @@ def _main(debug: Annotated[bool, typer.Option("--debug", help="Show the tracebac
     _state["debug"] = debug
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, as Ctrl-C's KeyboardInterrupt is: the same clean-up runs
+    (a checkpoint being written is removed), then exit 143."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def _errors_to_exit_code(fn):
-    """MinirtError → 'minirt: error: …' on stderr (after the traceback with --debug), exit 2."""
+    """MinirtError → 'minirt: error: …' on stderr (after the traceback with --debug), exit 2; SIGTERM
+    is handled as Ctrl-C (exit 130) is, with exit 143."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        main = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
         try:
             return fn(*args, **kwargs)
         except MinirtError as e:
@@ -171,7 +187,22 @@ def _errors_to_exit_code(fn):
                 traceback.print_exc()
             print(f"minirt: error: {e}", file=sys.stderr)
             raise typer.Exit(2) from None
+        except Terminated:
+            raise typer.Exit(128 + signal.SIGTERM) from None
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
     return wrapper
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 step', '2 steps' (plural by an s)."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
+def _check_layers(layers: int | None) -> None:
+    if layers is not None and layers < 1:
+        raise InputError(f"--layers must be a whole number >= 1, got {layers}")
 
 
 def _whole_number(text: str | None, option: str, minimum: int) -> int | None:
@@ -190,35 +221,52 @@ def _duration(seconds: float) -> str:
 
 class _ProgressBar:
     """A rich progress bar (sizes in kB/MB/GB) behind the ``progress(done, total, name)`` callback of the
-    loader, the synthetic writer and the downloader; shown on a terminal only, from the first call on.
+    loader, the synthetic writer and the downloader; shown on a terminal only, from the first call on,
+    on one line of the terminal's width (the tensor name is cut to fit).
 
     ``order``: names in the order the loader reads them. The loader reports a tensor once it is read, so
-    the bar then names the next one: the tensor in flight."""
+    the bar then names the next one: the tensor in flight. The bar ends when the work is done; ``then``
+    names the phase that follows until the block ends (a spinner, e.g. "building the engine")."""
 
-    def __init__(self, what: str, order: list[str] | None = None):
+    def __init__(self, what: str, order: list[str] | None = None, then: str | None = None):
         # Only on a terminal: a transient bar still leaves a blank line on a redirected stderr.
-        self.bar = Progress(TextColumn(what), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                            TextColumn("{task.description}"), console=console, transient=True,
-                            disable=not console.is_terminal)
+        name = TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis"))
+        self.bar = Progress(TextColumn(what), BarColumn(bar_width=20), DownloadColumn(), TimeRemainingColumn(),
+                            name, console=console, transient=True, disable=not console.is_terminal)
         self.next_name = {} if order is None else dict(zip(order, order[1:]))
-        self.task = None
+        self.then, self.phase = then, None
+        self.task = self.done = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        if self.task is not None:
+        self._stop()
+        if self.phase is not None:
+            self.phase.stop()
+
+    def _stop(self):
+        if self.task is not None and not self.done:
+            self.done = True
             self.bar.stop()
 
     def description(self, name: str) -> str:
         return self.next_name.get(name, name)[-48:]
 
     def __call__(self, done: int, total: int, name: str) -> None:
+        if self.done:
+            return
         if self.task is None:
             self.task = self.bar.add_task(self.description(name), total=total, completed=done)
             self.bar.start()
         else:
             self.bar.update(self.task, completed=done, total=total, description=self.description(name))
+        if done >= total:  # finished: drawn once more, then the next phase (if any) says what it is
+            self.bar.refresh()
+            self._stop()
+            if self.then is not None and console.is_terminal:
+                self.phase = Live(Spinner("dots", self.then), console=console, transient=True)
+                self.phase.start()
 
 
 def _checkpoint(weights: Path | None):
@@ -229,8 +277,17 @@ def _checkpoint(weights: Path | None):
     from .config import load_config
 
     if weights is None:
-        with _ProgressBar("writing the tiny default checkpoint") as bar:
-            path = default_checkpoint(progress=bar)
+        from .synthetic import DirectoryNotEmpty
+
+        if not TINY_DIR.exists() or (TINY_DIR.is_dir() and not any(TINY_DIR.iterdir())):
+            console.print(f"writing the tiny default checkpoint (random weights) to {TINY_DIR}, once: every command "
+                          "without a checkpoint argument uses it")
+        try:
+            with _ProgressBar("writing the tiny default checkpoint") as bar:
+                path = default_checkpoint(progress=bar)
+        except DirectoryNotEmpty as e:
+            raise InputError(f"{e.path} holds other files, not the tiny default checkpoint: move them away, or "
+                             "replace them with `minirt init --force`") from None
     else:
         path = weights
         check_checkpoint_dir(path)
@@ -244,7 +301,7 @@ def init(
         help=f"Directory to write (empty or absent; see --force). Default: {_weights_dir_text()}/PRESET, the "
         "tiny one being what every command uses without a checkpoint argument.", show_default=False,
         parser=_path)] = None,
-    preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB. "
+    preset: Annotated[str, typer.Option(metavar="tiny|v32|v4-tiny|v4-flash", help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB. "
                                            "v4-tiny: 4 DeepSeek-V4 layers, seconds on CPU. v4-flash: V4-Flash's first 4 layers, about 16 GB.")] = "tiny",
     layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Number of (dense) layers to write (default: the preset's, tiny 2, v32 3).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every tensor's generator.")] = 0,
@@ -256,13 +313,23 @@ def init(
     Done already (the same preset, layers, seed and device there, complete): says so and exits 0."""
     from .synthetic import is_synthetic_checkpoint, write_synthetic_checkpoint
 
+    from .synthetic import PRESETS, DirectoryNotEmpty
+
+    _choice(preset, "--preset", tuple(PRESETS))
+    _check_layers(layers)
     out = out if out is not None else default_weights_dir() / preset
     if not force and is_synthetic_checkpoint(out, preset, seed, layers, device):
         console.print(f"{preset} checkpoint (seed {seed}) already complete in {out.resolve()}; --force rewrites it")
         return
-    with _ProgressBar("writing") as bar:
-        path = write_synthetic_checkpoint(out, preset=preset, seed=seed, num_layers=layers, force=force,
-                                          device=device, progress=bar)
+    if os.path.ismount(out):  # the checkpoint is renamed into place, and nothing replaces a mount point
+        raise InputError(f"{out} is a mount point, which a checkpoint written elsewhere cannot be renamed onto: "
+                         f"write into a directory inside it, e.g. minirt init {out / preset}")
+    try:
+        with _ProgressBar("writing") as bar:
+            path = write_synthetic_checkpoint(out, preset=preset, seed=seed, num_layers=layers, force=force,
+                                              device=device, progress=bar)
+    except DirectoryNotEmpty as e:
+        raise InputError(f"{e.path} is not empty; --force replaces it") from None
     console.print(f"wrote {preset} checkpoint to {path}")
 
 
@@ -278,6 +345,7 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     from .files import is_present
     from .models import family_of
 
+    _check_layers(layers)
     path, cfg = _checkpoint(weights)
     family = family_of(cfg)
     if family is not None:
@@ -343,17 +411,41 @@ def download(
 
     Those shards hold layers 0..N-1, the embedding, the final norm and lm_head. It prints the shards, the disk
     and the memory first (--dry-run: only that); a rerun skips the files already complete."""
+    from huggingface_hub.utils import logging as hub_logging
+
     from .download import download_checkpoint, repo_name
 
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id.rstrip("/")):
+        raise InputError(f"{excerpt(repo_id)} is not a repository id: expected OWNER/NAME, e.g. deepseek-ai/DeepSeek-V3.2")
+    _check_layers(layers)
+    hub_logging.set_verbosity_error()  # its retry warnings; a failure ends in one error line of ours
     out = out if out is not None else default_weights_dir() / repo_name(repo_id)
-    with _ProgressBar("downloading") as bar:
-        plan = download_checkpoint(repo_id, out, layers, revision=revision, endpoint=endpoint, dry_run=dry_run,
-                                   progress=bar, report=console.print, timeout_s=timeout, retries=retries)
+    new_dirs = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        with _ProgressBar("downloading") as bar:
+            plan = download_checkpoint(repo_id, out, layers, revision=revision, endpoint=endpoint, dry_run=dry_run,
+                                       progress=bar, report=console.print, timeout_s=timeout, retries=retries)
+    except BaseException:
+        _remove_if_nothing_fetched(new_dirs)
+        raise
     n = plan.shards.num_layers
     if dry_run:
         console.print(f"dry run: nothing more fetched; without --dry-run the shards go to {out}")
     else:
         console.print(f"ready: minirt generate {out} --layers {n}   ·   minirt verify {out} --layers {n}")
+
+
+def _remove_if_nothing_fetched(new_dirs: list[Path]) -> None:
+    """Remove the directories a failed download created when they hold no fetched file (only the hub's
+    bookkeeping under .cache, or nothing): a rerun would skip a file already complete, so those stay."""
+    import shutil
+
+    if not new_dirs:
+        return
+    top = new_dirs[-1]  # the outermost directory this run created
+    fetched = [f for f in top.rglob("*") if f.is_file() and ".cache" not in f.relative_to(top).parts]
+    if not fetched:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
@@ -364,7 +456,7 @@ def _load(path, layers, device, backend, indexer_precision="exact", prefill_chun
 
     family = family_of(load_config(path))
     order = list((family.plan_load if family is not None else plan_load)(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
-    with _ProgressBar(f"loading ({backend})", order) as bar:
+    with _ProgressBar(f"loading ({backend})", order, then=f"building the {backend} engine") as bar:
         return load(path, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
                     prefill_chunk=prefill_chunk, weights=weights, progress=bar)
 
@@ -394,28 +486,29 @@ class _TextOut:
 
 
 class _LongRunNote:
-    """Once decoding has run a few seconds and the rest would take over a minute, say so on stderr."""
+    """Once work has run a few seconds and the rest would take over a minute, say so on stderr, once:
+    ``note(done)`` with the units done so far (the first call starts the clock)."""
 
     AFTER_S, OVER_S = 3.0, 60.0
 
-    def __init__(self, total: int):
-        self.total, self.said = total, False
-        self.start = self.first = None  # time and token count of the first token
+    def __init__(self, total: int, what: str = "tokens"):
+        self.total, self.what, self.said = total, what, False
+        self.start = self.first = None  # time and count of the first call
 
-    def __call__(self, produced: int, interrupting_text: bool) -> None:
+    def __call__(self, done: int, interrupting_text: bool = False) -> None:
         now = time.perf_counter()
         if self.start is None:
-            self.start, self.first = now, produced
+            self.start, self.first = now, done
             return
         elapsed = now - self.start
-        if self.said or elapsed < self.AFTER_S:
+        if self.said or elapsed < self.AFTER_S or done <= self.first:
             return
-        rate = (produced - self.first) / elapsed
-        left = (self.total - produced) / rate
+        rate = (done - self.first) / elapsed
+        left = (self.total - done) / rate
         if left > self.OVER_S:
             self.said = True
             sep = "\n" if interrupting_text else ""
-            print(f"{sep}minirt: {self.total - produced:,} more tokens at {rate:.2f} tok/s take about {_duration(left)}; "
+            print(f"{sep}minirt: {self.total - done:,} more {self.what} at {rate:.2f} tok/s take about {_duration(left)}; "
                   "Ctrl-C stops", file=sys.stderr, flush=True)
 
 
@@ -427,7 +520,7 @@ def _stop_line(reasons: list[str], tokens: list[list[int]], max_new_tokens: int,
     if len(reasons) == 1:
         if at_eos:
             return f"stopped: {eos_text} after {len(tokens[0])} of at most {max_new_tokens} tokens"
-        return f"stopped: {max_new_tokens} tokens, the --max-new-tokens limit"
+        return f"stopped: {_count(max_new_tokens, 'token')}, the --max-new-tokens limit"
     return (f"stopped: {at_eos} of {len(reasons)} sequences at {eos_text}, {len(reasons) - at_eos} at "
             f"--max-new-tokens ({max_new_tokens})")
 
@@ -448,18 +541,28 @@ def generate(
     batch: Annotated[int, typer.Option(help="Run the prompt this many times as one batch (throughput).")] = 1,
     layers: LayersOpt = None,
     device: DeviceOpt = None,
-    backend: Annotated[str, typer.Option(help="triton (kernels, fp8 cache) or reference (eager oracle).")] = "triton",
-    indexer_precision: Annotated[str, typer.Option(help="exact (fp32 scores) or fp8 (official Hadamard + fp8).")] = "exact",
+    backend: Annotated[str, typer.Option(metavar="triton|reference",
+                                         help="triton (kernels, fp8 cache) or reference (eager oracle).")] = "triton",
+    indexer_precision: Annotated[str, typer.Option(metavar="exact|fp8",
+                                                   help="exact (fp32 scores) or fp8 (official Hadamard + fp8).")] = "exact",
     prefill_chunk: PrefillChunkOpt = None,
     weights_format: WeightsOpt = None,
+    warm_up: Annotated[str, typer.Option(
+        "--warm-up", metavar="auto|yes|no",
+        help="Run the prompt once untimed first, so the figures leave out Triton's compilation and the CUDA-graph "
+        "capture (seconds on a GPU). auto: yes with the triton backend on a GPU.")] = "auto",
 ):
     """Generate text (or token ids) and report why it stopped and the prefill and decode tokens/s.
 
-    The text goes to stdout (control characters escaped on a terminal), everything else to stderr."""
-    from .backend import check_prompts
+    The text goes to stdout (control characters escaped on a terminal; with --batch above 1 each sequence on
+    its own line, labelled), everything else to stderr."""
+    import torch
+
+    from .backend import check_tokens
     from .checkpoint import resolve_device
     from .generate import check_generation_length
     from .generate import generate as run_generate
+    from .generate import warm_up as run_warm_up
     from .sampling import SamplingParams
     from .tokenizer import IncrementalDecoder, load_tokenizer
 
@@ -469,6 +572,11 @@ def generate(
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
     if batch < 1:
         raise InputError(f"--batch must be >= 1, got {batch}")
+    _check_layers(layers)
+    _choice(backend, "--backend", ("triton", "reference"))
+    _choice(indexer_precision, "--indexer-precision", ("exact", "fp8"))
+    _choice(weights_format, "--weights", ("fp8", "bf16"))
+    _choice(warm_up, "--warm-up", ("auto", "yes", "no"))
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if tokens is not None:
         ids = _token_ids(tokens)
@@ -480,41 +588,120 @@ def generate(
         if prompt == "":
             raise InputError("the prompt is empty")
         ids = tokenizer.encode(prompt if prompt is not None else DEFAULT_PROMPT)
-    check_prompts([ids], cfg.vocab_size)
+    check_tokens(ids, cfg.vocab_size, "--tokens" if tokens is not None else "--prompt")
     check_generation_length(cfg, len(ids), n)
-    dev = resolve_device(device if device is not None else ("cuda" if _cuda_available() else "cpu"))
-    _check_generate_fits(cfg, layers, batch, len(ids) + n, dev, indexer_precision)
+    dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    num_layers = layers if layers is not None else cfg.num_dense_layers
+    if backend == "triton":
+        _check_generate_fits(cfg, num_layers, batch, len(ids), n, dev)
     engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format)
 
     out = _TextOut()
     as_text = tokenizer is not None and tokens is None  # token ids in, token ids out
     detok = IncrementalDecoder(tokenizer) if as_text else None
+    produced: list[list[int]] = [[] for _ in range(batch)]
     note = _LongRunNote(n)
-    produced = 0
+    prefill_note = _LongRunNote(batch * len(ids), "prompt tokens")
+    streaming = batch == 1  # a batch's sequences are printed one per line once done
 
     def stream(seq: int, token: int) -> None:
-        nonlocal produced
+        produced[seq].append(token)
         if seq != 0:
             return
-        produced += 1
-        out.write(detok.push(token) if as_text else f"{token} ")
-        note(produced, interrupting_text=out.terminal and console.is_terminal)
+        if streaming:
+            out.write(detok.push(token) if as_text else f"{' ' if len(produced[0]) > 1 else ''}{token}")
+        note(len(produced[0]), interrupting_text=streaming and out.terminal and console.is_terminal)
 
-    if as_text:
-        out.write(tokenizer.decode(ids), dim=True)
-    result = run_generate(engine, [ids] * batch, n, sampling, cfg.eos_token_id, stream)
-    if as_text:
-        out.write(detok.flush())
-    out.write("\n")
+    def show_sequences() -> None:
+        if streaming:
+            out.write((detok.flush() if as_text else "") + "\n")
+            return
+        for i, new in enumerate(produced):
+            out.write(f"sequence {i}: ", dim=True)
+            if as_text:
+                out.write(tokenizer.decode(ids), dim=True)
+            out.write((tokenizer.decode(new) if as_text else " ".join(map(str, new))) + "\n")
+
+    warm = warm_up == "yes" or (warm_up == "auto" and engine.backend == "triton" and engine.device.type == "cuda")
+    try:
+        warm_seconds = None
+        if warm:
+            with Live(Spinner("dots", "warm-up: compiling the kernels, capturing the decode graph"), console=console,
+                      transient=True) if console.is_terminal else contextlib.nullcontext():
+                warm_seconds = run_warm_up(engine, [ids] * batch, n)
+        if as_text and streaming:
+            out.write(tokenizer.decode(ids), dim=True)
+        result = run_generate(engine, [ids] * batch, n, sampling, cfg.eos_token_id, stream,
+                              on_prefill=(lambda done, total: prefill_note(done)) if engine.backend == "triton" else None)
+    except KeyboardInterrupt:
+        show_sequences()
+        each = " per sequence" if batch > 1 else ""
+        console.print(f"stopped: interrupted after {_count(len(produced[0]), 'token')}{each} of at most {n}")
+        raise
+    show_sequences()
     console.print(_stop_line(result.stop_reasons, result.tokens, n, cfg.eos_token_id))
-    console.print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:,.1f} tok/s | "
-                  f"decode: {result.decode_steps} steps × batch {batch}, {result.decode_tokens_per_s:,.1f} tok/s "
-                  f"({engine.backend}, {engine.device})")
+    if warm_seconds is not None:
+        console.print(f"warm-up: {warm_seconds:.2f} s, not in the figures below (Triton compiles the kernels on their "
+                      "first call; the first decode step of a batch size captures its CUDA graph)")
+    where = f"({engine.backend}, {engine.device})"
+    console.print(f"prefill: {_count(result.prefill_tokens, 'token')}, {result.prefill_tokens_per_s:,.1f} tok/s "
+                  f"in {result.prefill_seconds:.2f} s {where}")
+    if result.decode_steps:
+        console.print(f"decode: {_count(result.decode_steps, 'step')} × batch {batch} = {_count(result.decode_tokens, 'token')}, "
+                      f"{result.decode_tokens_per_s:,.1f} tok/s with sampling and streaming; the engine's steps alone "
+                      f"{result.decode_steps_per_s:,.1f} steps/s")
+    else:
+        console.print("decode: no step (each sequence's one token came from prefill)")
+    if engine.backend == "triton" and engine.device.type == "cpu":
+        console.print("cpu: the Triton kernels run in the interpreter (exact, but far slower than on a GPU)")
+    elif warm_seconds is None and engine.device.type == "cuda" and engine.backend == "triton":
+        console.print("note: with --warm-up no these figures include the kernels' compilation and the graph capture")
+
+
+def _choice(value: str | None, option: str, choices: tuple[str, ...]) -> None:
+    if value is not None and value not in choices:
+        raise InputError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def generate_memory_bytes(cfg, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int, device) -> int:
+    """Estimated peak memory of ``minirt generate`` (triton backend) on ``device``: the weights (fp32 on
+    cpu, bf16 on cuda: an upper bound for fp8 ones), every sequence's cache blocks (capacity rounded up
+    to the block size), a prefill's bf16 latents of every prompt token per layer (``KVStash``), the
+    logits of a step and the loader's read chunks."""
+    from .cache import cache_bytes_per_token
+    from .checkpoint import READ_CHUNK_BYTES, tensor_specs
+    from .formats import CACHE_BLOCK_SIZE
+
+    params = sum(math.prod(spec.shape) for spec in tensor_specs(cfg, num_layers).values())
+    weights = params * (2 if device.type == "cuda" else 4)
+    capacity = -(-(prompt_len + max_new_tokens) // CACHE_BLOCK_SIZE) * CACHE_BLOCK_SIZE
+    cache = cache_bytes_per_token(cfg, num_layers) * batch * capacity
+    stash = batch * prompt_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * num_layers
+    logits = 3 * batch * cfg.vocab_size * 4  # the step's, its softmax in sampling, the sampled copy
+    return weights + cache + stash + logits + 8 * READ_CHUNK_BYTES
+
+
+def _check_generate_fits(cfg, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int, device) -> None:
+    """InputError, with the numbers and the largest --batch that fits, when generate's memory estimate
+    exceeds what the device has free: before anything is loaded (a checkpoint of another family: its loader checks)."""
+    from .models import family_of
+
+    if family_of(cfg) is not None:
+        return
+    need, free = generate_memory_bytes(cfg, num_layers, batch, prompt_len, max_new_tokens, device), available_memory(device)
+    if need <= free:
+        return
+    base = generate_memory_bytes(cfg, num_layers, 0, prompt_len, max_new_tokens, device)
+    per_sequence = (need - base) / batch
+    fits = int((free - base) // per_sequence) if free > base else 0
+    advice = f"at most --batch {fits} fits" if fits >= 1 else "not even one sequence fits"
+    raise InputError(f"generate --batch {batch} over {prompt_len} + {max_new_tokens} tokens needs about {decimal(need)} "
+                     f"on {device.type} (weights, cache, prefill latents), {decimal(free)} is available: {advice}")
 
 
 def _token_ids(text: str) -> list[int]:
     """--tokens as ints; the error shows an excerpt of a long list and the first item that is no int."""
-    items = [t for t in text.split(",") if t.strip()]
+    items = text.split(",")
     for i, item in enumerate(items):
         if not re.fullmatch(r"\s*[+-]?\d{1,30}\s*", item):
             where = f"; item {i + 1} of {len(items)} is {excerpt(item)}" if len(text) > 60 else ""
@@ -522,43 +709,17 @@ def _token_ids(text: str) -> list[int]:
     return [int(t) for t in items]
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _check_generate_fits(cfg, layers: int | None, batch: int, seq_len: int, device, indexer_precision: str) -> None:
-    """InputError, with both numbers, when the cache for ``batch`` sequences of ``seq_len`` tokens and the
-    [batch, vocab] logits exceed the memory ``device`` has available: before anything is loaded."""
-    from .cache import cache_bytes_per_token
-    from .checkpoint import tensor_specs
-    from .formats import CACHE_BLOCK_SIZE
-    from .models import family_of
-
-    if family_of(cfg) is not None:  # another family's loader sizes and checks its own caches
-        return
-    num_layers = layers if layers is not None else cfg.num_dense_layers
-    tensor_specs(cfg, num_layers)  # MoE layers or a count that is no count: the loader's error, now
-    tokens = batch * -(-seq_len // CACHE_BLOCK_SIZE) * CACHE_BLOCK_SIZE
-    need = cache_bytes_per_token(cfg, num_layers, indexer_precision) * tokens + 3 * batch * cfg.vocab_size * 4
-    free = available_memory(device)
-    if need > free:
-        raise InputError(f"--batch {batch} × {seq_len} tokens needs about {decimal(need)} of cache and logits on "
-                         f"{device.type}, {decimal(free)} is available")
-
-
 def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
     """Estimated peak memory of ``minirt verify`` over ``num_tokens`` tokens on ``device``: both models'
     weights (the runtime's bf16 on cuda, an upper bound for its fp8 weights, fp32 on cpu; the reference's
-    fp32), the runtime's cache and its two runs' logits, and the eager reference's activations
-    (``reference.forward_peak_bytes``)."""
+    fp32; loading holds one copy plus its read chunks), the runtime's cache and its two runs' logits,
+    and the eager reference's activations (``reference.forward_peak_bytes``)."""
     from .cache import cache_bytes_per_token
-    from .checkpoint import tensor_specs
+    from .checkpoint import READ_CHUNK_BYTES, tensor_specs
     from .reference import forward_peak_bytes
 
     params = sum(math.prod(spec.shape) for spec in tensor_specs(cfg, num_layers).values())
-    weights = params * ((2 if device.type == "cuda" else 4) + 4)
+    weights = params * ((2 if device.type == "cuda" else 4) + 4) + 8 * READ_CHUNK_BYTES
     runtime = cache_bytes_per_token(cfg, num_layers) * num_tokens + 2 * num_tokens * cfg.vocab_size * 4
     return weights + runtime + forward_peak_bytes(cfg, num_layers, num_tokens)
 
@@ -583,6 +744,40 @@ def _check_verify_fits(cfg, num_layers: int, prompt_len: int, decode_steps: int,
                   if fits > decode_steps else "not even one prompt token fits")
         raise InputError(f"verify over {total} tokens needs about {decimal(need)} on {device.type} (the eager reference "
                          f"holds [heads, T, T] attention scores), {decimal(free)} is available: {advice}")
+
+
+def _weights_in_memory(engine) -> str:
+    """What the runtime's weights are in memory: 'fp8 weights' as stored, else the dtype they were
+    dequantised to (fp32 on the CPU)."""
+    if engine.weights == "fp8":
+        return "fp8 weights as stored"
+    held = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}[str(engine.dtype)]
+    return f"{held} weights, dequantised at load" if engine.cfg.quantization else f"{held} weights"
+
+
+class _VerifyStages:
+    """verify's stage on a spinner, with its elapsed time and, in the runtime's prefills, the prompt
+    tokens done and the time left; off a terminal a long stage says once how long it will take."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len, self.live, self.name = prompt_len, None, ""
+        self.started = time.perf_counter()
+        self.note = _LongRunNote(prompt_len, "prompt tokens")
+
+    def __call__(self, name: str) -> None:
+        self.name, self.started = name, time.perf_counter()
+        self.note = _LongRunNote(self.prompt_len, "prompt tokens")
+        self._show("")
+
+    def prefill(self, done: int, total: int) -> None:
+        self.note(done)
+        elapsed = time.perf_counter() - self.started
+        left = f", about {_duration(elapsed / done * (total - done))} left" if done and done < total else ""
+        self._show(f": {done:,}/{total:,} prompt tokens{left}")
+
+    def _show(self, detail: str) -> None:
+        if self.live is not None:
+            self.live.update(Spinner("dots", f"verify: {self.name}{detail}"), refresh=True)
 
 
 @app.command()
@@ -610,6 +805,8 @@ def verify(
     from .verify import run_verify
 
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
+    _check_layers(layers)
+    _choice(weights_format, "--weights", ("fp8", "bf16"))
     path, cfg = _checkpoint(weights)
     family = family_of(cfg)
     if family is not None and family.RUNTIME_MISSING:
@@ -627,17 +824,19 @@ def verify(
 
     engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)
     oracle = _load(path, num_layers, str(dev), "reference")
+    stage = _VerifyStages(prompt_len)
     with Live(console=console, transient=True) as live:  # the stage now running, redrawn at once
-        report = run_verify(engine, oracle, prompt_len, decode_steps, seed,
-                            progress=lambda stage: live.update(Spinner("dots", f"verify: {stage}"), refresh=True))
+        stage.live = live
+        report = run_verify(engine, oracle, prompt_len, decode_steps, seed, progress=stage,
+                            on_prefill=stage.prefill)
     failures = report.failures()
     if as_json:
         print(report.to_json())
     else:
         out = Console(highlight=False, soft_wrap=True)
-        out.print(f"minirt verify {escape(str(path))}: the runtime ({engine.weights} weights) against the eager fp32 "
-                  f"reference, {engine.num_layers} layer(s), {prompt_len} prompt tokens + {decode_steps} decode steps, "
-                  f"{engine.device}")
+        out.print(f"minirt verify {escape(str(path))}: the runtime ({_weights_in_memory(engine)}) against the eager "
+                  f"fp32 reference, {_count(engine.num_layers, 'layer')}, {_count(prompt_len, 'prompt token')} + "
+                  f"{_count(decode_steps, 'decode step')}, {engine.device}")
         t = Table()
         for col, justify in (("check", "left"), ("value", "right"), ("limit", "left"), ("result", "left")):
             t.add_column(col, justify=justify)

@@ -2,7 +2,7 @@
 bounded chunks and decode through the Triton kernels. ``minirt.load`` builds one."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,8 +69,18 @@ class Engine:
 
     def setup_cache(self, max_batch: int, max_seq_len: int, block_size: int = CACHE_BLOCK_SIZE) -> None:
         """Allocate the fp8 latent cache and indexer key cache (capacity per sequence: max_seq_len).
-        Without this call, prefill sizes (and regrows) a cache itself."""
-        self._allocate_cache(max_batch, max_seq_len, block_size)
+        Without this call, prefill sizes (and regrows) a cache itself. A cache of these sizes already
+        there is kept, with the decode steps' CUDA graphs captured on it (a warm-up's survive)."""
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"setup_cache: {name} must be a whole number >= 1, got {value!r}")
+        cache = self.cache
+        if not (cache is not None and (cache.max_batch, cache.max_seq_len, cache.block_size) ==
+                (max_batch, max_seq_len, block_size)):
+            self._allocate_cache(max_batch, max_seq_len, block_size)
+        else:  # no sequence in it any more
+            cache.seq_lens.zero_()
+            self._lens = []
         self._sized_by_user = True
 
     def _allocate_cache(self, max_batch: int, max_seq_len: int, block_size: int = CACHE_BLOCK_SIZE) -> None:
@@ -84,14 +94,16 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
-                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Run prompts (lists of token ids) through the model, filling the cache from position 0.
 
         Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
         packed prompt after prompt [sum(len), vocab]. Without ``setup_cache`` first, the engine sizes
         the cache for the prompts plus ``DECODE_HEADROOM`` decode steps (and regrows it for a later,
         longer prefill). ``topk_override``: per layer [sum(len), k] positions that replace the
-        indexer's choice (to compare numerics with identical top-k).
+        indexer's choice (to compare numerics with identical top-k). ``progress(done, total)``, if
+        given, is called with prompt tokens done and in all, before the first step and after each.
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
@@ -100,9 +112,11 @@ class Engine:
         self.cache.check_room(lens)
         tokens = torch.tensor([t for p in prompts for t in p], device=self.device)
 
-        def run(trace: PrefillTrace | None) -> torch.Tensor:
+        def run(trace: PrefillTrace | None, progress) -> torch.Tensor:
             stash = KVStash(lens, self.device)
             logits, first = [], 0
+            if progress is not None:
+                progress(0, len(tokens))
             for step in plan_chunks(lens, self.prefill_chunk):
                 seqs, starts, counts = zip(*step)
                 last = first + sum(counts)
@@ -116,10 +130,12 @@ class Engine:
                     h = h[ends]
                 logits.append(self.model.logits(h))
                 first = last
+                if progress is not None:
+                    progress(last, len(tokens))
             return torch.cat(logits)
 
-        logits = run(trace)
-        self._check_finite(logits, "prefill", lambda: run(None))  # a rerun rewrites the same cache slots
+        logits = run(trace, progress)
+        self._check_finite(logits, "prefill", lambda: run(None, None))  # a rerun rewrites the same cache slots
         self.cache.seq_lens.zero_()
         self.cache.seq_lens[: len(lens)] = torch.tensor(lens, device=self.device)
         self._lens = lens

@@ -25,8 +25,11 @@ from .config import ModelConfig
 from .context import StepContext
 from .errors import InputError
 from .fp8_linear import Fp8Linear
-from .kernels import (indexer_topk, mla_decode_fp8, mla_query_absorb, mla_value_proj_fp8, paged_indexer_scores,
-                      quantize_act_fp8, sparse_mla_prefill, write_kv_fp8)
+# The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
+from .kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
+                          mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
+                          paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
+                          sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
 from .rope import apply_rope_half, apply_rope_interleaved
 
 
@@ -277,8 +280,34 @@ class DecoderLayer(nn.Module):
         self.mlp = DenseMLP(cfg, fp8_weights)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x [N, hidden] float (the residual stream of a step's N tokens: a prefill step's segments back
+        to back, or one token per sequence in a decode step) -> [N, hidden], x's dtype.
+
+        ctx: the step's ``StepContext`` (``minirt.context.prefill_context`` / ``decode_context``) with N
+        positions. The layer writes the new tokens' latents and indexer keys to
+        ``ctx.cache.layers[layer_index]`` and reads that cache (decode) or ``ctx.stash`` (prefill);
+        ``ctx.topk_override[layer_index]``, when given, replaces the indexer's choice.
+
+        Raises InputError when x is not [N, hidden] with N = ctx.positions' length, or when the context
+        holds no cache or top-k override entry for ``layer_index``.
+        """
+        _check_layer_input(x, ctx, self.layer_index, self.input_layernorm.weight.shape[0])
         h = x + self.self_attn(self.input_layernorm(x), ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _check_layer_input(x, ctx: StepContext, layer_index: int, hidden: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise InputError(f"layer input x must be a float tensor [N, {hidden}] (tokens, hidden), got {shape}")
+    if x.shape[0] != ctx.positions.shape[0]:
+        raise InputError(f"layer input x has {x.shape[0]} tokens, the step context {ctx.positions.shape[0]} positions")
+    if ctx.cache is not None and layer_index >= len(ctx.cache.layers):
+        raise InputError(f"layer_index {layer_index} has no cache: the context's cache holds {len(ctx.cache.layers)} "
+                         f"layer(s) (build it with num_layers > {layer_index})")
+    if ctx.topk_override is not None and layer_index >= len(ctx.topk_override):
+        raise InputError(f"layer_index {layer_index} has no top-k override: topk_override holds "
+                         f"{len(ctx.topk_override)} layer(s)")
 
 
 class Transformer(nn.Module):

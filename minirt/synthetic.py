@@ -15,8 +15,12 @@ a few hundred MB of memory.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import glob
 import json
 import math
+import os
+import re
 import shutil
 import struct
 import uuid
@@ -317,11 +321,19 @@ def byte_level_tokenizer(bos_token_id: int, eos_token_id: int):
     return tokenizer
 
 
+class DirectoryNotEmpty(InputError):
+    """The output directory holds files and force is off (``path``: that directory)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} is not empty; force=True replaces it")
+        self.path = path
+
+
 def _check_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise InputError(f"{out_dir} is not empty; use force=True (--force) to replace it")
+        raise DirectoryNotEmpty(out_dir)
 
 
 def _checkpoint_bytes(preset: str, cfg: ModelConfig) -> int:
@@ -345,6 +357,35 @@ def _os_reason(e: OSError) -> str:
     """'No space left on device', with the path the operating system refused when it names one."""
     reason = e.strerror or str(e)
     return f"{reason}: {e.filename}" if e.filename else reason
+
+
+def _temporary_dir(out_dir: Path) -> Path:
+    """A new temporary directory name beside out_dir, naming this process: ``.NAME.tmp-PID-RANDOM``."""
+    return out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """Remove the temporary directories beside out_dir that an earlier write left (killed before it
+    could clean up): those of a process no longer running, and those of the older ``.NAME.tmp-RANDOM``
+    form, which named no process. A concurrent write's own temporary stays."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.tmp-(?:(\d+)-)?[0-9a-f]{{12}}(?:\.old)?")
+    for path in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.tmp-*"):
+        match = pattern.fullmatch(path.name)
+        if match is None or not path.is_dir():
+            continue
+        if match.group(1) is not None and _process_exists(int(match.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process: leave its directory alone
+    return True
 
 
 def _generator_record(preset: str, seed: int, device: torch.device) -> dict[str, Any]:
@@ -407,8 +448,11 @@ def write_synthetic_checkpoint(
     num_hidden_layers and first_k_dense_replace are both set to it. device: where values are generated
     and quantised ("cuda" speeds up v32; output differs from "cpu" but is deterministic per device type).
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
-    removed on any failure; directories and files get the usual permissions (the umask's). The index's
-    metadata records preset, seed and device type (``GENERATOR_KEY``, read by ``is_synthetic_checkpoint``).
+    removed on any failure (Ctrl-C included); a temporary directory an earlier, killed write left is removed
+    first. Two processes writing the same checkpoint at once both succeed: the second finds the first's
+    complete checkpoint in place and keeps it. Directories and files get the usual permissions (the umask's).
+    The index's metadata records preset, seed and device type (``GENERATOR_KEY``, read by
+    ``is_synthetic_checkpoint``).
     Raises InputError for an unknown preset, a bad num_layers (not an int in [1, 1024]), an empty
     out_dir, or an out_dir that is a file or a non-empty directory (unless force=True, which replaces
     it); WriteError before anything is written when the disk has less room than the checkpoint takes,
@@ -424,13 +468,20 @@ def write_synthetic_checkpoint(
         _check_out_dir(out_dir, force)
         _check_disk(out_dir, preset, cfg)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(out_dir)
         # mkdir, not tempfile.mkdtemp: mkdtemp's mode 0700 would become the checkpoint's; this gets the umask's.
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = _temporary_dir(out_dir)
         tmp.mkdir()
     except OSError as e:
         raise WriteError(f"{out_dir}: cannot create the checkpoint there ({_os_reason(e)})") from e
+    def written_meanwhile() -> bool:  # by a concurrent write of the same checkpoint
+        return not force and is_synthetic_checkpoint(out_dir, preset, seed, num_layers, device)
+
     try:
         _write_files(tmp, preset, cfg, seed, device, progress)
+        if written_meanwhile():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out_dir
         _check_out_dir(out_dir, force)
         if out_dir.exists():
             # Move the old directory aside first so a failed rename can put it back.
@@ -446,6 +497,12 @@ def write_synthetic_checkpoint(
             tmp.rename(out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and written_meanwhile():  # the other write's rename came first
+            return out_dir
+        if isinstance(e, OSError) and e.errno == errno.EBUSY and os.path.ismount(out_dir):
+            raise WriteError(f"{out_dir} is a mount point: the checkpoint is written beside it and renamed into "
+                             f"place, which cannot replace a mount point; write into a directory inside it "
+                             f"({out_dir / preset})") from e
         if isinstance(e, OSError):  # disk full, permissions, ...: a one-line error, not a traceback
             raise WriteError(f"{out_dir}: writing the checkpoint failed ({_os_reason(e)}); "
                              f"{out_dir} is left as it was") from e

@@ -91,7 +91,8 @@ def tolerances(engine: Engine) -> dict[str, tuple[float, str]]:
 
 
 def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_steps: int, seed: int = 0,
-               progress: Callable[[str], None] | None = None) -> VerifyReport:
+               progress: Callable[[str], None] | None = None,
+               on_prefill: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Random tokens (seeded): prefill ``prompt_len`` of them, then decode ``decode_steps`` more one by
     one, on the kernel engine and the eager oracle (``minirt.load(..., backend="reference")``).
 
@@ -99,10 +100,18 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
     decode): the error rows (hidden states, logits) then measure numerics, not the near-tie flips a
     top-k choice amplifies. Once free, with its own indexer: top-k overlap and top-1 agreement. Per
     layer, ``attention_same_topk`` runs one attention on the reference's own input (the kernels alone).
-    ``progress(stage)`` is called as each stage starts.
+    ``progress(stage)`` is called as each stage starts, ``on_prefill(done, total)`` with the prompt
+    tokens each runtime prefill has done (``Engine.prefill``'s progress).
     """
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need prompt_len >= 1 and decode_steps >= 0, got {prompt_len}, {decode_steps}")
+    if getattr(oracle, "backend", None) != "reference" or getattr(engine, "backend", None) != "triton":
+        raise InputError("run_verify(engine, oracle, ...) takes a triton engine and a reference oracle "
+                         "(minirt.load(..., backend='reference'))")
+    if engine.num_layers != oracle.num_layers or engine.cfg != oracle.cfg:
+        raise InputError(f"engine and oracle must load the same checkpoint and layers: the engine has "
+                         f"{engine.num_layers} layer(s), the oracle {oracle.num_layers}"
+                         + ("" if engine.cfg == oracle.cfg else ", and their configs differ"))
     say = progress or (lambda stage: None)
     table = tolerances(engine)
 
@@ -120,7 +129,7 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
 
     def run(forced: bool, trace: PrefillTrace | None = None) -> torch.Tensor:
         engine.setup_cache(1, total)
-        logits = [engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace,
+        logits = [engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace, progress=on_prefill,
                                  topk_override=[ref_topk[i][:P] for i in layers] if forced else None)]
         for t in range(P, total):
             override = [ref_topk[i][t : t + 1] for i in layers] if forced else None

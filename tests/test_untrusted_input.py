@@ -222,7 +222,7 @@ EXPECTED = {
     "16 GiB header": r"header length 17,179,869,184 exceeds the 100,000,000 bytes safetensors allows",
     "16 GiB config.json": r"config\.json: config\.json is 17,179,869,184 bytes, more than the 1,000,000 allowed",
     "/dev/zero as config.json": r"config\.json: config\.json is a character device, not a regular file",
-    "--batch 1e7": r"--batch 10000000 × \d+ tokens needs about [\d.]+ [kMGTP]B of cache and logits on \w+, [\d.]+ [kMGTP]?B is available",
+    "--batch 1e7": r"generate --batch 10000000 over \d+ \+ \d+ tokens needs about [\d.]+ [kMGTP]B on \w+ \(weights, cache, prefill latents\), [\d.]+ [kMGTP]?B is available",
     "init --layers 1e8": r"num_layers is 100,000,000, more than the 1,024 layers the DeepSeek-V3/V3.2 family allows",
     "FIFO as config.json: info": r"config\.json: config\.json is a FIFO, not a regular file",
     "FIFO as index: info": re.escape(INDEX_FILE) + r": model\.safetensors\.index\.json is a FIFO, not a regular file",
