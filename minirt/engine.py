@@ -1,4 +1,4 @@
-"""The runtime: the first N dense layers of a DeepSeek-V3.2 checkpoint, an fp8 paged cache, prefill in
+"""The runtime: the first N layers (dense and MoE) of a DeepSeek-V3.2 checkpoint, an fp8 paged cache, prefill in
 bounded chunks and decode through the Triton kernels. ``minirt.load`` builds one."""
 from __future__ import annotations
 
@@ -173,6 +173,9 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers:
         if getattr(cfg, key) != need:
             raise ConfigError(f"key '{key}' is {getattr(cfg, key)}: the Triton kernels and the fp8 cache layout "
                               f"need {key} = {need} (d_qk 576); backend='reference' runs any dims")
+    if cfg.quantization is None and any(cfg.is_moe_layer(i) for i in range(num_layers)):
+        raise ConfigError("the MoE kernels run block-fp8 experts, and this checkpoint stores its experts unquantised "
+                          "(no quantization_config): backend='reference' runs it")
     with torch.device("meta"):
         model = Transformer(cfg, num_layers, indexer_precision, fp8_weights)
     wanted = model.state_dict().keys()
