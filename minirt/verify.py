@@ -27,6 +27,11 @@ TOLERANCES = {
     "prefill_logits": (3e-2, "max"),
     "decode_logits": (1e-1, "max"),
     "top1_agreement": (0.9, "min"),
+    # The router on the reference's input computes the same fp32 logits: only last-ulp near-ties may
+    # differ. The experts quantise their inputs and the SwiGLU output to e4m3 (≈3.6% rms each, two
+    # GEMMs in series), whatever the engine's weights.
+    "router_agreement": (0.99, "min"),
+    "moe_same_routing": (1e-1, "max"),
 }
 # With fp8 weights every GEMM input is an e4m3 activation (one power-of-two scale per 128 values, as
 # DeepSeek computes): ≈3.6% rms rounding of each, through several GEMMs in series per layer (measured
@@ -85,6 +90,12 @@ def topk_overlap(topk: torch.Tensor, ref_topk: torch.Tensor) -> float:
     return sum(scores) / len(scores)
 
 
+def expert_agreement(expert_ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
+    """Mean over tokens of |chosen ∩ reference-chosen| / k, for expert ids [T, k] (order ignored)."""
+    ids, ref_ids = expert_ids.long().cpu(), ref_ids.long().cpu()
+    return float((ids[:, :, None] == ref_ids[:, None, :]).any(-1).float().mean())
+
+
 def tolerances(engine: Engine) -> dict[str, tuple[float, str]]:
     """The tolerance table for this engine's weights ("bf16" or "fp8")."""
     return FP8_WEIGHTS_TOLERANCES if engine.weights == "fp8" else TOLERANCES
@@ -98,7 +109,9 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
     The runtime runs twice. Once attending exactly the reference's top-k in every layer (prefill and
     decode): the error rows (hidden states, logits) then measure numerics, not the near-tie flips a
     top-k choice amplifies. Once free, with its own indexer: top-k overlap and top-1 agreement. Per
-    layer, ``attention_same_topk`` runs one attention on the reference's own input (the kernels alone).
+    layer, ``attention_same_topk`` runs one attention on the reference's own input (the kernels alone);
+    per MoE layer, on the reference's FFN input over all tokens, ``router_agreement`` compares the
+    experts the router picks and ``moe_same_routing`` the FFN output on the reference's routing.
     ``progress(stage)`` is called as each stage starts.
     """
     if prompt_len < 1 or decode_steps < 0:
@@ -144,6 +157,12 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
             checks.append(_check(f"topk_overlap[{i}]", topk_overlap(free_trace.topk[i], ref_topk[i][:P])))
             attn = _attention_same_topk(engine, i, layer_input[:P], ref_topk[i][:P])
             checks.append(_check(f"attention_same_topk[{i}]", rel_err(attn, ref.attn_outputs[i][:P])))
+        if ref.moe_inputs[i] is not None:
+            say(f"layer {i} MoE on the reference's input")
+            expert_ids, moe_out = _moe_same_input(engine, i, ref.moe_inputs[i],
+                                                  (ref.expert_weights[i], ref.expert_ids[i]))
+            checks.append(_check(f"router_agreement[{i}]", expert_agreement(expert_ids, ref.expert_ids[i])))
+            checks.append(_check(f"moe_same_routing[{i}]", rel_err(moe_out, ref.moe_outputs[i])))
         layer_input = ref.hidden_states[i]
     checks.append(_check("prefill_logits", rel_err(forced_logits[:P], ref.logits[:P])))
     if decode_steps:
@@ -162,3 +181,15 @@ def _attention_same_topk(engine: Engine, layer_index: int, layer_input: torch.Te
     ctx = prefill_context(engine.cfg, [x.shape[0]], topk_override={layer_index: topk.to(engine.device)},
                           device=engine.device)
     return layer.self_attn(x, ctx).float()
+
+
+@torch.inference_mode()
+def _moe_same_input(engine: Engine, layer_index: int, moe_input: torch.Tensor,
+                    routing: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE layer ``layer_index`` on the reference's normalised FFN input [T, hidden]: (the expert ids
+    its router picks [T, k], computed on the fp32 input as the router computes its logits; the FFN
+    output [T, hidden] fp32 on the given routing (weights, expert ids))."""
+    mlp = engine.model.model.layers[layer_index].mlp
+    _, expert_ids = mlp.gate(moe_input.to(engine.device, torch.float32))
+    weights, ids = (t.to(engine.device) for t in routing)
+    return expert_ids, mlp(moe_input.to(engine.device, engine.dtype), routing=(weights, ids)).float()
