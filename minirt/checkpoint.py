@@ -463,6 +463,20 @@ def layer_memory_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: to
     return top, [layers[i] for i in sorted(layers)]
 
 
+def expert_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes of MoE layer ``layer``'s routed experts once loaded (as stored: e4m3 + float32 scales)."""
+    block = cfg.quantization.weight_block_size if cfg.quantization else None
+    return sum(spec_memory_bytes(name, spec, block, torch.bfloat16, False) for name, spec in
+               tensor_specs(cfg, layer + 1).items() if name.startswith(f"model.layers.{layer}.")
+               and stacked_expert_name(name) is not None)
+
+
+def weight_memory_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: torch.dtype, fp8_as_stored: bool) -> int:
+    """Bytes of all the weights ``load_checkpoint`` holds for ``specs`` (``layer_memory_bytes`` summed)."""
+    top, layers = layer_memory_bytes(cfg, specs, dtype, fp8_as_stored)
+    return top + sum(layers)
+
+
 def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as_stored: bool) -> None:
     """DeviceError, with both numbers and the largest layer count that fits, when the weights of
     ``plan`` exceed the free memory of ``device``: before anything is read."""

@@ -83,14 +83,16 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
-                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor] | None = None,
+                expert_override: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """Run prompts (lists of token ids) through the model, filling the cache from position 0.
 
         Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
         packed prompt after prompt [sum(len), vocab]. Without ``setup_cache`` first, the engine sizes
         the cache for the prompts plus ``DECODE_HEADROOM`` decode steps (and regrows it for a later,
         longer prefill). ``topk_override``: per layer [sum(len), k] positions that replace the
-        indexer's choice (to compare numerics with identical top-k).
+        indexer's choice (to compare numerics with identical top-k). ``expert_override``: per layer None
+        or (weights, expert ids) [sum(len), k] that replace a MoE layer's routing (likewise).
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
@@ -106,7 +108,9 @@ class Engine:
             ctx = prefill_context(self.cfg, counts, starts=starts, seqs=seqs, cache=self.cache, stash=stash,
                                   rope=self._rope, trace=trace, device=self.device,
                                   topk_override=None if topk_override is None else
-                                  [t[first:last] for t in topk_override])
+                                  [t[first:last] for t in topk_override],
+                                  expert_override=None if expert_override is None else
+                                  [None if r is None else (r[0][first:last], r[1][first:last]) for r in expert_override])
             h = self.model(tokens[first:last], ctx)
             if not all_logits:  # only the last token of each prompt that ends in this step
                 ends = [s.offset + s.length - 1 for s in ctx.segments if s.end == lens[s.seq]]
@@ -119,9 +123,12 @@ class Engine:
         return torch.cat(logits)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None,
+               expert_override: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab].
-        ``topk_override``: per layer [b, k] positions that replace the indexer's choice (eager)."""
+        ``topk_override``: per layer [b, k] positions that replace the indexer's choice;
+        ``expert_override``: per layer None or (weights, expert ids) [b, k] that replace a MoE layer's
+        routing (both run the step eagerly)."""
         ids = check_tokens(tokens, self.cfg.vocab_size, "decode")
         b = len(self._lens) if self.cache is not None else 0
         if b == 0 or len(ids) != b:
@@ -130,13 +137,14 @@ class Engine:
         lens = [n + 1 for n in self._lens]
         self.cache.check_room(lens)
         self._lens = lens
-        if topk_override is not None or not self.use_cuda_graph:
-            return self._decode_step(tokens, topk_override)
+        if topk_override is not None or expert_override is not None or not self.use_cuda_graph:
+            return self._decode_step(tokens, topk_override, expert_override)
         return self._decode_graphed(tokens)
 
-    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None,
+                     expert_override=None) -> torch.Tensor:
         """The decode step proper: static shapes, no host sync (so it can be graph-captured)."""
-        ctx = decode_context(self.cfg, self.cache, tokens.shape[0], self._rope, topk_override)
+        ctx = decode_context(self.cfg, self.cache, tokens.shape[0], self._rope, topk_override, expert_override)
         h = self.model(tokens, ctx)
         self.cache.seq_lens[: tokens.shape[0]] += 1
         return self.model.logits(h)

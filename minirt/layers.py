@@ -316,7 +316,7 @@ class RoutedExperts(nn.Module):
         self.down_proj = StackedFp8Weight(n_experts, hidden, width)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        experts = ExpertWeights(self.gate_up_proj.weight, self.gate_up_proj.weight_scale_inv,
+        experts = ExpertWeights("fp8", self.gate_up_proj.weight, self.gate_up_proj.weight_scale_inv,
                                 self.down_proj.weight, self.down_proj.weight_scale_inv)
         return moe_experts(x.to(torch.bfloat16), expert_ids, weights, experts, swiglu_limit=self.swiglu_limit)
 
@@ -369,6 +369,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), ctx)
+        if isinstance(self.mlp, MoE):
+            routing = ctx.expert_override[self.layer_index] if ctx.expert_override is not None else None
+            return h + self.mlp(self.post_attention_layernorm(h), routing)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -107,8 +107,9 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
     one, on the kernel engine and the eager oracle (``minirt.load(..., backend="reference")``).
 
     The runtime runs twice. Once attending exactly the reference's top-k in every layer (prefill and
-    decode): the error rows (hidden states, logits) then measure numerics, not the near-tie flips a
-    top-k choice amplifies. Once free, with its own indexer: top-k overlap and top-1 agreement. Per
+    decode) and, in MoE layers, on the reference's routing: the error rows (hidden states, logits)
+    then measure numerics, not the near-tie flips a top-k or expert choice amplifies. Once free, with
+    its own indexer and router: top-k overlap and top-1 agreement. Per
     layer, ``attention_same_topk`` runs one attention on the reference's own input (the kernels alone);
     per MoE layer, on the reference's FFN input over all tokens, ``router_agreement`` compares the
     experts the router picks and ``moe_same_routing`` the FFN output on the reference's routing.
@@ -131,22 +132,32 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
     P, layers = prompt_len, range(engine.num_layers)
     ref_topk = ref.topk_indices
 
+    def routing(i: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if ref.expert_ids[i] is None:
+            return None
+        return ref.expert_weights[i][rows].to(engine.device), ref.expert_ids[i][rows].to(engine.device)
+
     def run(forced: bool, trace: PrefillTrace | None = None) -> torch.Tensor:
         engine.setup_cache(1, total)
+        forced_topk, forced_experts = forced and not dense, forced and moe
         logits = [engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace,
-                                 topk_override=[ref_topk[i][:P] for i in layers] if forced else None)]
+                                 topk_override=[ref_topk[i][:P] for i in layers] if forced_topk else None,
+                                 expert_override=[routing(i, slice(0, P)) for i in layers] if forced_experts else None)]
         for t in range(P, total):
-            override = [ref_topk[i][t : t + 1] for i in layers] if forced else None
-            logits.append(engine.decode(tokens[t : t + 1], topk_override=override))
+            rows = slice(t, t + 1)
+            logits.append(engine.decode(tokens[rows], topk_override=[ref_topk[i][rows] for i in layers] if forced_topk
+                                        else None,
+                                        expert_override=[routing(i, rows) for i in layers] if forced_experts else None))
         return torch.cat(logits)
 
     dense = ref_topk[0] is None
+    moe = any(ids is not None for ids in ref.expert_ids)
     forced_trace, free_trace = PrefillTrace(), PrefillTrace()
-    say("runtime on the reference's top-k")
-    forced_logits = run(forced=not dense, trace=forced_trace)
-    if not dense:
-        say("runtime with its own indexer")
-    free_logits = run(forced=False, trace=free_trace) if not dense else forced_logits
+    say("runtime on the reference's top-k" + (" and routing" if moe else ""))
+    forced_logits = run(forced=not dense or moe, trace=forced_trace)
+    if not dense or moe:
+        say("runtime with its own indexer" + (" and router" if moe else ""))
+    free_logits = run(forced=False, trace=free_trace) if not dense or moe else forced_logits
 
     checks = []
     layer_input = reference.weights["model.embed_tokens.weight"][tokens.to(reference.device)]
