@@ -45,6 +45,16 @@ FP8_WEIGHTS_TOLERANCES = TOLERANCES | {
     "top1_agreement": (0.7, "min"),
 }
 
+# A MoE layer's experts compute on e4m3 activations whatever the engine's weights, and each such layer
+# adds its rounding to the residual stream (measured on the tiny preset with bf16 weights: hidden 1.9%
+# and logits 1.9% after one MoE layer on the reference's routing; top-1 agreement 0.89 after two, free).
+MOE_TOLERANCES = {
+    "hidden": (6e-2, "max"),
+    "prefill_logits": (6e-2, "max"),
+    "decode_logits": (1e-1, "max"),
+    "top1_agreement": (0.8, "min"),
+}
+
 
 @dataclass
 class Check:
@@ -97,8 +107,12 @@ def expert_agreement(expert_ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
 
 
 def tolerances(engine: Engine) -> dict[str, tuple[float, str]]:
-    """The tolerance table for this engine's weights ("bf16" or "fp8")."""
-    return FP8_WEIGHTS_TOLERANCES if engine.weights == "fp8" else TOLERANCES
+    """The tolerance table for this engine's weights ("bf16" or "fp8"); with bf16 weights and MoE
+    layers, the experts' fp8 rounding widens the error rows (``MOE_TOLERANCES``)."""
+    if engine.weights == "fp8":
+        return FP8_WEIGHTS_TOLERANCES
+    has_moe = any(engine.cfg.is_moe_layer(i) for i in range(engine.num_layers))
+    return TOLERANCES | MOE_TOLERANCES if has_moe else TOLERANCES
 
 
 def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_steps: int, seed: int = 0,

@@ -1,7 +1,8 @@
 """MoE layers in the model: config keys, the checkpoint layout and loader, the synthetic presets, the
 eager reference against transformers' DeepseekV32, the runtime's MoE module, and verify's MoE rows."""
 import json
-import math
+import shutil
+import sys
 
 import pytest
 import torch
@@ -11,10 +12,12 @@ from typer.testing import CliRunner
 
 import minirt
 import minirt.checkpoint as checkpoint
+from minirt.blockfp8 import dequantize_block_fp8
 from minirt.checkpoint import (INDEX_FILE, expert_bytes, load_checkpoint, plan_load, stacked_expert_specs,
                                tensor_specs)
 from minirt.cli import app
 from minirt.config import ModelConfig
+from minirt.engine import build_engine
 from minirt.errors import CheckpointError, ConfigError, DeviceError
 from minirt.reference import ReferenceModel, expert_weight, moe, route_experts
 from minirt.synthetic import preset_config, write_synthetic_checkpoint
@@ -132,7 +135,6 @@ def _drop_from_index(ckpt, name):
      "expected [16, 256]"),
 ])
 def test_bad_moe_checkpoints_get_one_line_errors(tiny_moe, tmp_path, damage, args, message):
-    import shutil
     ckpt = shutil.copytree(tiny_moe, tmp_path / "ckpt")
     if damage is not None:
         damage(ckpt)
@@ -167,7 +169,10 @@ def test_reference_router_follows_the_grouped_rule():
         torch.testing.assert_close(weights[t], picked / picked.sum() * 2.5)
 
 
-def test_reference_matches_transformers_deepseek_v32(tiny_moe):
+def test_reference_matches_transformers_deepseek_v32(tiny_moe, monkeypatch):
+    # transformers probes for Hugging Face's `kernels` package; from the repository root that name is
+    # minirt's kernels/ directory (imported as minirt.kernels only), so hide it from the probe.
+    monkeypatch.setitem(sys.modules, "kernels", None)
     transformers = pytest.importorskip("transformers")
     cfg, w = load_checkpoint(tiny_moe, dtype=torch.float32)
     hf_cfg = transformers.DeepseekV32Config.from_pretrained(tiny_moe)
@@ -198,15 +203,15 @@ def test_reference_matches_transformers_deepseek_v32(tiny_moe):
     assert ((hf_logits - ref.logits).norm() / ref.logits.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("tokens", [1, 40])
+@pytest.mark.parametrize("tokens", [1, 24])
 def test_runtime_moe_matches_the_reference(tiny_moe, tokens):
     """The runtime's MoE FFN (router and fp8 experts) against the reference's on the same input."""
     cfg, w = load_checkpoint(tiny_moe, num_layers=3, device=DEVICE, dtype=torch.float32, fp8_as_stored=True)
-    engine = minirt.engine.build_engine(cfg, w, 3, torch.device(DEVICE), torch.float32, fp8_weights=True)
+    engine = build_engine(cfg, w, 3, torch.device(DEVICE), torch.float32, fp8_weights=True)
     mlp = engine.model.model.layers[2].mlp
     layer = {n.removeprefix("model.layers.2."): t for n, t in w.items() if n.startswith("model.layers.2.")}
     for name in ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"):
-        layer[f"mlp.{name}.weight"] = minirt.blockfp8.dequantize_block_fp8(
+        layer[f"mlp.{name}.weight"] = dequantize_block_fp8(
             layer[f"mlp.{name}.weight"], layer[f"mlp.{name}.weight_scale_inv"])
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     ref_out, ref_weights, ref_ids = moe(x, layer, cfg)
