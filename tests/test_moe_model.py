@@ -203,7 +203,7 @@ def test_reference_matches_transformers_deepseek_v32(tiny_moe, monkeypatch):
     assert ((hf_logits - ref.logits).norm() / ref.logits.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("tokens", [1, 24])
+@pytest.mark.parametrize("tokens", [1, 12])
 def test_runtime_moe_matches_the_reference(tiny_moe, tokens):
     """The runtime's MoE FFN (router and fp8 experts) against the reference's on the same input."""
     cfg, w = load_checkpoint(tiny_moe, num_layers=3, device=DEVICE, dtype=torch.float32, fp8_as_stored=True)
