@@ -27,11 +27,6 @@ TOLERANCES = {
     "prefill_logits": (3e-2, "max"),
     "decode_logits": (1e-1, "max"),
     "top1_agreement": (0.9, "min"),
-    # The router on the reference's input computes the same fp32 logits: only last-ulp near-ties may
-    # differ. The experts quantise their inputs and the SwiGLU output to e4m3 (≈3.6% rms each, two
-    # GEMMs in series), whatever the engine's weights.
-    "router_agreement": (0.99, "min"),
-    "moe_same_routing": (1e-1, "max"),
 }
 # With fp8 weights every GEMM input is an e4m3 activation (one power-of-two scale per 128 values, as
 # DeepSeek computes): ≈3.6% rms rounding of each, through several GEMMs in series per layer (measured
@@ -45,9 +40,16 @@ FP8_WEIGHTS_TOLERANCES = TOLERANCES | {
     "top1_agreement": (0.7, "min"),
 }
 
-# A MoE layer's experts compute on e4m3 activations whatever the engine's weights, and each such layer
-# adds its rounding to the residual stream (measured on the tiny preset with bf16 weights: hidden 1.9%
-# and logits 1.9% after one MoE layer on the reference's routing; top-1 agreement 0.89 after two, free).
+# The rows of MoE layers, whatever the weights. The router on the reference's input computes the same
+# fp32 logits: only last-ulp near-ties may differ. The experts quantise their inputs and the SwiGLU
+# output to e4m3 (≈3.6% rms each, two GEMMs in series; measured 3.8% on the tiny preset).
+MOE_ROW_TOLERANCES = {
+    "router_agreement": (0.99, "min"),
+    "moe_same_routing": (1e-1, "max"),
+}
+# With bf16 weights, each MoE layer still adds its experts' e4m3 rounding to the residual stream
+# (measured on the tiny preset: hidden 1.9% and logits 1.9% after one MoE layer on the reference's
+# routing, 2.8% after two; decode logits 4.6%; top-1 agreement 0.89 after two, free).
 MOE_TOLERANCES = {
     "hidden": (6e-2, "max"),
     "prefill_logits": (6e-2, "max"),
@@ -107,12 +109,13 @@ def expert_agreement(expert_ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
 
 
 def tolerances(engine: Engine) -> dict[str, tuple[float, str]]:
-    """The tolerance table for this engine's weights ("bf16" or "fp8"); with bf16 weights and MoE
-    layers, the experts' fp8 rounding widens the error rows (``MOE_TOLERANCES``)."""
-    if engine.weights == "fp8":
-        return FP8_WEIGHTS_TOLERANCES
-    has_moe = any(engine.cfg.is_moe_layer(i) for i in range(engine.num_layers))
-    return TOLERANCES | MOE_TOLERANCES if has_moe else TOLERANCES
+    """The tolerance table for this engine's weights ("bf16" or "fp8"), with the MoE rows when it runs
+    MoE layers (``MOE_ROW_TOLERANCES``; with bf16 weights the experts' fp8 rounding also widens the
+    error rows, ``MOE_TOLERANCES``)."""
+    table = FP8_WEIGHTS_TOLERANCES if engine.weights == "fp8" else TOLERANCES
+    if not any(engine.cfg.is_moe_layer(i) for i in range(engine.num_layers)):
+        return table
+    return table | MOE_ROW_TOLERANCES | ({} if engine.weights == "fp8" else MOE_TOLERANCES)
 
 
 def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_steps: int, seed: int = 0,
