@@ -154,27 +154,28 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
             return None
         return ref.expert_weights[i][rows].to(engine.device), ref.expert_ids[i][rows].to(engine.device)
 
+    def overrides(rows: slice) -> dict:
+        """The reference's top-k and routing of these token rows, as the engine's override arguments."""
+        return {"topk_override": None if dense else [ref_topk[i][rows] for i in layers],
+                "expert_override": [routing(i, rows) for i in layers] if moe else None}
+
     def run(forced: bool, trace: PrefillTrace | None = None) -> torch.Tensor:
         engine.setup_cache(1, total)
-        forced_topk, forced_experts = forced and not dense, forced and moe
         logits = [engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace,
-                                 topk_override=[ref_topk[i][:P] for i in layers] if forced_topk else None,
-                                 expert_override=[routing(i, slice(0, P)) for i in layers] if forced_experts else None)]
+                                 **(overrides(slice(0, P)) if forced else {}))]
         for t in range(P, total):
-            rows = slice(t, t + 1)
-            logits.append(engine.decode(tokens[rows], topk_override=[ref_topk[i][rows] for i in layers] if forced_topk
-                                        else None,
-                                        expert_override=[routing(i, rows) for i in layers] if forced_experts else None))
+            logits.append(engine.decode(tokens[t : t + 1], **(overrides(slice(t, t + 1)) if forced else {})))
         return torch.cat(logits)
 
     dense = ref_topk[0] is None
     moe = any(ids is not None for ids in ref.expert_ids)
     forced_trace, free_trace = PrefillTrace(), PrefillTrace()
+    chooses = not dense or moe  # the runtime picks keys or experts itself: run it forced, then free
     say("runtime on the reference's top-k" + (" and routing" if moe else ""))
-    forced_logits = run(forced=not dense or moe, trace=forced_trace)
-    if not dense or moe:
+    forced_logits = run(forced=chooses, trace=forced_trace)
+    if chooses:
         say("runtime with its own indexer" + (" and router" if moe else ""))
-    free_logits = run(forced=False, trace=free_trace) if not dense or moe else forced_logits
+    free_logits = run(forced=False, trace=free_trace) if chooses else forced_logits
 
     checks = []
     layer_input = reference.weights["model.embed_tokens.weight"][tokens.to(reference.device)]

@@ -226,7 +226,7 @@ def test_runtime_moe_matches_the_reference(tiny_moe, tokens):
 
 def test_verify_passes_on_tiny_with_a_moe_layer(tiny_moe):
     # 2 dense layers + the first MoE layer, a short prompt: the interpreter runs every kernel.
-    result = runner.invoke(app, ["verify", str(tiny_moe), "--layers", "3", "--prompt-len", "20",
+    result = runner.invoke(app, ["verify", str(tiny_moe), "--layers", "3", "--prompt-len", "16",
                                  "--decode-steps", "2", "--json", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout[result.stdout.index("{"):])
