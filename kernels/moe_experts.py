@@ -4,10 +4,10 @@ into the first, and the weighted combine back to token order.
 moe_experts(x, expert_ids, weights, experts) runs, all on the device and of static shapes (no host
 sync: CUDA-graph capturable):
 
-1. plan (torch ops): the T * top_k (token, slot) assignments sorted by expert (stable: token order
-   within an expert); each expert's rows padded to whole tiles of BLOCK_M rows in one buffer of at
-   most min(T * top_k, ceil(T * top_k / BLOCK_M) + E) tiles, each tile's expert in a table (E past
-   the last tile: those programs do nothing);
+1. plan (two small kernels): the T * top_k (token, slot) assignments grouped by expert, each expert's
+   rows padded to whole tiles of BLOCK_M rows in one buffer of at most
+   min(T * top_k, ceil(T * top_k / BLOCK_M) + E) tiles, each tile's expert in a table (E past the
+   last tile: those programs do nothing);
 2. gather: each row's token quantised to fp8 with 1 x 128 power-of-two scales (the activation rule
    of fp8_gemm.quantize_act_fp8, through the same Triton helper), padding rows zero;
 3. gate/up: per tile, [BLOCK_M, D] x w13[e]^T for a gate block and its up block (w13 = cat(w1, w3)
@@ -21,10 +21,13 @@ V3.2 / V4-Flash-Base) multiplied on fp8 tensor cores with every 128-wide k block
 fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded to bf16
 in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact).
 
-Two launch shapes: prefill (many tokens per expert) 128-row tiles of tokens against 128 weight
+Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
 rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
 16 tokens on its narrow side (swap_ab), so each active expert's weights are read once per 16 of
-its tokens and inactive experts not at all.
+its tokens and inactive experts not at all; launches of fewer programs than the GPU has SMs
+(a few experts' tiles) split K, the last split of each tile adding the partials in split order.
+Results do not depend on the order in which an expert's rows are placed (each row is computed on its
+own), so they are deterministic although the plan places rows with atomics.
 """
 from __future__ import annotations
 
@@ -41,9 +44,14 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
+from .fp8_gemm import _arrival_counters, _capability, _num_sms
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
 FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
+# The same as @triton.jit code reads them (its globals must be constexprs).
+_BLOCK_K = tl.constexpr(BLOCK_K)
+_FP4_GROUP = tl.constexpr(FP4_GROUP)
+_ACT_MIN_EXPONENT = tl.constexpr(ACT_MIN_EXPONENT)
 FORMATS = ("fp8", "fp4")
 
 
@@ -61,7 +69,9 @@ class ExpertWeights:
         w2: [E, D, I] float8_e4m3fn; w2_scales: [E, D / 128, I / 128] float32.
     format "fp4" (V4-Flash / Pro experts):
         w13: [E, 2I, D / 2] uint8, e2m1 codes packed two per byte, the low nibble element 2i.
-        w13_scales: [E, 2I, D / 32] uint8, e8m0 exponents (scale 2^(byte - 127)) per 32 inputs.
+        w13_scales: [E, 2I, D / 32] uint8, e8m0 exponents (scale 2^(byte - 127)) per 32 inputs;
+            exact for bytes 66..192 (scales 2^-61 .. 2^65), smaller ones read as (nearly) 0, larger
+            ones (and e8m0's NaN, 255) are not supported.
         w2: [E, D, I / 2] uint8; w2_scales: [E, D, I / 32] uint8.
     All four tensors contiguous and on one device.
     """
@@ -118,67 +128,123 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.w13.device
 
+    def to(self, device) -> "ExpertWeights":
+        """The same experts with every tensor on ``device``."""
+        return ExpertWeights(self.format, *(t.to(device) for t in (self.w13, self.w13_scales, self.w2, self.w2_scales)))
 
-def _stack(name: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Per-expert 2-D tensors stacked to [E, ...] of ``dtype``: float32 converts any float dtype (scales),
-    a 1-byte dtype reinterprets any 1-byte dtype (int8 codes, e8m0 bytes)."""
-    if len(tensors) == 0:
-        raise InputError(f"{name}: no experts given")
-    stacked = []
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the four tensors (all experts; one expert's share is nbytes / n_experts)."""
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_scales, self.w2, self.w2_scales))
+
+    @staticmethod
+    def bytes_per_expert(format: str, hidden_size: int, intermediate_size: int) -> int:
+        """Bytes one expert takes in ExpertWeights of this format and shape, without building it (for
+        memory checks before loading): fp8 3 D I codes + fp32 block scales; fp4 3 D I / 2 code bytes +
+        one scale byte per 32 inputs."""
+        d, i = hidden_size, intermediate_size
+        if format == "fp8":
+            return 3 * d * i + 4 * 3 * (d // BLOCK_K) * (i // BLOCK_K)
+        if format == "fp4":
+            return 3 * d * i // 2 + 3 * d * i // FP4_GROUP
+        raise InputError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+
+
+def _check_experts(name: str, tensors: Sequence[torch.Tensor], scales: bool) -> None:
+    """Raise InputError unless tensors is a non-empty sequence of 2-D tensors of one shape, of a float
+    dtype (scales) or a 1-byte one (codes), naming the first bad one."""
+    if not isinstance(tensors, Sequence) or len(tensors) == 0:
+        raise InputError(f"{name}: expected a sequence of per-expert tensors, got {type(tensors).__name__}")
     for e, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != tensors[0].shape \
-                or (t.element_size() != 1 if dtype != torch.float32 else not t.is_floating_point()):
-            raise InputError(f"{name}[{e}] must be a 2-D {'float' if dtype == torch.float32 else '1-byte'} tensor "
-                             f"of expert 0's shape {tuple(getattr(tensors[0], 'shape', ()))}, got "
+                or (not t.is_floating_point() if scales else t.element_size() != 1):
+            raise InputError(f"{name}[{e}] must be a 2-D {'float' if scales else '1-byte'} tensor of expert 0's "
+                             f"shape {tuple(getattr(tensors[0], 'shape', ()))}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        stacked.append(t.float() if dtype == torch.float32 else t.view(dtype))
-    return torch.stack(stacked)
 
 
-def expert_weights_fp8(w1, w1_scales, w3, w3_scales, w2, w2_scales) -> ExpertWeights:
+def _stacked(parts: Sequence[tuple[str, Sequence[torch.Tensor]]], dtype: torch.dtype, device) -> torch.Tensor:
+    """Per-expert tensors [E] x [n_p, k] of each part p (name, tensors), concatenated along dim 1
+    and stacked into one [E, sum n_p, k] ``dtype`` tensor on ``device``, filled expert by expert (no
+    second full copy): float32 converts float scales, a 1-byte dtype reinterprets 1-byte codes."""
+    scales = dtype == torch.float32
+    for name, tensors in parts:
+        _check_experts(name, tensors, scales)
+    n_experts = len(parts[0][1])
+    if any(len(tensors) != n_experts for _, tensors in parts):
+        raise InputError(f"{', '.join(name for name, _ in parts)}: different numbers of experts "
+                         f"({', '.join(str(len(t)) for _, t in parts)})")
+    widths = [tensors[0].shape[1] for _, tensors in parts]
+    if len(set(widths)) != 1:
+        raise InputError(f"{', '.join(name for name, _ in parts)}: different input widths {widths}")
+    out = torch.empty((n_experts, sum(t[0].shape[0] for _, t in parts), widths[0]), dtype=dtype, device=device)
+    for e in range(n_experts):
+        row = 0
+        for _, tensors in parts:
+            t = tensors[e] if scales else tensors[e].view(dtype)
+            out[e, row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    return out
+
+
+def expert_weights_fp8(w1, w1_scales, w3, w3_scales, w2, w2_scales, device=None) -> ExpertWeights:
     """
     ExpertWeights in block fp8 from per-expert checkpoint tensors (each a sequence of E tensors, in
-    expert order): w1 / w3 [I, D] float8_e4m3fn with scales [I / 128, D / 128], w2 [D, I] with
-    scales [D / 128, I / 128]. Scales of any float dtype (V4's float8_e8m0fnu included) are converted
-    to float32. Raises InputError (naming the expert) on a wrong shape or dtype.
+    expert order, on any device): w1 / w3 [I, D] float8_e4m3fn with scales [I / 128, D / 128], w2
+    [D, I] with scales [D / 128, I / 128]. Scales of any float dtype (V4's float8_e8m0fnu included)
+    are converted to float32. The result is built on ``device`` (default: w1[0]'s), expert by expert.
+    Raises InputError (naming the tensor and expert) on a wrong shape or dtype.
     """
-    return _experts("fp8", w1, w1_scales, w3, w3_scales, w2, w2_scales, FP8_DTYPE, torch.float32)
+    return _experts("fp8", w1, w1_scales, w3, w3_scales, w2, w2_scales, FP8_DTYPE, torch.float32, device)
 
 
-def expert_weights_fp4(w1, w1_scales, w3, w3_scales, w2, w2_scales) -> ExpertWeights:
+def expert_weights_fp4(w1, w1_scales, w3, w3_scales, w2, w2_scales, device=None) -> ExpertWeights:
     """
     ExpertWeights in fp4 from per-expert checkpoint tensors (each a sequence of E tensors): w1 / w3
     [I, D / 2] int8 or uint8 (packed e2m1, the low nibble element 2i) with e8m0 scales [I, D / 32]
     (float8_e8m0fnu or uint8 bytes), w2 [D, I / 2] with scales [D, I / 32]. The bytes are kept as
-    they are. Raises InputError on a wrong shape or element size.
+    they are; the result is built on ``device`` (default: w1[0]'s). Raises InputError on a wrong
+    shape or element size.
     """
-    return _experts("fp4", w1, w1_scales, w3, w3_scales, w2, w2_scales, torch.uint8, torch.uint8)
+    return _experts("fp4", w1, w1_scales, w3, w3_scales, w2, w2_scales, torch.uint8, torch.uint8, device)
 
 
-def _experts(fmt, w1, w1_scales, w3, w3_scales, w2, w2_scales, dtype, scale_dtype) -> ExpertWeights:
+def _experts(fmt, w1, w1_scales, w3, w3_scales, w2, w2_scales, dtype, scale_dtype, device) -> ExpertWeights:
     """Stack and concatenate per-expert tensors into ExpertWeights (which validates the result)."""
-    w13 = torch.cat([_stack("w1", w1, dtype), _stack("w3", w3, dtype)], 1)
-    s13 = torch.cat([_stack("w1_scales", w1_scales, scale_dtype), _stack("w3_scales", w3_scales, scale_dtype)], 1)
-    return ExpertWeights(fmt, w13, s13, _stack("w2", w2, dtype), _stack("w2_scales", w2_scales, scale_dtype))
+    _check_experts("w1", w1, False)
+    device = w1[0].device if device is None else device
+    return ExpertWeights(fmt, _stacked([("w1", w1), ("w3", w3)], dtype, device),
+                         _stacked([("w1_scales", w1_scales), ("w3_scales", w3_scales)], scale_dtype, device),
+                         _stacked([("w2", w2)], dtype, device), _stacked([("w2_scales", w2_scales)], scale_dtype, device))
 
 
 @dataclass(frozen=True)
 class MoeConfig:
     """Launch shape of moe_experts' grouped GEMMs. block_m: token rows per tile (every expert's rows
     padded to whole tiles); block_n: weight rows per program (128: one activation scale group of the
-    SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode)."""
+    SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode);
+    split_k: at most this many programs per output tile, each over an equal share of the k blocks
+    (the most that divide them), the last to finish summing the fp32 partials in split order; None
+    picks it (_splits)."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 128
     swap_ab: bool = False
+    split_k: Optional[int] = None
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
 
 
+# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block). 128-row
+# tiles need two 128 x 128 accumulators and a block product per thread and spill (sm_90a, ptxas of
+# triton 3.6); 64 rows also pad each expert's rows by half as much.
 PREFILL_CONFIG = MoeConfig()
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
+# Split-K (automatic) aims at this many programs per SM, each keeping >= SPLIT_MIN_K_BLOCKS k blocks.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MIN_K_BLOCKS = 4
 # Assignments per expert (on average) up to which the decode shape runs: a 16-token tile then holds
-# most of an expert's tokens, and 128-row tiles would be mostly padding.
+# most of an expert's tokens, and 64-row tiles would be mostly padding.
 DECODE_MAX_PER_EXPERT = 16
 
 
@@ -193,152 +259,253 @@ def max_tiles(n_assignments: int, n_experts: int, block_m: int) -> int:
     return min(n_assignments, triton.cdiv(n_assignments, block_m) + n_experts)
 
 
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, E: tl.constexpr, BLOCK: tl.constexpr):
+    # Each valid slot takes the next row of its expert (atomics: the order of an expert's rows varies
+    # from run to run, its rows' values do not: every row is computed on its own).
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    experts = tl.load(ids_ptr + slots, mask=slots < n_slots, other=-1)
+    valid = (experts >= 0) & (experts < E)
+    rank = tl.atomic_add(counts_ptr + tl.where(valid, experts, 0), 1, mask=valid)
+    tl.store(rank_ptr + slots, rank, mask=valid)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, rank_ptr, row_of_slot_ptr, row_token_ptr, tile_expert_ptr, n_slots,
+                  n_tiles, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    # Every program derives the tile layout from the counts (E values): expert e's tiles are
+    # [tile_end[e] - tiles[e], tile_end[e]). It places BLOCK slots and names the expert of BLOCK tiles.
+    experts_all = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + experts_all, mask=experts_all < E, other=0)
+    tile_end = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_row = (tile_end - (counts + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+
+    start = tl.program_id(0) * BLOCK
+    slots = start + tl.arange(0, BLOCK)
+    experts = tl.load(ids_ptr + slots, mask=slots < n_slots, other=-1)
+    valid = (experts >= 0) & (experts < E)
+    rank = tl.load(rank_ptr + slots, mask=valid, other=0)
+    # first_row[expert] as a masked sum (a gather from a register tensor).
+    expert_row = tl.sum(tl.where(experts_all[None, :] == experts[:, None], first_row[None, :], 0), 1)
+    rows = tl.where(valid, expert_row + rank, -1)
+    tl.store(row_of_slot_ptr + slots, rows, mask=slots < n_slots)
+    tl.store(row_token_ptr + rows, slots // TOP_K, mask=valid)
+
+    tiles = start + tl.arange(0, BLOCK)
+    # The expert of tile j: the number of experts whose tiles end at or before j (E past the last).
+    tile_expert = tl.sum((tile_end[None, :] <= tiles[:, None]) & (experts_all[None, :] < E), 1)
+    tl.store(tile_expert_ptr + tiles, tile_expert.to(tl.int32), mask=tiles < n_tiles)
+
+
+_PLAN_BLOCK = 128
+
+
 def _plan(expert_ids: torch.Tensor, n_experts: int, block_m: int):
     """(row_token [tiles * block_m] int32: each row's token, -1 for padding; tile_expert [tiles] int32,
     E past the used tiles; row_of_slot [T * top_k] int32: each assignment's row, -1 for skipped
-    slots). Torch ops of static shapes, no host sync."""
+    slots), tiles = max_tiles(...). Four launches of static shapes, no host sync."""
     n_tokens, top_k = expert_ids.shape
     n_slots = n_tokens * top_k
     device = expert_ids.device
     tiles = max_tiles(n_slots, n_experts, block_m)
-    flat = expert_ids.reshape(-1).long()
-    flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)     # skipped slots sort last
-    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    order = torch.sort(flat, stable=True).indices                               # slots, by expert
-    first_sorted = torch.cumsum(counts, 0) - counts                             # each expert's first sorted position
-    expert_tiles = (counts + block_m - 1) // block_m
-    expert_tiles[n_experts] = 0
-    tile_end = torch.cumsum(expert_tiles, 0)
-    first_row = (tile_end - expert_tiles) * block_m
-    tile_expert = torch.searchsorted(tile_end[:n_experts], torch.arange(tiles, device=device), right=True)
-    sorted_expert = flat[order]
-    rows = first_row[sorted_expert] + torch.arange(n_slots, device=device) - first_sorted[sorted_expert]
-    skipped = sorted_expert == n_experts
+    ids = expert_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(n_slots, dtype=torch.int32, device=device)
     row_of_slot = torch.empty(n_slots, dtype=torch.int32, device=device)
-    row_of_slot.scatter_(0, order, torch.where(skipped, -1, rows).to(torch.int32))
-    # Skipped slots write to a spare row past the end, cut off after.
-    row_token = torch.full((tiles * block_m + 1,), -1, dtype=torch.int32, device=device)
-    row_token.scatter_(0, torch.where(skipped, tiles * block_m, rows), (order // top_k).to(torch.int32))
-    return row_token[:-1], tile_expert.to(torch.int32), row_of_slot
+    row_token = torch.full((tiles * block_m,), -1, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=device)
+    _rank_kernel[(triton.cdiv(n_slots, _PLAN_BLOCK),)](ids, counts, rank, n_slots, E=n_experts, BLOCK=_PLAN_BLOCK)
+    _place_kernel[(triton.cdiv(max(n_slots, tiles), _PLAN_BLOCK),)](
+        ids, counts, rank, row_of_slot, row_token, tile_expert, n_slots, tiles, E=n_experts,
+        E_PAD=triton.next_power_of_2(n_experts), TOP_K=top_k, BLOCK_M=block_m, BLOCK=_PLAN_BLOCK)
+    return row_token, tile_expert, row_of_slot
+
+
+@triton.jit
+def _split_columns(cols, SPLIT: tl.constexpr):
+    """Where column c of a 128-wide k block is stored: in place, or (SPLIT, the fp4 experts' inputs)
+    its even columns first, then its odd ones: the two nibbles of a packed weight byte then meet
+    two separate 64-wide halves of the activations, and no nibble has to move."""
+    if SPLIT:
+        within = cols % _BLOCK_K
+        return cols - within + (within % 2) * (_BLOCK_K // 2) + within // 2
+    else:
+        return cols
 
 
 @triton.jit
 def _gather_quantize_kernel(x_ptr, row_token_ptr, q_ptr, scale_ptr, stride_xt,
-                            D: tl.constexpr, GROUPS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+                            D: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     # Program (row, group block): the row's token's GROUPS x 128 columns, quantised; padding rows zero.
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     token = tl.load(row_token_ptr + row).to(tl.int64)
-    mask = groups < D // BLOCK_K
-    cols = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    mask = groups < D // _BLOCK_K
+    cols = groups[:, None] * _BLOCK_K + tl.arange(0, _BLOCK_K)[None, :]
     x = tl.load(x_ptr + token * stride_xt + cols, mask=mask[:, None] & (token >= 0), other=0.0).to(tl.float32)
-    codes, scale = pow2_quantize_rows(x, MIN_EXPONENT)
-    tl.store(q_ptr + row * D + cols, codes.to(tl.uint8), mask=mask[:, None])
-    tl.store(scale_ptr + row * (D // BLOCK_K) + groups, scale, mask=mask)
+    codes, scale = pow2_quantize_rows(x, _ACT_MIN_EXPONENT)
+    tl.store(q_ptr + row * D + _split_columns(cols, SPLIT), codes.to(tl.uint8), mask=mask[:, None])
+    tl.store(scale_ptr + row * (D // _BLOCK_K) + groups, scale, mask=mask)
 
 
 @triton.jit
-def _e2m1_values(packed, SCALE_BYTES):
-    """packed [N, K / 2] uint8 (two e2m1 codes a byte, the low nibble first), SCALE_BYTES [N, K / 32]
-    uint8 e8m0 -> [N, K] float32 code value x 2^(byte - 127), exact (a byte of 0 reads as 0)."""
-    codes = tl.join(packed & 0xF, packed >> 4).reshape(packed.shape[0], 2 * packed.shape[1]).to(tl.int32)
-    magnitude = codes & 7
-    # e2m1 magnitude code m = (exponent e, mantissa bit b): 2^(e-1) x (1 + b/2) for e > 0, b/2 for e = 0;
-    # the first as float32 bits (exponent e + 126, b the top mantissa bit).
-    normal = ((magnitude << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude < 2, magnitude.to(tl.float32) * 0.5, normal)
-    value = tl.where((codes & 8) != 0, -value, value)
-    scale = (SCALE_BYTES.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    n, k = value.shape
-    return (value.reshape(n, k // 32, 32) * scale[:, :, None]).reshape(n, k)
+def _e2m1_scaled(codes, factors):
+    """e2m1 codes (int32 0..15: sign bit 8, magnitude = exponent e (2 bits), mantissa bit b) x factors.
+
+    The code's fields are placed in a float32 (sign; exponent field e; b the top mantissa bit): for
+    e > 0 that reads 2^(e-127) (1 + b/2), for e = 0 the subnormal b 2^-127, both the e2m1 value times
+    2^-126. The kernels' fp32 multiplies keep subnormals (mul.f32, no .ftz), so one multiply by
+    factors = 2^126 x the scale (or a power of two less) makes the value exact."""
+    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * factors
+
+
+# The fp4 weights are decoded to 2^-FP4_SHIFT times their value (then multiplied back after each k
+# block's product): with scale bytes s (2^(s - 127)) that keeps the bf16 copies normal for s in
+# [66, 192] (scales 2^-61 .. 2^65; checkpoints have ~2^-8), where the factor 2^(s - 127 + 126 - 64)
+# is a float32 built from its exponent field s + 62.
+_FP4_SHIFT = tl.constexpr(64)
+_FP4_UNSHIFT = tl.constexpr(2.0 ** 64)
 
 
 @triton.jit
-def _weight_block(b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """Rows [row, row + BLOCK_N) x k block kb of a stacked weight ([E * N, K], experts' rows one after
-    another): fp8 as stored (the caller applies its block scale), or fp4 decoded with its scales
-    ([E * N, K / 32] bytes), in bf16 (float32 when interpreted)."""
-    if FP4:
-        packed = b_desc.load([row, kb * (BLOCK_K // 2)])
-        rows = row + tl.arange(0, BLOCK_N)
-        scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // FP4_GROUP)
-                              + kb * (BLOCK_K // FP4_GROUP) + tl.arange(0, BLOCK_K // FP4_GROUP)[None, :])
-        w = _e2m1_values(packed, scale_bytes)
-        return w if INTERPRETED else w.to(tl.bfloat16)
-    else:
-        w = b_desc.load([row, kb * BLOCK_K])
-        return w.to(tl.float32) if INTERPRETED else w
-
-
-@triton.jit
-def _block_scale(b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr):
-    """The fp8 block scale of weight rows [row, row + BLOCK_N) (inside one 128-row block: the scales are
-    [E * N / 128, K / 128]) at k block kb; 1 for fp4, whose scales _weight_block applied."""
-    if FP4:
-        return 1.0
-    else:
-        return tl.load(b_scale_ptr + (row // BLOCK_K).to(tl.int64) * (K // BLOCK_K) + kb)
-
-
-@triton.jit
-def _block_product(a, w, a_scale, b_scale, SWAP_AB: tl.constexpr):
-    """One k block's product (fp32 accumulation within the block), times its scales (promotion):
-    [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when SWAP_AB."""
+def _mma(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc + a . w^T ([BLOCK_M, BLOCK_N]), or acc + w . a^T when SWAP_AB."""
     if SWAP_AB:
-        return tl.dot(w, tl.trans(a)) * (a_scale * b_scale)[None, :]
+        return tl.dot(w, tl.trans(a), acc)
     else:
-        return tl.dot(a, tl.trans(w)) * (a_scale * b_scale)[:, None]
+        return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr):
+    """k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
+    weight (experts' rows one after another), with its scales (promotion: one fp32 product per k
+    block). fp8: the 128 x 128 block scale ([E * N / 128, K / 128], one per tile); fp4 ([E * N, K / 2]
+    bytes, scales [E * N, K / 32]): the low nibbles (even inputs) against the activations' first
+    64 columns, the high ones against the last 64 (_split_columns), both decoded and scaled to bf16
+    and multiplied with the fp8 activations converted to bf16 (all exact)."""
+    zeros = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    op_dtype: tl.constexpr = tl.float32 if INTERPRETED else tl.bfloat16
+    if FP4:
+        half: tl.constexpr = _BLOCK_K // 2
+        a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
+        a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
+        packed = b_desc.load([row, kb * half]).to(tl.int32)
+        rows = row + tl.arange(0, BLOCK_N)
+        scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
+                              + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
+        # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
+        factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
+        factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)),
+                             (BLOCK_N, half))
+        w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
+        w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
+        product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
+        scale = a_scale * _FP4_UNSHIFT
+    else:
+        a = a_desc.load([a_row, kb * _BLOCK_K])
+        w = b_desc.load([row, kb * _BLOCK_K])
+        if INTERPRETED:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        product = _mma(a, w, zeros, SWAP_AB)
+        scale = a_scale * tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
+    if SWAP_AB:
+        return product * scale[None, :]
+    else:
+        return product * scale[:, None]
+
+
+@triton.jit
+def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: tl.constexpr,
+                BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, FP4: tl.constexpr, SWIGLU: tl.constexpr,
+                HAS_LIMIT: tl.constexpr):
+    """The epilogue of one output tile: bf16 rows, or (SWIGLU) silu(g) * u as fp8 codes with one scale
+    per row (BLOCK_N = 128), its columns split as the down product's fp4 weight wants them."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    offs_n = col + tl.arange(0, BLOCK_N)
+    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT
+    if SWIGLU:
+        if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+            acc = tl.minimum(acc, limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        h = acc / (1.0 + tl.exp(-acc)) * acc_up
+        codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
+        tl.store(out_rows + _split_columns(offs_n, FP4)[None, :], codes.to(tl.uint8))
+        tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
+    else:
+        tl.store(out_rows + offs_n[None, :], acc.to(tl.bfloat16))
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, limit,
+    a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, partial_ptr,
+    arrivals_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, FP4: tl.constexpr,
-    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
+    FP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    # Program (tile, column block), tile-major: the column blocks of one tile (one expert's weight)
-    # run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight has N
-    # rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N) and
-    # the matching up rows, silu(g) * u stored as fp8 codes with one scale per row (BLOCK_N = 128);
-    # otherwise rows [c, c + BLOCK_N) (N = N_OUT) stored as bf16.
+    # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
+    # weight) run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight
+    # has N rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N)
+    # and the matching up rows; otherwise rows [c, c + BLOCK_N) (N = N_OUT). Split s of SPLITS takes
+    # k blocks [s, s + 1) x K / 128 / SPLITS.
     pid = tl.program_id(0)
-    tile = pid // (N_OUT // BLOCK_N)
-    col = (pid % (N_OUT // BLOCK_N)) * BLOCK_N
+    split = pid % SPLITS
+    tile_col = pid // SPLITS
+    tile = tile_col // (N_OUT // BLOCK_N)
+    col = (tile_col % (N_OUT // BLOCK_N)) * BLOCK_N
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
         gate_row = expert * N + col
-        up_row = gate_row + N_OUT
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // BLOCK_K)
+        a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, K // BLOCK_K):
-            a = a_desc.load([tile * BLOCK_M, kb * BLOCK_K])
-            # fp8 x fp8 on fp8 tensor cores; fp8 x fp4 in bf16 (both converted exactly).
-            a = a.to(tl.float32) if INTERPRETED else (a.to(tl.bfloat16) if FP4 else a)
+        per_split: tl.constexpr = K // _BLOCK_K // SPLITS
+        for i in range(0, per_split):
+            kb = split * per_split + i
             a_scale = tl.load(a_scale_rows + kb)
-            w = _weight_block(b_desc, b_scale_ptr, gate_row, kb, FP4, K, BLOCK_N, INTERPRETED)
-            acc += _block_product(a, w, a_scale, _block_scale(b_scale_ptr, gate_row, kb, FP4, K), SWAP_AB)
+            acc += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, K,
+                            BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
             if SWIGLU:
-                w = _weight_block(b_desc, b_scale_ptr, up_row, kb, FP4, K, BLOCK_N, INTERPRETED)
-                acc_up += _block_product(a, w, a_scale, _block_scale(b_scale_ptr, up_row, kb, FP4, K), SWAP_AB)
-        if SWAP_AB:
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
-        offs_n = col + tl.arange(0, BLOCK_N)
-        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT + offs_n[None, :]
-        if SWIGLU:
-            if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
-                acc = tl.minimum(acc, limit)
-                acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            h = acc / (1.0 + tl.exp(-acc)) * acc_up
-            codes, scale = pow2_quantize_rows(h, ACT_MIN_EXPONENT)
-            tl.store(out_rows, codes.to(tl.uint8))
-            tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // BLOCK_K) + col // BLOCK_K, scale)
+                acc_up += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
+                                   FP4, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+        if SPLITS == 1:
+            _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB, FP4,
+                        SWIGLU, HAS_LIMIT)
         else:
-            tl.store(out_rows, acc.to(tl.bfloat16))
+            # partial_ptr: [tiles x column blocks, SPLITS, 2 (gate / up, or the product alone), tile] float32. Every split stores its
+            # partial sums and counts itself in; the last of its tile adds them in split order (the
+            # same sums whichever finishes last), runs the epilogue and resets the counter.
+            tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+            rows = tl.arange(0, BLOCK_N if SWAP_AB else BLOCK_M)
+            cols = tl.arange(0, BLOCK_M if SWAP_AB else BLOCK_N)
+            offsets = rows[:, None] * (BLOCK_M if SWAP_AB else BLOCK_N) + cols[None, :]
+            partials = partial_ptr + tile_col.to(tl.int64) * (SPLITS * 2 * tile_elems) + offsets
+            tl.store(partials + split * 2 * tile_elems, acc)
+            if SWIGLU:
+                tl.store(partials + (split * 2 + 1) * tile_elems, acc_up)
+            # All threads' stores precede the (acq_rel, gpu scope) count, one atomic per program.
+            tl.debug_barrier()
+            if tl.atomic_add(arrivals_ptr + tile_col, 1) == SPLITS - 1:
+                acc = tl.zeros_like(acc)
+                acc_up = tl.zeros_like(acc_up)
+                for s in range(0, SPLITS):
+                    # .cg: from L2, where the other programs' partials are, never a stale L1 line.
+                    acc += tl.load(partials + s * 2 * tile_elems, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += tl.load(partials + (s * 2 + 1) * tile_elems, cache_modifier=".cg")
+                tl.store(arrivals_ptr + tile_col, 0)
+                _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
+                            FP4, SWIGLU, HAS_LIMIT)
 
 
 @triton.jit
@@ -360,6 +527,28 @@ _GATHER_GROUPS = 8       # 128-column groups per gather program
 _COMBINE_BLOCK = 1024    # output columns per combine program
 
 
+def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of x named by row_token (-1: a zero row), quantised: ([rows, D] fp8, [rows, D / 128]),
+    the columns of each 128 block even then odd when split (fp4 experts)."""
+    rows, d = row_token.numel(), x.shape[1]
+    x_fp8 = torch.empty((rows, d), dtype=FP8_DTYPE, device=x.device)
+    x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
+    _gather_quantize_kernel[(rows, triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
+        x, row_token, x_fp8.view(torch.uint8), x_scales, x.stride(0),
+        D=d, GROUPS=_GATHER_GROUPS, SPLIT=split)
+    return x_fp8, x_scales
+
+
+def _splits(programs: int, n_k_blocks: int, device: torch.device, split_k: Optional[int]) -> int:
+    """Splits of the k blocks: the most that divide them evenly up to split_k, or (None) up to
+    SPLIT_PROGRAMS_PER_SM programs per SM keeping >= SPLIT_MIN_K_BLOCKS k blocks each (decode
+    launches of a few experts' tiles; prefill has enough programs and never splits)."""
+    if split_k is None:
+        split_k = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * _num_sms(device), programs),
+                      n_k_blocks // SPLIT_MIN_K_BLOCKS)
+    return max(s for s in range(1, max(1, split_k) + 1) if n_k_blocks % s == 0)
+
+
 def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, fp4: bool, swiglu: bool,
                   limit: Optional[float], n_experts: int, config: MoeConfig) -> None:
     """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]."""
@@ -367,12 +556,20 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     k = 2 * k_stored if fp4 else k_stored
     n_out = n // 2 if swiglu else n
     stacked = weight.view(n_experts * n, k_stored)
-    b_block = [config.block_n, BLOCK_K // 2 if fp4 else BLOCK_K]
-    _grouped_gemm_kernel[(tile_expert.numel() * (n_out // config.block_n),)](
-        TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K]), a_scales,
-        TensorDescriptor.from_tensor(stacked, b_block), scales, tile_expert, out,
-        out if out_scales is None else out_scales, 0.0 if limit is None else float(limit),
-        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    # fp4: packed bytes, and the activations' k blocks loaded in halves (_split_columns).
+    block_k = BLOCK_K // 2 if fp4 else BLOCK_K
+    tile_cols = tile_expert.numel() * (n_out // config.block_n)
+    splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
+    partials = arrivals = out      # unread placeholders without split-K
+    if splits > 1:
+        partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
+                               device=a.device)
+        arrivals = _arrival_counters(a.device, tile_cols)
+    _grouped_gemm_kernel[(tile_cols * splits,)](
+        TensorDescriptor.from_tensor(a, [config.block_m, block_k]), a_scales,
+        TensorDescriptor.from_tensor(stacked, [config.block_n, block_k]), scales, tile_expert, out,
+        out if out_scales is None else out_scales, partials, arrivals, 0.0 if limit is None else float(limit),
+        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
         SWAP_AB=config.swap_ab, FP4=fp4, SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -388,8 +585,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     x is quantised to fp8 per token and 128 columns (fp8_gemm.quantize_act_fp8's rule, bit for bit)
     and so is the SwiGLU output before W2 (DeepSeek's act_quant on the expert's intermediate); each
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
-    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127)). Expert outputs are rounded to
-    bf16 per expert, then summed over the slots in slot order in fp32 (deterministic).
+    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
+    multiplied back per k block). Expert outputs are rounded to bf16 per expert, then summed over
+    the slots in slot order in fp32. Deterministic: the same inputs give the same bits.
 
     Sync-free and of static shapes (CUDA-graph capturable): the permutation by expert runs on the
     device with buffers sized for the worst case (max_tiles), the programs of unused tiles exit.
@@ -410,7 +608,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
 
     Raises:
         minirt.errors.InputError: wrong dtypes or shapes, a bad config, tensors on different devices
-            or on one the kernels cannot use.
+            or on one the kernels cannot use (CPU without TRITON_INTERPRET=1; GPUs before sm_90).
     """
     if not isinstance(experts, ExpertWeights):
         raise InputError(f"experts must be an ExpertWeights, got {type(experts).__name__}")
@@ -435,6 +633,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128):
         raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K} and block_m 16, 32, 64 or 128, got {config!r}")
     check_device({"x": x, "expert_ids": expert_ids, "weights": weights, "experts.w13": experts.w13})
+    if x.device.type == "cuda" and _capability(x.device) < (9, 0):
+        raise InputError("moe_experts needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")
     out = torch.empty((n_tokens, d), dtype=torch.bfloat16, device=x.device)
     if n_tokens == 0:
         return out
@@ -442,12 +642,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         x = x.contiguous()
     fp4 = experts.format == "fp4"
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts, config.block_m)
+    x_fp8, x_scales = _gather_quantize(x, row_token, fp4)
     rows = row_token.numel()
-    x_fp8 = torch.empty((rows, d), dtype=FP8_DTYPE, device=x.device)
-    x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
-    _gather_quantize_kernel[(rows, triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
-        x, row_token, x_fp8.view(torch.uint8), x_scales, x.stride(0),
-        D=d, GROUPS=_GATHER_GROUPS, MIN_EXPONENT=ACT_MIN_EXPONENT)
     h = torch.empty((rows, i), dtype=FP8_DTYPE, device=x.device)
     h_scales = torch.empty((rows, i // BLOCK_K), dtype=torch.float32, device=x.device)
     _grouped_gemm(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,

@@ -190,7 +190,8 @@ def route_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], *, top_k: int
     Sync-free and of static shapes (CUDA-graph capturable). Scores use torch's formulas with
     libdevice exp / log1p and IEEE division and square root, so selection agrees bit for bit with a
     torch reference on the same logits unless two choices are within the scores' last-ulp
-    differences; equal logits are equal scores and always break to the lower index.
+    differences; equal logits are equal scores and always break to the lower index. (libdevice
+    flushes subnormal results: a sqrtsoftplus score of logits below about -87 is 0.)
 
     Args:
         logits: [T, E] float32, the router logits x . gate^T (computed by the caller in fp32), finite;
