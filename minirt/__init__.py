@@ -49,7 +49,9 @@ def default_checkpoint(progress=None) -> Path:
 def load(path: str | Path | None = None, layers: int | None = None, device: str | None = None,
          backend: str = "triton", dtype: torch.dtype | None = None, indexer_precision: str = "exact",
          prefill_chunk: int | None = None, weights: str | None = None, progress=None):
-    """Load the first ``layers`` dense layers of a checkpoint (None: all dense layers) for inference.
+    """Load the first ``layers`` layers of a checkpoint (None: all, ``num_hidden_layers``; dense and MoE)
+    for inference; the weights must fit in the device's free memory (else DeviceError with the largest
+    layer count that fits).
 
     path: HF checkpoint directory; None uses the tiny synthetic default (created once).
     device: "cuda" or "cpu"; None picks cuda when available. On the CPU the Triton kernels run under
@@ -99,5 +101,5 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress,
                                    fp8_as_stored=weights == "fp8")
-    return build_engine(cfg, tensors, layers or cfg.num_dense_layers, dev, dtype, indexer_precision, prefill_chunk,
+    return build_engine(cfg, tensors, layers or cfg.num_hidden_layers, dev, dtype, indexer_precision, prefill_chunk,
                         fp8_weights=weights == "fp8")

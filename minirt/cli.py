@@ -135,7 +135,7 @@ _state = {"debug": False}
 WeightsArg = Annotated[Optional[Path], typer.Argument(
     help=f"Hugging Face checkpoint directory (config.json + safetensors). Default: the tiny synthetic one in {TINY_DIR}.",
     show_default=False, parser=_path)]
-LayersOpt = Annotated[Optional[int], typer.Option("--layers", "-l", help="Load the first N layers (default: all dense layers).")]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers", "-l", help="Load the first N layers, dense and MoE (default: all).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")]
 WeightsOpt = Annotated[Optional[str], typer.Option(
     "--weights", metavar="fp8|bf16", show_default=False,
@@ -303,7 +303,7 @@ def init(
         parser=_path)] = None,
     preset: Annotated[str, typer.Option(metavar="tiny|v32|v4-tiny|v4-flash", help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB. "
                                            "v4-tiny: 4 DeepSeek-V4 layers, seconds on CPU. v4-flash: V4-Flash's first 4 layers, about 16 GB.")] = "tiny",
-    layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Number of (dense) layers to write (default: the preset's, tiny 2, v32 3).")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Number of layers to write, the preset's dense ones first, then MoE (default: the preset's, tiny 4 = 2 dense + 2 MoE, v32 3 dense).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every tensor's generator.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty directory.")] = False,
     device: Annotated[str, typer.Option(help="Where to generate the tensors (cuda is faster for v32).")] = "cpu",
@@ -340,7 +340,7 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
 
     Needs only config.json and the index: shards not downloaded yet are listed with an estimate of their size."""
     from .cache import cache_bytes_per_token
-    from .checkpoint import plan_load
+    from .checkpoint import expert_bytes, plan_load
     from .download import memory_text, plan_shards
     from .files import is_present
     from .models import family_of
@@ -350,7 +350,7 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     family = family_of(cfg)
     if family is not None:
         return _print_rows(path, family.info_rows(path, cfg, layers))
-    shards = plan_shards(path, layers)
+    shards = plan_shards(path, layers if layers is not None else cfg.num_hidden_layers)
     n = shards.num_layers
     missing = [s for s in shards.shards if not is_present(path / s)]  # a FIFO is there: plan_load refuses it
     on_disk = sum((path / s).stat().st_size for s in shards.shards if s not in missing)
@@ -381,6 +381,13 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
         ("cache per token", f"{cache_bytes_per_token(cfg, n, 'exact'):,} B (exact indexer) · "
                             f"{cache_bytes_per_token(cfg, n, 'fp8'):,} B (fp8 indexer)"),
     ]
+    moe_layers = [i for i in range(n) if cfg.is_moe_layer(i)]
+    if moe_layers:
+        moe = cfg.moe
+        rows += [("MoE layers loaded", f"{len(moe_layers)}: {', '.join(map(str, moe_layers))}"),
+                 ("routed experts per MoE layer", f"{moe.n_routed_experts} × width {moe.moe_intermediate_size}, "
+                  f"{moe.num_experts_per_tok} per token, {moe.n_shared_experts} shared: "
+                  f"{decimal(expert_bytes(cfg, moe_layers[0]))} in memory (as stored)")]
     _print_rows(path, rows)
 
 
@@ -668,12 +675,14 @@ def generate_memory_bytes(cfg, num_layers: int, batch: int, prompt_len: int, max
     cpu, bf16 on cuda: an upper bound for fp8 ones), every sequence's cache blocks (capacity rounded up
     to the block size), a prefill's bf16 latents of every prompt token per layer (``KVStash``), the
     logits of a step and the loader's read chunks."""
+    import torch
+
     from .cache import cache_bytes_per_token
-    from .checkpoint import READ_CHUNK_BYTES, tensor_specs
+    from .checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
     from .formats import CACHE_BLOCK_SIZE
 
-    params = sum(math.prod(spec.shape) for spec in tensor_specs(cfg, num_layers).values())
-    weights = params * (2 if device.type == "cuda" else 4)
+    weights = weight_memory_bytes(cfg, tensor_specs(cfg, num_layers),
+                                  torch.bfloat16 if device.type == "cuda" else torch.float32, fp8_as_stored=False)
     capacity = -(-(prompt_len + max_new_tokens) // CACHE_BLOCK_SIZE) * CACHE_BLOCK_SIZE
     cache = cache_bytes_per_token(cfg, num_layers) * batch * capacity
     stash = batch * prompt_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * num_layers
@@ -712,14 +721,18 @@ def _token_ids(text: str) -> list[int]:
 def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
     """Estimated peak memory of ``minirt verify`` over ``num_tokens`` tokens on ``device``: both models'
     weights (the runtime's bf16 on cuda, an upper bound for its fp8 weights, fp32 on cpu; the reference's
-    fp32; loading holds one copy plus its read chunks), the runtime's cache and its two runs' logits,
-    and the eager reference's activations (``reference.forward_peak_bytes``)."""
+    fp32; the routed experts of both as stored; loading holds one copy plus its read chunks), the runtime's cache and its two runs' logits, and the
+    eager reference's activations (``reference.forward_peak_bytes``)."""
+    import torch
+
     from .cache import cache_bytes_per_token
-    from .checkpoint import READ_CHUNK_BYTES, tensor_specs
+    from .checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
     from .reference import forward_peak_bytes
 
-    params = sum(math.prod(spec.shape) for spec in tensor_specs(cfg, num_layers).values())
-    weights = params * ((2 if device.type == "cuda" else 4) + 4) + 8 * READ_CHUNK_BYTES
+    specs = tensor_specs(cfg, num_layers)
+    weights = sum(weight_memory_bytes(cfg, specs, dtype, fp8_as_stored=False)
+                  for dtype in (torch.bfloat16 if device.type == "cuda" else torch.float32, torch.float32))
+    weights += 8 * READ_CHUNK_BYTES
     runtime = cache_bytes_per_token(cfg, num_layers) * num_tokens + 2 * num_tokens * cfg.vocab_size * 4
     return weights + runtime + forward_peak_bytes(cfg, num_layers, num_tokens)
 
@@ -727,6 +740,8 @@ def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
 def _check_verify_fits(cfg, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
     """InputError, with the numbers, when verify's tokens exceed the positions or its memory estimate
     exceeds what the device has free: before anything is loaded."""
+    from .checkpoint import available_memory
+
     total = prompt_len + decode_steps
     if total > cfg.max_position_embeddings:
         raise InputError(f"--prompt-len ({prompt_len}) + --decode-steps ({decode_steps}) = {total} tokens exceeds the "
@@ -813,8 +828,8 @@ def verify(
         raise InputError(f"verify compares the kernel runtime with the eager reference, and {family.RUNTIME_MISSING} "
                          "(`minirt generate --backend reference` runs the reference)")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    num_layers = layers if layers is not None else cfg.num_dense_layers
-    tensor_specs(cfg, num_layers)  # MoE layers asked for: the loader's error, now
+    num_layers = layers if layers is not None else cfg.num_hidden_layers
+    tensor_specs(cfg, num_layers)  # more layers than the model has: the loader's error, now
     if prompt_len is None:
         prompt_len = 2 * (cfg.index_topk or 32) + 8
     if prompt_len < 1 or decode_steps < 0:

@@ -32,6 +32,35 @@ class Fp8Quantization:
     scale_fmt: str | None = None  # "ue8m0" in V3.2: scales are powers of two
 
 
+SCORING_FUNCS = ("sigmoid",)
+TOPK_METHODS = ("noaux_tc",)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """DeepSeek-V3 / V3.2 routed experts (the config.json keys of the same names).
+
+    Each token picks ``num_experts_per_tok`` of ``n_routed_experts`` SwiGLU experts (width
+    ``moe_intermediate_size``): sigmoid scores, ``e_score_correction_bias`` added for the choice only,
+    restricted to the ``topk_group`` best of ``n_group`` expert groups (a group scores the sum of its
+    two best); the chosen scores, renormalised to sum 1 when ``norm_topk_prob``, times
+    ``routed_scaling_factor``, weight the experts' outputs. ``n_shared_experts`` experts' worth of a
+    dense SwiGLU (width n_shared · moe_intermediate_size) runs on every token beside them.
+    """
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    moe_layer_freq: int = 1
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -57,6 +86,8 @@ class ModelConfig:
     index_topk: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Mixture of experts (layers >= first_k_dense_replace, every moe_layer_freq-th); None without MoE layers.
+    moe: MoeConfig | None = None
 
     @property
     def is_v32(self) -> bool:
@@ -78,8 +109,12 @@ class ModelConfig:
 
     @property
     def num_dense_layers(self) -> int:
-        """Leading layers with a dense SwiGLU MLP (the rest are MoE, which minirt does not run)."""
+        """Leading layers with a dense SwiGLU MLP (``first_k_dense_replace``, at most every layer)."""
         return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's FFN is MoE: i >= first_k_dense_replace and i % moe_layer_freq == 0."""
+        return self.moe is not None and i >= self.first_k_dense_replace and i % self.moe.moe_layer_freq == 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -93,7 +128,10 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json a checkpoint writer stores (legacy rope spelling, read by every version)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("rope_scaling", "quantization") and v is not None}
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("rope_scaling", "quantization", "moe") and v is not None}
+        if self.moe is not None:
+            d |= asdict(self.moe)
         if self.rope_scaling is not None:
             d["rope_scaling"] = {"type": "yarn", **asdict(self.rope_scaling)}
         if self.quantization is not None:
@@ -106,7 +144,8 @@ class ModelConfig:
         return d
 
 
-_MAY_BE_ZERO = ("first_k_dense_replace", "bos_token_id", "eos_token_id", "mscale", "mscale_all_dim")
+_MAY_BE_ZERO = ("first_k_dense_replace", "bos_token_id", "eos_token_id", "mscale", "mscale_all_dim",
+                "n_shared_experts")
 
 # What the model family allows: generous multiples of DeepSeek-V3.2's values (in the comments), so that
 # a hand-edited or hostile config.json cannot make minirt allocate without bound ([T, index_topk]
@@ -231,6 +270,56 @@ def _parse_quantization(raw: dict) -> Fp8Quantization | None:
     return Fp8Quantization(weight_block_size=(block[0], block[1]), scale_fmt=scale_fmt)
 
 
+def _parse_moe(raw: dict, has_moe_layers: bool) -> MoeConfig | None:
+    """The MoE keys, required when some layer is MoE (num_hidden_layers > first_k_dense_replace); None
+    when no layer is and n_routed_experts is absent."""
+    if not has_moe_layers and raw.get("n_routed_experts") is None:
+        return None
+    norm = raw.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"key 'norm_topk_prob' must be a bool, got {norm!r}")
+    names = {key: raw.get(key, default) for key, default in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"))}
+    for key, value in names.items():
+        if not isinstance(value, str):
+            raise ConfigError(f"key '{key}' must be str, got {value!r}")
+    moe = MoeConfig(
+        n_routed_experts=_get(raw, "n_routed_experts", int),
+        num_experts_per_tok=_get(raw, "num_experts_per_tok", int),
+        moe_intermediate_size=_get(raw, "moe_intermediate_size", int),
+        n_shared_experts=_get(raw, "n_shared_experts", int, 0),
+        n_group=_get(raw, "n_group", int, 1),
+        topk_group=_get(raw, "topk_group", int, 1),
+        norm_topk_prob=norm,
+        routed_scaling_factor=_get(raw, "routed_scaling_factor", float, 1.0),
+        scoring_func=names["scoring_func"],
+        topk_method=names["topk_method"],
+        moe_layer_freq=_get(raw, "moe_layer_freq", int, 1),
+    )
+    _check_moe(moe)
+    return moe
+
+
+def _check_moe(moe: MoeConfig) -> None:
+    if moe.scoring_func not in SCORING_FUNCS:
+        raise ConfigError(f"key 'scoring_func': {moe.scoring_func!r} is not supported (expected one of "
+                          f"{', '.join(SCORING_FUNCS)})")
+    if moe.topk_method not in TOPK_METHODS:
+        raise ConfigError(f"key 'topk_method': {moe.topk_method!r} is not supported (expected one of "
+                          f"{', '.join(TOPK_METHODS)})")
+    experts, groups = moe.n_routed_experts, moe.n_group
+    if experts % groups:
+        raise ConfigError(f"key 'n_group' ({groups}) must divide n_routed_experts ({experts})")
+    if groups > 1 and experts // groups < 2:
+        raise ConfigError(f"key 'n_group' ({groups}): a group scores its two best experts, so it needs at least 2 "
+                          f"of the {experts} experts")
+    if moe.topk_group > groups:
+        raise ConfigError(f"key 'topk_group' ({moe.topk_group}) must be at most n_group ({groups})")
+    eligible = moe.topk_group * (experts // groups)
+    if moe.num_experts_per_tok > eligible:
+        raise ConfigError(f"key 'num_experts_per_tok' ({moe.num_experts_per_tok}) must be at most the "
+                          f"{eligible} experts of the topk_group ({moe.topk_group}) groups kept")
+
+
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type is None:
@@ -263,6 +352,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         index_topk=_get(raw, "index_topk", int) if has_indexer else None,
         bos_token_id=_get(raw, "bos_token_id", int, None),
         eos_token_id=_get(raw, "eos_token_id", int, None),
+        moe=_parse_moe(raw, _get(raw, "num_hidden_layers", int) > _get(raw, "first_k_dense_replace", int, 0)),
     )
     _check_consistency(cfg)
     return cfg
@@ -280,6 +370,12 @@ def _check_consistency(cfg: ModelConfig) -> None:
         )
     if cfg.first_k_dense_replace < 0:
         raise ConfigError(f"key 'first_k_dense_replace' must be >= 0, got {cfg.first_k_dense_replace}")
+    if cfg.moe is not None and cfg.quantization is not None:
+        block = cfg.quantization.weight_block_size
+        for key, dim in (("moe_intermediate_size", cfg.moe.moe_intermediate_size), ("hidden_size", cfg.hidden_size)):
+            if dim % block[0] or dim % block[1]:
+                raise ConfigError(f"key '{key}' ({dim}) must be a multiple of the fp8 block {list(block)}: the "
+                                  "experts' gate and up projections are stacked block by block")
     for key in ("bos_token_id", "eos_token_id"):
         tok = getattr(cfg, key)
         if tok is not None and not 0 <= tok < cfg.vocab_size:

@@ -1,4 +1,4 @@
-"""The runtime: the first N dense layers of a DeepSeek-V3.2 checkpoint, an fp8 paged cache, prefill in
+"""The runtime: the first N layers (dense and MoE) of a DeepSeek-V3.2 checkpoint, an fp8 paged cache, prefill in
 bounded chunks and decode through the Triton kernels. ``minirt.load`` builds one."""
 from __future__ import annotations
 
@@ -95,15 +95,18 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
                 trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor] | None = None,
-                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                progress: Callable[[int, int], None] | None = None,
+                expert_override: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """Run prompts (lists of token ids) through the model, filling the cache from position 0.
 
         Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
         packed prompt after prompt [sum(len), vocab]. Without ``setup_cache`` first, the engine sizes
         the cache for the prompts plus ``DECODE_HEADROOM`` decode steps (and regrows it for a later,
         longer prefill). ``topk_override``: per layer [sum(len), k] positions that replace the
-        indexer's choice (to compare numerics with identical top-k). ``progress(done, total)``, if
-        given, is called with prompt tokens done and in all, before the first step and after each.
+        indexer's choice (to compare numerics with identical top-k). ``expert_override``: per layer None
+        or (weights, expert ids) [sum(len), k] that replace a MoE layer's routing (likewise).
+        ``progress(done, total)``, if given, is called with prompt tokens done and in all, before the
+        first step and after each.
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
@@ -123,7 +126,10 @@ class Engine:
                 ctx = prefill_context(self.cfg, counts, starts=starts, seqs=seqs, cache=self.cache, stash=stash,
                                       rope=self._rope, trace=trace, device=self.device,
                                       topk_override=None if topk_override is None else
-                                      [t[first:last] for t in topk_override])
+                                      [t[first:last] for t in topk_override],
+                                      expert_override=None if expert_override is None else
+                                      [None if r is None else (r[0][first:last], r[1][first:last])
+                                       for r in expert_override])
                 h = self.model(tokens[first:last], ctx)
                 if not all_logits:  # only the last token of each prompt that ends in this step
                     ends = [s.offset + s.length - 1 for s in ctx.segments if s.end == lens[s.seq]]
@@ -142,9 +148,12 @@ class Engine:
         return logits
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None,
+               expert_override: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab].
-        ``topk_override``: per layer [b, k] positions that replace the indexer's choice (eager)."""
+        ``topk_override``: per layer [b, k] positions that replace the indexer's choice;
+        ``expert_override``: per layer None or (weights, expert ids) [b, k] that replace a MoE layer's
+        routing (both run the step eagerly)."""
         ids = check_tokens(tokens, self.cfg.vocab_size, "decode")
         b = len(self._lens) if self.cache is not None else 0
         if b == 0 or len(ids) != b:
@@ -153,14 +162,14 @@ class Engine:
         lens = [n + 1 for n in self._lens]
         self.cache.check_room(lens)
         self._lens = lens
-        if topk_override is not None or not self.use_cuda_graph:
-            logits, finite = self._decode_step(tokens, topk_override), None
+        if topk_override is not None or expert_override is not None or not self.use_cuda_graph:
+            logits, finite = self._decode_step(tokens, topk_override, expert_override), None
         else:
             logits, finite = self._decode_graphed(tokens)
 
         def rerun() -> torch.Tensor:  # the same step again: it rewrites the slot it wrote
             self.cache.seq_lens[: tokens.shape[0]] -= 1
-            return self._decode_step(tokens, topk_override)
+            return self._decode_step(tokens, topk_override, expert_override)
 
         self._check_finite(logits, "decode", rerun, finite)
         return logits
@@ -192,9 +201,10 @@ class Engine:
                 h.remove()
         raise NumericalError.in_logits(stage, next((name for name, _ in modules if name in flagged), None))
 
-    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None,
+                     expert_override=None) -> torch.Tensor:
         """The decode step proper: static shapes, no host sync (so it can be graph-captured)."""
-        ctx = decode_context(self.cfg, self.cache, tokens.shape[0], self._rope, topk_override)
+        ctx = decode_context(self.cfg, self.cache, tokens.shape[0], self._rope, topk_override, expert_override)
         h = self.model(tokens, ctx)
         self.cache.seq_lens[: tokens.shape[0]] += 1
         return self.model.logits(h)
@@ -233,6 +243,9 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers:
         if getattr(cfg, key) != need:
             raise ConfigError(f"key '{key}' is {getattr(cfg, key)}: the Triton kernels and the fp8 cache layout "
                               f"need {key} = {need} (d_qk 576); backend='reference' runs any dims")
+    if cfg.quantization is None and any(cfg.is_moe_layer(i) for i in range(num_layers)):
+        raise ConfigError("the MoE kernels run block-fp8 experts, and this checkpoint stores its experts unquantised "
+                          "(no quantization_config): backend='reference' runs it")
     with torch.device("meta"):
         model = Transformer(cfg, num_layers, indexer_precision, fp8_weights)
     wanted = model.state_dict().keys()

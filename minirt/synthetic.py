@@ -33,7 +33,7 @@ import torch
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, plan_load, resolve_device, tensor_specs
-from .config import INT_LIMITS, Fp8Quantization, ModelConfig, YarnScaling
+from .config import INT_LIMITS, Fp8Quantization, ModelConfig, MoeConfig, YarnScaling
 from .errors import InputError, MinirtError, WriteError
 from .files import as_path
 from .tokenizer import TOKENIZER_FILE
@@ -63,7 +63,7 @@ _V32_YARN = YarnScaling(
 _V32_FP8 = Fp8Quantization(weight_block_size=(128, 128), scale_fmt="ue8m0")
 
 
-def _extra_config(cfg: ModelConfig, moe: dict[str, Any]) -> dict[str, Any]:
+def _extra_config(cfg: ModelConfig) -> dict[str, Any]:
     """Keys of the real DeepSeek-V3.2 config.json that ModelConfig does not model."""
     return {
         "architectures": ["DeepseekV32ForCausalLM" if cfg.is_v32 else "DeepseekV3ForCausalLM"],
@@ -72,18 +72,12 @@ def _extra_config(cfg: ModelConfig, moe: dict[str, Any]) -> dict[str, Any]:
         "ep_size": 1,
         "hidden_act": "silu",
         "initializer_range": 0.02,
-        "moe_layer_freq": 1,
-        "norm_topk_prob": True,
         "num_key_value_heads": cfg.num_attention_heads,
         "num_nextn_predict_layers": 0,  # no MTP layer is written
-        "routed_scaling_factor": 2.5,
-        "scoring_func": "sigmoid",
         "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
         "torch_dtype": "bfloat16",
         "transformers_version": "4.44.2",
         "use_cache": True,
-        **moe,
     }
 
 
@@ -93,7 +87,7 @@ def _make_presets() -> dict[str, Preset]:
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=4,
         num_attention_heads=4,
         q_lora_rank=128,
         kv_lora_rank=512,  # the real latent and rope dims: kernels need d_qk 576, d_v 512
@@ -111,6 +105,10 @@ def _make_presets() -> dict[str, Preset]:
         index_topk=32,  # below typical prompt lengths, so the sparse path is exercised
         bos_token_id=256,
         eos_token_id=257,
+        # 2 MoE layers after the 2 dense ones: few, small experts (CPU tests stay fast), V3.2's routing
+        # shape (groups of 4, the best 2 groups kept) and scale.
+        moe=MoeConfig(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, n_shared_experts=1,
+                      n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
     )
     v32 = ModelConfig(
         model_type="deepseek_v32",
@@ -135,16 +133,16 @@ def _make_presets() -> dict[str, Preset]:
         index_topk=2048,
         bos_token_id=0,
         eos_token_id=1,
+        moe=MoeConfig(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                      n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
     )
-    tiny_moe = {"moe_intermediate_size": 128, "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1,
-                "num_experts_per_tok": 2, "topk_group": 1}
-    v32_moe = {"moe_intermediate_size": 2048, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
-               "num_experts_per_tok": 8, "topk_group": 4}
     return {
-        "tiny": Preset(tiny, _extra_config(tiny, tiny_moe), tokenizer=True,
-                       description="2 dense V3.2 layers, hidden 256, 4 heads, real latent dims; seconds on CPU"),
-        "v32": Preset(v32, _extra_config(v32, v32_moe), tokenizer=False,
-                      description="the leading dense layers of DeepSeek-V3.2 at real size (several GB)"),
+        "tiny": Preset(tiny, _extra_config(tiny), tokenizer=True,
+                       description="2 dense + 2 MoE V3.2 layers, hidden 256, 4 heads, real latent dims, 16 experts "
+                                   "of width 128; seconds on CPU"),
+        "v32": Preset(v32, _extra_config(v32), tokenizer=False,
+                      description="DeepSeek-V3.2 at real size: its 3 dense layers (several GB), and with --layers "
+                                  "N > 3 MoE layers of 256 experts after them (11 GB each)"),
     }
 
 
@@ -160,8 +158,9 @@ def _family(preset: str):
 
 
 def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelConfig:
-    """The ModelConfig ``write_synthetic_checkpoint`` writes: the preset's, with num_hidden_layers and
-    first_k_dense_replace set to ``num_layers`` (all layers dense) when it is given."""
+    """The ModelConfig ``write_synthetic_checkpoint`` writes: the preset's, with num_hidden_layers set to
+    ``num_layers`` when it is given (the preset's dense layers first, at most num_layers of them; MoE
+    layers after them)."""
     if preset in FAMILY_PRESETS:
         return _family(preset).preset_config(preset, num_layers)
     if preset not in PRESETS:
@@ -174,7 +173,8 @@ def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelC
     if num_layers > INT_LIMITS["num_hidden_layers"]:
         raise InputError(f"num_layers is {num_layers:,}, more than the {INT_LIMITS['num_hidden_layers']:,} layers the "
                          "DeepSeek-V3/V3.2 family allows")
-    return dataclasses.replace(cfg, num_hidden_layers=num_layers, first_k_dense_replace=num_layers)
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers,
+                               first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,9 +190,12 @@ def _tensor_seed(seed: int, name: str) -> int:
 def _init_mean_std(name: str, spec: TensorSpec) -> tuple[float, float]:
     """Mean and std of a tensor's values, chosen so activations keep an O(1) scale through the layers:
     linear weights N(0, 1/fan_in) (unit-RMS inputs give unit-RMS outputs, attention logits of std ≈ 2
-    after the softmax scale), embeddings N(0, 1), norm weights 1 + small noise, the k_norm bias small."""
+    after the softmax scale), embeddings N(0, 1), norm weights 1 + small noise, the k_norm bias small,
+    the router's score bias N(0, 0.05²) (it moves choices between sigmoid scores ≈ 0.5 ± 0.2)."""
     if name == "model.embed_tokens.weight":
         return 0.0, 1.0
+    if name.endswith(".e_score_correction_bias"):
+        return 0.0, 0.05
     if len(spec.shape) == 1:
         return (0.0, 0.02) if name.endswith(".bias") else (1.0, 0.05)
     return 0.0, spec.shape[1] ** -0.5
@@ -444,8 +447,8 @@ def write_synthetic_checkpoint(
 ) -> Path:
     """Write a synthetic checkpoint of ``preset`` (see PRESETS) into ``out_dir``; returns its absolute path.
 
-    num_layers: number of (dense) layers, default the preset's (tiny 2, v32 3); the config's
-    num_hidden_layers and first_k_dense_replace are both set to it. device: where values are generated
+    num_layers: number of layers, default the preset's (tiny 4: 2 dense + 2 MoE; v32 3 dense); the
+    config's num_hidden_layers is set to it (``preset_config``: the dense layers first, then MoE). device: where values are generated
     and quantised ("cuda" speeds up v32; output differs from "cpu" but is deterministic per device type).
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
     removed on any failure (Ctrl-C included); a temporary directory an earlier, killed write left is removed

@@ -32,9 +32,11 @@ def kernel_path(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_master(tmp_path_factory):
-    """The tiny synthetic checkpoint, written once per session; tests only read it."""
+    """The tiny synthetic checkpoint's two dense layers, written once per session; tests only read it
+    (tests/test_moe_model.py writes the preset's MoE layers too)."""
     from minirt.synthetic import write_synthetic_checkpoint
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("master") / "tiny", preset="tiny", seed=1234)
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("master") / "tiny", preset="tiny", seed=1234,
+                                      num_layers=2)
 
 
 @pytest.fixture

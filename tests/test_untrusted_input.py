@@ -32,7 +32,7 @@ from minirt.checkpoint import INDEX_FILE, load_checkpoint, plan_load, resolve_de
 from minirt.cli import app
 from minirt.config import ModelConfig
 from minirt.download import download_checkpoint
-from minirt.errors import CheckpointError, ConfigError, InputError, MinirtError, NumericalError, WriteError
+from minirt.errors import CheckpointError, ConfigError, DeviceError, InputError, MinirtError, NumericalError, WriteError
 from minirt.sampling import SamplingParams
 from minirt.synthetic import PRESETS, write_synthetic_checkpoint
 from minirt.tokenizer import load_tokenizer
@@ -568,6 +568,6 @@ def test_weights_larger_than_the_memory_are_refused_before_reading(tiny, monkeyp
 
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: 1_000_000)
     read = []
-    with pytest.raises(CheckpointError, match=r"2 layer\(s\) take [\d,]+ bytes as loaded on cpu, 1,000,000 are available"):
+    with pytest.raises(DeviceError, match=r"2 layer\(s\) of .* need [\d.]+ [kMG]B of weights on cpu, 1.0 MB is free"):
         load_checkpoint(tiny, progress=lambda done, total, name: read.append(name))
     assert read == []
