@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import math
 import os
 import re
 import signal

@@ -43,3 +43,15 @@ def tiny_master(tmp_path_factory):
 def tiny(tiny_master, tmp_path):
     """A private copy of the tiny checkpoint that a test may damage."""
     return shutil.copytree(tiny_master, tmp_path / "tiny")
+
+
+@pytest.fixture
+def transformers(monkeypatch):
+    """The transformers package (a test dependency: the eager references are compared with its models).
+    transformers probes for Hugging Face's ``kernels`` package at import; from the checkout's root that
+    name is minirt's ``kernels/`` directory (installed as ``minirt.kernels`` only), so the probe is told
+    there is none."""
+    monkeypatch.setitem(__import__("sys").modules, "kernels", None)
+    import transformers
+
+    return transformers

@@ -2,7 +2,6 @@
 eager reference against transformers' DeepseekV32, the runtime's MoE module, and verify's MoE rows."""
 import json
 import shutil
-import sys
 
 import pytest
 import torch
@@ -13,12 +12,12 @@ from typer.testing import CliRunner
 import minirt
 import minirt.checkpoint as checkpoint
 from minirt.blockfp8 import dequantize_block_fp8
-from minirt.checkpoint import (INDEX_FILE, expert_bytes, load_checkpoint, plan_load, stacked_expert_specs,
+from minirt.checkpoint import (INDEX_FILE, expert_bytes, load_checkpoint, stacked_expert_specs,
                                tensor_specs)
 from minirt.cli import app
 from minirt.config import ModelConfig
 from minirt.engine import build_engine
-from minirt.errors import CheckpointError, ConfigError, DeviceError
+from minirt.errors import ConfigError, DeviceError
 from minirt.reference import ReferenceModel, expert_weight, moe, route_experts
 from minirt.synthetic import preset_config, write_synthetic_checkpoint
 
@@ -103,7 +102,7 @@ def test_load_refuses_layers_that_do_not_fit(tiny_moe, monkeypatch):
                                                 torch.float32, False)
     free = top + sum(layers[:3]) + 1
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: free)
-    with pytest.raises(DeviceError, match=rf"4 layer\(s\) .* need .* of weights on cpu, .* is free: at most 3 layer"):
+    with pytest.raises(DeviceError, match=r"4 layer\(s\) .* need .* of weights on cpu, .* is free: at most 3 layer"):
         load_checkpoint(tiny_moe)
     _, w = load_checkpoint(tiny_moe, num_layers=3)
     assert "model.layers.2.mlp.experts.down_proj.weight" in w
@@ -169,11 +168,7 @@ def test_reference_router_follows_the_grouped_rule():
         torch.testing.assert_close(weights[t], picked / picked.sum() * 2.5)
 
 
-def test_reference_matches_transformers_deepseek_v32(tiny_moe, monkeypatch):
-    # transformers probes for Hugging Face's `kernels` package; from the repository root that name is
-    # minirt's kernels/ directory (imported as minirt.kernels only), so hide it from the probe.
-    monkeypatch.setitem(sys.modules, "kernels", None)
-    transformers = pytest.importorskip("transformers")
+def test_reference_matches_transformers_deepseek_v32(tiny_moe, transformers):
     cfg, w = load_checkpoint(tiny_moe, dtype=torch.float32)
     hf_cfg = transformers.DeepseekV32Config.from_pretrained(tiny_moe)
     hf_cfg._attn_implementation = "eager"
