@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ...blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
-from ...checkpoint import (UNQUANTIZED_DTYPES, Progress, StoredTensor, _check_finite, _read_tensor, locate_tensors,
+from ...checkpoint import (UNQUANTIZED_DTYPES, Progress, StoredTensor, _check_finite, _load_tensor, locate_tensors,
                            resolve_device)
 from ...errors import CheckpointError, InputError
 from .config import FP4_BLOCK, DeepseekV4Config, LayerKind, MODEL_TYPE
@@ -230,15 +229,16 @@ def load_checkpoint(
     weights: dict[str, torch.Tensor] = {}
     done = 0
     with contextlib.ExitStack() as stack:
-        handles = {}
+        files = {}
         for shard in plan.shard_files:
             try:
-                handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own SafetensorError, or OSError
-                raise CheckpointError(f"{shard}: cannot open safetensors file ({e})") from None
+                files[shard] = stack.enter_context(open(shard, "rb", buffering=0))
+            except OSError as e:
+                raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
+        cpu = torch.device("cpu")
         for name, spec in plan.specs.items():
             names = list(stored_layout(name, spec))
-            raw = [_read_tensor(handles[plan.stored[n].shard], plan.stored[n], n) for n in names]
+            raw = [_load_tensor(files[plan.stored[n].shard], plan.stored[n], n, cpu, plan.stored[n].dtype) for n in names]
             if spec.fmt in ("fp8", "fp4"):
                 check_pow2_scales(raw[1], names[1])
                 w = (dequantize_block_fp8(raw[0], raw[1].float(), (128, 128), torch.float32) if spec.fmt == "fp8"
