@@ -19,7 +19,8 @@ sync: CUDA-graph capturable):
 Weights come in two formats (ExpertWeights): block fp8 (e4m3 with fp32 128 x 128 block scales,
 V3.2 / V4-Flash-Base) multiplied on fp8 tensor cores with every 128-wide k block promoted into
 fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded to bf16
-in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact).
+in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact), or
+(MoeConfig.fp4_e4m3) decoded to e4m3 and multiplied on fp8 tensor cores 32 inputs at a time.
 
 Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
 rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
@@ -394,10 +395,10 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, FP4_E4M3: tl.constexpr,
+def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, FP4_E4M3: tl.constexpr,
              K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
              INTERPRETED: tl.constexpr):
-    """k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
+    """acc plus k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
     weight (experts' rows one after another), with its scales (promotion: one fp32 product per k
     block). fp8: the 128 x 128 block scale ([E * N / 128, K / 128], one per tile); fp4 ([E * N, K / 2]
     bytes, scales [E * N, K / 32]): the low nibbles (even inputs) against the activations' first
@@ -408,7 +409,6 @@ def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.const
     zeros = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     op_dtype: tl.constexpr = tl.float32 if INTERPRETED else tl.bfloat16
     if FP4_E4M3:
-        product = zeros
         scale_rows = b_scale_ptr + (row + tl.arange(0, BLOCK_N)).to(tl.int64) * (K // _FP4_GROUP)
         for g in tl.static_range(_BLOCK_K // _FP4_GROUP):
             k = kb * _BLOCK_K + g * _FP4_GROUP
@@ -419,40 +419,42 @@ def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.const
                 w = w.to(tl.float32)
             # 2^6 x 2^(s - 127) as a float32 from its exponent field s + 6 (exact for s <= 248).
             factors = ((tl.load(scale_rows + k // _FP4_GROUP).to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
+            # Straight into acc (no second accumulator: the prefill shape would spill).
             group = _mma(a, w, zeros, SWAP_AB)
             if SWAP_AB:
-                product += group * factors[:, None]
+                acc += group * factors[:, None] * a_scale[None, :]
             else:
-                product += group * factors[None, :]
-        scale = a_scale
-    elif FP4:
-        half: tl.constexpr = _BLOCK_K // 2
-        a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
-        a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
-        packed = b_desc.load([row, kb * half]).to(tl.int32)
-        rows = row + tl.arange(0, BLOCK_N)
-        scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
-                              + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
-        # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
-        factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
-        factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)),
-                             (BLOCK_N, half))
-        w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
-        w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
-        product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
-        scale = a_scale * _FP4_UNSHIFT
+                acc += group * factors[None, :] * a_scale[:, None]
     else:
-        a = a_desc.load([a_row, kb * _BLOCK_K])
-        w = b_desc.load([row, kb * _BLOCK_K])
-        if INTERPRETED:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        product = _mma(a, w, zeros, SWAP_AB)
-        scale = a_scale * tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
-    if SWAP_AB:
-        return product * scale[None, :]
-    else:
-        return product * scale[:, None]
+        if FP4:
+            half: tl.constexpr = _BLOCK_K // 2
+            a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
+            a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
+            packed = b_desc.load([row, kb * half]).to(tl.int32)
+            rows = row + tl.arange(0, BLOCK_N)
+            scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
+                                  + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
+            # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
+            factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
+            factors = tl.reshape(tl.broadcast_to(factors[:, :, None],
+                                                 (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)), (BLOCK_N, half))
+            w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
+            w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
+            product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
+            scale = a_scale * _FP4_UNSHIFT
+        else:
+            a = a_desc.load([a_row, kb * _BLOCK_K])
+            w = b_desc.load([row, kb * _BLOCK_K])
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            product = _mma(a, w, zeros, SWAP_AB)
+            scale = a_scale * tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
+        if SWAP_AB:
+            acc += product * scale[None, :]
+        else:
+            acc += product * scale[:, None]
+    return acc
 
 
 @triton.jit
@@ -509,10 +511,10 @@ def _grouped_gemm_kernel(
         for i in range(0, per_split):
             kb = split * per_split + i
             a_scale = tl.load(a_scale_rows + kb)
-            acc += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, FP4_E4M3,
+            acc = _k_block(acc, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, FP4_E4M3,
                             K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
             if SWIGLU:
-                acc_up += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
+                acc_up = _k_block(acc_up, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
                                    FP4, FP4_E4M3, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
         if SPLITS == 1:
             _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
@@ -626,7 +628,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     and so is the SwiGLU output before W2 (DeepSeek's act_quant on the expert's intermediate); each
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
     weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
-    multiplied back per k block). Expert outputs are rounded to bf16 per expert, then summed over
+    multiplied back per k block), or with config.fp4_e4m3 to e4m3 (2^-6 times the e2m1 value,
+    exact) with each 32-input product scaled in fp32. Expert outputs are rounded to bf16 per expert, then summed over
     the slots in slot order in fp32. Deterministic: the same inputs give the same bits.
 
     Sync-free and of static shapes (CUDA-graph capturable): the permutation by expert runs on the

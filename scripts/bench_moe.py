@@ -1,7 +1,7 @@
 """Benchmark minirt's MoE kernels on DeepSeek-V3.2's and DeepSeek-V4-Flash's expert shapes.
 
     python3 scripts/bench_moe.py [--out results.md] [--tokens 1 16 64 4096 16384] [--models V3.2 V4-Flash]
-                                 [--configs 64,8,4 128,8,3 16,4,4,swap ...]
+                                 [--configs 64,8,4 16,4,4,swap,e4m3,split8 ...]
 
 Models: V3.2 (D 7168, I 2048, 256 experts, top-8, block-fp8 experts, sigmoid routing with 8 groups /
 4 kept) and V4-Flash (D 4096, I 2048, 256 experts, top-6, fp4 experts, sqrt-softplus routing, SwiGLU
@@ -18,7 +18,8 @@ Tables:
   ms, TFLOP/s, GB/s of the active experts' weights (each read once at least), the ratios to the
   ceilings measured in the same run (scripts/ceilings.py: bf16 matmul, device copy), peak memory
   beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
-  num_stages, "swap" for the decode orientation). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
+  num_stages, then flags: "swap" for the decode orientation, "e4m3" for fp4 weights on fp8 tensor
+  cores, "splitN" for split-K at most N). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
 
 Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
@@ -178,10 +179,17 @@ def bench_gemms(model, experts, x, ids, lines):
 
 
 def parse_config(text: str) -> moe.MoeConfig:
-    """"block_m,num_warps,num_stages[,swap]" -> a MoeConfig (block_n 128)."""
+    """"block_m,num_warps,num_stages[,swap][,e4m3][,splitN]" -> a MoeConfig (block_n 128): swap_ab,
+    fp4_e4m3, split_k N."""
     parts = text.split(",")
     block_m, num_warps, num_stages = (int(p) for p in parts[:3])
-    return moe.MoeConfig(block_m=block_m, swap_ab=parts[3:] == ["swap"], num_warps=num_warps, num_stages=num_stages)
+    flags = parts[3:]
+    splits = [int(f[len("split"):]) for f in flags if f.startswith("split")]
+    unknown = [f for f in flags if f not in ("swap", "e4m3") and not f.startswith("split")]
+    if unknown or len(splits) > 1:
+        raise SystemExit(f"--configs {text}: flags are swap, e4m3 and splitN, got {','.join(flags)}")
+    return moe.MoeConfig(block_m=block_m, swap_ab="swap" in flags, num_warps=num_warps, num_stages=num_stages,
+                         fp4_e4m3="e4m3" in flags, split_k=splits[0] if splits else None)
 
 
 def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines):
@@ -242,7 +250,7 @@ def main():
     parser.add_argument("--out", default="-", help="markdown report file (default: stdout)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
-    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap]")
+    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,splitN]")
     args = parser.parse_args()
     configs = [(text, parse_config(text)) for text in args.configs]
     tflops, gbps = measure_ceilings()
