@@ -19,7 +19,8 @@ Tables:
   ceilings measured in the same run (scripts/ceilings.py: bf16 matmul, device copy), peak memory
   beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
   num_stages, then flags: "swap" for the decode orientation, "e4m3" for fp4 weights on fp8 tensor
-  cores, "splitN" for split-K at most N). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
+  cores, "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
+  the others where the prefill one is, and also in the grouped GEMM table). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
 
 Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
@@ -136,13 +137,13 @@ def rel(got, ref):
     return ((got.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_gemms(model, experts, x, ids, lines):
-    """The two grouped GEMMs of moe_experts alone (prefill shape) and _scaled_mm on dense equivalents."""
-    config = moe.PREFILL_CONFIG
+def bench_gemms(model, experts, x, ids, lines, config=moe.PREFILL_CONFIG, label=""):
+    """The two grouped GEMMs of moe_experts alone (prefill shape, or config's, named by label) and
+    _scaled_mm on dense equivalents."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
     row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
     rows = row_token.numel()
-    a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4")
+    a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4" and not config.fp4_e4m3)
     h = torch.empty((rows, i), dtype=torch.float8_e4m3fn, device=DEVICE)
     h_scales = torch.empty((rows, i // 128), device=DEVICE)
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=DEVICE)
@@ -172,7 +173,7 @@ def bench_gemms(model, experts, x, ids, lines):
         if model.fmt == "fp8" and name.startswith("gate") and ids.shape[0] == PREFILL_T:
             met = flops / ms / 1e9 >= TARGET_TFLOPS and ratio is not None and ratio >= TARGET_VS_SCALED_MM
             target = "met" if met else "MISSED"
-        row = (f"| {model.name} | {ids.shape[0]} | {name} | {n_slots} x {n} x {k} | {flops / ms / 1e9:.0f} ({ms:.3f}) | "
+        row = (f"| {model.name} | {ids.shape[0]} | {name}{label} | {n_slots} x {n} x {k} | {flops / ms / 1e9:.0f} ({ms:.3f}) | "
                f"{dense} | {f'{ratio:.2f}x' if ratio else '-'} | {target} |")
         lines.append(row)
         print(row, flush=True)
@@ -219,8 +220,11 @@ def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gem
         torch.cuda.synchronize()
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = bench_ms(run)
+        # Extra shapes of block_m < 64 where the decode shape is the default, the others where the
+        # prefill one is (decode tiles on prefill T are slow, and forced splits need GBs of partials).
+        decode = moe.default_config(ids.numel(), model.experts) == moe.DECODE_CONFIG
         variants = ", ".join(f"{text}: {bench_ms(lambda c=config: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=c)):.3f}"
-                             for text, config in configs) or "-"
+                             for text, config in configs if (config.block_m < 64) == decode) or "-"
         active = int(torch.unique(ids).numel())
         nbytes = active * per_expert
         flops = 2 * ids.numel() * 3 * model.hidden * model.inter
@@ -240,6 +244,9 @@ def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gem
         print(row, flush=True)
         if n_tokens == PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines)
+            for text, config in configs:     # the prefill-oriented extra shapes
+                if config.block_m >= 64 and (model.fmt == "fp4" or not config.fp4_e4m3):
+                    bench_gemms(model, experts, x, ids, gemm_lines, config, f" [{text}]")
         del x, logits, weights, ids
     del experts, shared
     torch.cuda.empty_cache()
