@@ -239,9 +239,10 @@ class MoeConfig:
     fp4_e4m3: bool = False
 
 
-# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block). 128-row
-# tiles need two 128 x 128 accumulators and a block product per thread and spill (sm_90a, ptxas of
-# triton 3.6); 64 rows also pad each expert's rows by half as much.
+# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block); 64 rows
+# also pad each expert's rows by half as much. Registers of the gate/up kernel (sm_90a, ptxas of
+# triton 3.6): 128-row tiles fit for fp8 weights (214 registers, 3 or 4 stages) but spill for fp4
+# decoded to bf16; fp4_e4m3 spills in this orientation and fits with swap_ab and 2 stages.
 PREFILL_CONFIG = MoeConfig()
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
 # Split-K (automatic) aims at this many programs per SM, each keeping >= SPLIT_MIN_K_BLOCKS k blocks.
