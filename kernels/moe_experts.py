@@ -420,7 +420,7 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
                 w = w.to(tl.float32)
             # 2^6 x 2^(s - 127) as a float32 from its exponent field s + 6 (exact for s <= 248).
             factors = ((tl.load(scale_rows + k // _FP4_GROUP).to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
-            # Straight into acc (no second accumulator: the prefill shape would spill).
+            # Each group scaled straight into acc (a per-k-block product would be one more live tile).
             group = _mma(a, w, zeros, SWAP_AB)
             if SWAP_AB:
                 acc += group * factors[:, None] * a_scale[None, :]
