@@ -19,7 +19,8 @@ sync: CUDA-graph capturable):
 Weights come in two formats (ExpertWeights): block fp8 (e4m3 with fp32 128 x 128 block scales,
 V3.2 / V4-Flash-Base) multiplied on fp8 tensor cores with every 128-wide k block promoted into
 fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded to bf16
-in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact).
+in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact), or
+(MoeConfig.fp4_e4m3) decoded to e4m3 and multiplied on fp8 tensor cores 32 inputs at a time.
 
 Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
 rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
@@ -225,7 +226,9 @@ class MoeConfig:
     SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode);
     split_k: at most this many programs per output tile, each over an equal share of the k blocks
     (the most that divide them), the last to finish summing the fp32 partials in split order; None
-    picks it (_splits)."""
+    picks it (_splits); fp4_e4m3: fp4 weights decoded to e4m3 (e2m1 x 2^-6, exact) and multiplied on
+    fp8 tensor cores 32 inputs at a time, each 32-wide product scaled by its e8m0 scales in fp32
+    (else: decoded to bf16 with their scales and multiplied in bf16, 64 inputs at a time)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -233,11 +236,13 @@ class MoeConfig:
     split_k: Optional[int] = None
     num_warps: int = 8
     num_stages: int = 4
+    fp4_e4m3: bool = False
 
 
-# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block). 128-row
-# tiles need two 128 x 128 accumulators and a block product per thread and spill (sm_90a, ptxas of
-# triton 3.6); 64 rows also pad each expert's rows by half as much.
+# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block); 64 rows
+# also pad each expert's rows by half as much. Registers of the gate/up kernel (sm_90a, ptxas of
+# triton 3.6): 128-row tiles fit for fp8 weights (214 registers, 3 or 4 stages) but spill for fp4
+# decoded to bf16; fp4_e4m3 spills in this orientation and fits with swap_ab and 2 stages.
 PREFILL_CONFIG = MoeConfig()
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
 # Split-K (automatic) aims at this many programs per SM, each keeping >= SPLIT_MIN_K_BLOCKS k blocks.
@@ -363,6 +368,16 @@ def _e2m1_scaled(codes, factors):
     return bits.to(tl.float32, bitcast=True) * factors
 
 
+@triton.jit
+def _e2m1_as_e4m3(packed):
+    """Packed e2m1 bytes [R, C] (low nibble element 2i) -> [R, 2C] e4m3 of 2^-6 times their values,
+    in input order. The code's magnitude bits (exponent e, mantissa b) become the e4m3 exponent's
+    low bits and its top mantissa bit: 2^(e-7) (1 + b/2) for e > 0, the subnormal b 2^-7 for e = 0,
+    both the e2m1 value times 2^-6 (exact)."""
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (packed.shape[0], 2 * packed.shape[1]))
+    return (((codes & 7) << 2) | ((codes & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
 # The fp4 weights are decoded to 2^-FP4_SHIFT times their value (then multiplied back after each k
 # block's product): with scale bytes s (2^(s - 127)) that keeps the bf16 copies normal for s in
 # [66, 192] (scales 2^-61 .. 2^65; checkpoints have ~2^-8), where the factor 2^(s - 127 + 126 - 64)
@@ -381,52 +396,75 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, K: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr):
-    """k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
+def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, FP4_E4M3: tl.constexpr,
+             K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
+             INTERPRETED: tl.constexpr):
+    """acc plus k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
     weight (experts' rows one after another), with its scales (promotion: one fp32 product per k
     block). fp8: the 128 x 128 block scale ([E * N / 128, K / 128], one per tile); fp4 ([E * N, K / 2]
     bytes, scales [E * N, K / 32]): the low nibbles (even inputs) against the activations' first
     64 columns, the high ones against the last 64 (_split_columns), both decoded and scaled to bf16
-    and multiplied with the fp8 activations converted to bf16 (all exact)."""
+    and multiplied with the fp8 activations converted to bf16 (all exact); FP4_E4M3: each 32-input
+    group decoded to e4m3 (_e2m1_as_e4m3) against the activations' 32 columns in input order, on fp8
+    tensor cores, its product times 2^6 x its e8m0 scale per weight row."""
     zeros = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     op_dtype: tl.constexpr = tl.float32 if INTERPRETED else tl.bfloat16
-    if FP4:
-        half: tl.constexpr = _BLOCK_K // 2
-        a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
-        a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
-        packed = b_desc.load([row, kb * half]).to(tl.int32)
-        rows = row + tl.arange(0, BLOCK_N)
-        scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
-                              + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
-        # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
-        factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
-        factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)),
-                             (BLOCK_N, half))
-        w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
-        w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
-        product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
-        scale = a_scale * _FP4_UNSHIFT
+    if FP4_E4M3:
+        scale_rows = b_scale_ptr + (row + tl.arange(0, BLOCK_N)).to(tl.int64) * (K // _FP4_GROUP)
+        for g in tl.static_range(_BLOCK_K // _FP4_GROUP):
+            k = kb * _BLOCK_K + g * _FP4_GROUP
+            a = a_desc.load([a_row, k])
+            w = _e2m1_as_e4m3(b_desc.load([row, k // 2]))
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            # 2^6 x 2^(s - 127) as a float32 from its exponent field s + 6 (exact for s <= 248).
+            factors = ((tl.load(scale_rows + k // _FP4_GROUP).to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
+            # Each group scaled straight into acc (a per-k-block product would be one more live tile).
+            group = _mma(a, w, zeros, SWAP_AB)
+            if SWAP_AB:
+                acc += group * factors[:, None] * a_scale[None, :]
+            else:
+                acc += group * factors[None, :] * a_scale[:, None]
     else:
-        a = a_desc.load([a_row, kb * _BLOCK_K])
-        w = b_desc.load([row, kb * _BLOCK_K])
-        if INTERPRETED:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        product = _mma(a, w, zeros, SWAP_AB)
-        scale = a_scale * tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
-    if SWAP_AB:
-        return product * scale[None, :]
-    else:
-        return product * scale[:, None]
+        if FP4:
+            half: tl.constexpr = _BLOCK_K // 2
+            a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
+            a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
+            packed = b_desc.load([row, kb * half]).to(tl.int32)
+            rows = row + tl.arange(0, BLOCK_N)
+            scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
+                                  + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
+            # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
+            factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
+            factors = tl.reshape(tl.broadcast_to(factors[:, :, None],
+                                                 (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)), (BLOCK_N, half))
+            w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
+            w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
+            product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
+            scale = a_scale * _FP4_UNSHIFT
+        else:
+            a = a_desc.load([a_row, kb * _BLOCK_K])
+            w = b_desc.load([row, kb * _BLOCK_K])
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            product = _mma(a, w, zeros, SWAP_AB)
+            scale = a_scale * tl.load(b_scale_ptr + (row // _BLOCK_K).to(tl.int64) * (K // _BLOCK_K) + kb)
+        if SWAP_AB:
+            acc += product * scale[None, :]
+        else:
+            acc += product * scale[:, None]
+    return acc
 
 
 @triton.jit
 def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: tl.constexpr,
-                BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, FP4: tl.constexpr, SWIGLU: tl.constexpr,
+                BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_COLS: tl.constexpr, SWIGLU: tl.constexpr,
                 HAS_LIMIT: tl.constexpr):
     """The epilogue of one output tile: bf16 rows, or (SWIGLU) silu(g) * u as fp8 codes with one scale
-    per row (BLOCK_N = 128), its columns split as the down product's fp4 weight wants them."""
+    per row (BLOCK_N = 128), its columns split (SPLIT_COLS) as the down product's bf16-decoded fp4
+    weight wants them."""
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
@@ -438,7 +476,7 @@ def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: 
             acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
         h = acc / (1.0 + tl.exp(-acc)) * acc_up
         codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
-        tl.store(out_rows + _split_columns(offs_n, FP4)[None, :], codes.to(tl.uint8))
+        tl.store(out_rows + _split_columns(offs_n, SPLIT_COLS)[None, :], codes.to(tl.uint8))
         tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
     else:
         tl.store(out_rows + offs_n[None, :], acc.to(tl.bfloat16))
@@ -450,7 +488,8 @@ def _grouped_gemm_kernel(
     arrivals_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
-    FP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, SPLIT_COLS: tl.constexpr, SWIGLU: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
     # weight) run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight
@@ -473,14 +512,14 @@ def _grouped_gemm_kernel(
         for i in range(0, per_split):
             kb = split * per_split + i
             a_scale = tl.load(a_scale_rows + kb)
-            acc += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, K,
-                            BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+            acc = _k_block(acc, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, FP4_E4M3,
+                            K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
             if SWIGLU:
-                acc_up += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
-                                   FP4, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+                acc_up = _k_block(acc_up, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
+                                   FP4, FP4_E4M3, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
         if SPLITS == 1:
-            _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB, FP4,
-                        SWIGLU, HAS_LIMIT)
+            _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
+                        SPLIT_COLS, SWIGLU, HAS_LIMIT)
         else:
             # partial_ptr: [tiles x column blocks, SPLITS, 2 (gate / up, or the product alone), tile] float32. Every split stores its
             # partial sums and counts itself in; the last of its tile adds them in split order (the
@@ -505,7 +544,7 @@ def _grouped_gemm_kernel(
                         acc_up += tl.load(partials + (s * 2 + 1) * tile_elems, cache_modifier=".cg")
                 tl.store(arrivals_ptr + tile_col, 0)
                 _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
-                            FP4, SWIGLU, HAS_LIMIT)
+                            SPLIT_COLS, SWIGLU, HAS_LIMIT)
 
 
 @triton.jit
@@ -556,8 +595,11 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     k = 2 * k_stored if fp4 else k_stored
     n_out = n // 2 if swiglu else n
     stacked = weight.view(n_experts * n, k_stored)
-    # fp4: packed bytes, and the activations' k blocks loaded in halves (_split_columns).
-    block_k = BLOCK_K // 2 if fp4 else BLOCK_K
+    # fp4: packed bytes, and the activations' k blocks loaded in halves (_split_columns), or
+    # (fp4_e4m3) 32 inputs at a time.
+    e4m3 = fp4 and config.fp4_e4m3
+    a_block_k = FP4_GROUP if e4m3 else BLOCK_K // 2 if fp4 else BLOCK_K
+    b_block_k = FP4_GROUP // 2 if e4m3 else a_block_k
     tile_cols = tile_expert.numel() * (n_out // config.block_n)
     splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
     partials = arrivals = out      # unread placeholders without split-K
@@ -566,11 +608,12 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
                                device=a.device)
         arrivals = _arrival_counters(a.device, tile_cols)
     _grouped_gemm_kernel[(tile_cols * splits,)](
-        TensorDescriptor.from_tensor(a, [config.block_m, block_k]), a_scales,
-        TensorDescriptor.from_tensor(stacked, [config.block_n, block_k]), scales, tile_expert, out,
+        TensorDescriptor.from_tensor(a, [config.block_m, a_block_k]), a_scales,
+        TensorDescriptor.from_tensor(stacked, [config.block_n, b_block_k]), scales, tile_expert, out,
         out if out_scales is None else out_scales, partials, arrivals, 0.0 if limit is None else float(limit),
         E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
-        SWAP_AB=config.swap_ab, FP4=fp4, SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
+        SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, SPLIT_COLS=fp4 and not e4m3, SWIGLU=swiglu,
+        HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -586,7 +629,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     and so is the SwiGLU output before W2 (DeepSeek's act_quant on the expert's intermediate); each
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
     weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
-    multiplied back per k block). Expert outputs are rounded to bf16 per expert, then summed over
+    multiplied back per k block), or with config.fp4_e4m3 to e4m3 (2^-6 times the e2m1 value,
+    exact) with each 32-input product scaled in fp32. Expert outputs are rounded to bf16 per expert, then summed over
     the slots in slot order in fp32. Deterministic: the same inputs give the same bits.
 
     Sync-free and of static shapes (CUDA-graph capturable): the permutation by expert runs on the
@@ -642,7 +686,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         x = x.contiguous()
     fp4 = experts.format == "fp4"
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts, config.block_m)
-    x_fp8, x_scales = _gather_quantize(x, row_token, fp4)
+    x_fp8, x_scales = _gather_quantize(x, row_token, fp4 and not config.fp4_e4m3)
     rows = row_token.numel()
     h = torch.empty((rows, i), dtype=FP8_DTYPE, device=x.device)
     h_scales = torch.empty((rows, i // BLOCK_K), dtype=torch.float32, device=x.device)

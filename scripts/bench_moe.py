@@ -1,7 +1,7 @@
 """Benchmark minirt's MoE kernels on DeepSeek-V3.2's and DeepSeek-V4-Flash's expert shapes.
 
     python3 scripts/bench_moe.py [--out results.md] [--tokens 1 16 64 4096 16384] [--models V3.2 V4-Flash]
-                                 [--configs 64,8,4 128,8,3 16,4,4,swap ...]
+                                 [--configs 64,8,4 16,4,4,swap,e4m3,split8 ...]
 
 Models: V3.2 (D 7168, I 2048, 256 experts, top-8, block-fp8 experts, sigmoid routing with 8 groups /
 4 kept) and V4-Flash (D 4096, I 2048, 256 experts, top-6, fp4 experts, sqrt-softplus routing, SwiGLU
@@ -18,7 +18,9 @@ Tables:
   ms, TFLOP/s, GB/s of the active experts' weights (each read once at least), the ratios to the
   ceilings measured in the same run (scripts/ceilings.py: bf16 matmul, device copy), peak memory
   beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
-  num_stages, "swap" for the decode orientation). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
+  num_stages, then flags: "swap" for the decode orientation, "e4m3" for fp4 weights on fp8 tensor
+  cores, "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
+  the others where the prefill one is, and also in the grouped GEMM table). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
 
 Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
@@ -135,13 +137,13 @@ def rel(got, ref):
     return ((got.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_gemms(model, experts, x, ids, lines):
-    """The two grouped GEMMs of moe_experts alone (prefill shape) and _scaled_mm on dense equivalents."""
-    config = moe.PREFILL_CONFIG
+def bench_gemms(model, experts, x, ids, lines, config=moe.PREFILL_CONFIG, label=""):
+    """The two grouped GEMMs of moe_experts alone (prefill shape, or config's, named by label) and
+    _scaled_mm on dense equivalents."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
     row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
     rows = row_token.numel()
-    a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4")
+    a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4" and not config.fp4_e4m3)
     h = torch.empty((rows, i), dtype=torch.float8_e4m3fn, device=DEVICE)
     h_scales = torch.empty((rows, i // 128), device=DEVICE)
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=DEVICE)
@@ -171,17 +173,24 @@ def bench_gemms(model, experts, x, ids, lines):
         if model.fmt == "fp8" and name.startswith("gate") and ids.shape[0] == PREFILL_T:
             met = flops / ms / 1e9 >= TARGET_TFLOPS and ratio is not None and ratio >= TARGET_VS_SCALED_MM
             target = "met" if met else "MISSED"
-        row = (f"| {model.name} | {ids.shape[0]} | {name} | {n_slots} x {n} x {k} | {flops / ms / 1e9:.0f} ({ms:.3f}) | "
+        row = (f"| {model.name} | {ids.shape[0]} | {name}{label} | {n_slots} x {n} x {k} | {flops / ms / 1e9:.0f} ({ms:.3f}) | "
                f"{dense} | {f'{ratio:.2f}x' if ratio else '-'} | {target} |")
         lines.append(row)
         print(row, flush=True)
 
 
 def parse_config(text: str) -> moe.MoeConfig:
-    """"block_m,num_warps,num_stages[,swap]" -> a MoeConfig (block_n 128)."""
+    """"block_m,num_warps,num_stages[,swap][,e4m3][,splitN]" -> a MoeConfig (block_n 128): swap_ab,
+    fp4_e4m3, split_k N."""
     parts = text.split(",")
     block_m, num_warps, num_stages = (int(p) for p in parts[:3])
-    return moe.MoeConfig(block_m=block_m, swap_ab=parts[3:] == ["swap"], num_warps=num_warps, num_stages=num_stages)
+    flags = parts[3:]
+    splits = [int(f[len("split"):]) for f in flags if f.startswith("split")]
+    unknown = [f for f in flags if f not in ("swap", "e4m3") and not f.startswith("split")]
+    if unknown or len(splits) > 1:
+        raise SystemExit(f"--configs {text}: flags are swap, e4m3 and splitN, got {','.join(flags)}")
+    return moe.MoeConfig(block_m=block_m, swap_ab="swap" in flags, num_warps=num_warps, num_stages=num_stages,
+                         fp4_e4m3="e4m3" in flags, split_k=splits[0] if splits else None)
 
 
 def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines):
@@ -211,8 +220,11 @@ def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gem
         torch.cuda.synchronize()
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = bench_ms(run)
+        # Extra shapes of block_m < 64 where the decode shape is the default, the others where the
+        # prefill one is (decode tiles on prefill T are slow, and forced splits need GBs of partials).
+        decode = moe.default_config(ids.numel(), model.experts) == moe.DECODE_CONFIG
         variants = ", ".join(f"{text}: {bench_ms(lambda c=config: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=c)):.3f}"
-                             for text, config in configs) or "-"
+                             for text, config in configs if (config.block_m < 64) == decode) or "-"
         active = int(torch.unique(ids).numel())
         nbytes = active * per_expert
         flops = 2 * ids.numel() * 3 * model.hidden * model.inter
@@ -232,6 +244,9 @@ def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gem
         print(row, flush=True)
         if n_tokens == PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines)
+            for text, config in configs:     # the prefill-oriented extra shapes
+                if config.block_m >= 64 and (model.fmt == "fp4" or not config.fp4_e4m3):
+                    bench_gemms(model, experts, x, ids, gemm_lines, config, f" [{text}]")
         del x, logits, weights, ids
     del experts, shared
     torch.cuda.empty_cache()
@@ -242,7 +257,7 @@ def main():
     parser.add_argument("--out", default="-", help="markdown report file (default: stdout)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
-    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap]")
+    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,splitN]")
     args = parser.parse_args()
     configs = [(text, parse_config(text)) for text in args.configs]
     tflops, gbps = measure_ceilings()

@@ -7,6 +7,8 @@ slot, with the activations quantised where the kernels quantise them (x and the 
 minirt.formats.quantize_groups). Inputs are fresh seeded random values; every buffer the kernels
 allocate is NaN-poisoned (torch.empty filled) so that an element left unwritten shows.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -227,6 +229,8 @@ def rel_error(out, ref):
     ("fp8", SPLIT_CONFIG, 5, 0.5, 256),      # both products split (2 k blocks each)
     ("fp4", SPLIT_CONFIG, 3, 0.5, 128),
     ("fp4", TILES_CONFIG, 4, None, 128),
+    ("fp4", replace(SPLIT_CONFIG, fp4_e4m3=True), 3, 0.5, 128),
+    ("fp4", replace(TILES_CONFIG, fp4_e4m3=True), 4, None, 128),
 ])
 def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
     gen = generator(3)
