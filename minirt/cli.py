@@ -118,7 +118,7 @@ def _path(text: str) -> Path:
 
 app = typer.Typer(
     cls=_OneLineErrors,
-    help="minirt: run the first dense layers of a DeepSeek-V3.2 checkpoint with sparse-MLA Triton kernels, "
+    help="minirt: run the layers of a DeepSeek-V3.2 checkpoint (dense and MoE) with sparse-MLA Triton kernels, "
     "and check them against an eager reference.\n\n"
     f"Start with `minirt generate` and `minirt verify`: without a checkpoint argument every command uses the "
     f"tiny synthetic one (random weights) in {TINY_DIR}, written on first use. The real model's layers: "
@@ -278,8 +278,9 @@ def _checkpoint(weights: Path | None):
     if weights is None:
         from .synthetic import DirectoryNotEmpty
 
-        if not TINY_DIR.exists() or (TINY_DIR.is_dir() and not any(TINY_DIR.iterdir())):
-            console.print(f"writing the tiny default checkpoint (random weights) to {TINY_DIR}, once: every command "
+        tiny = default_weights_dir() / "tiny"  # an empty MINIRT_WEIGHTS: its one-line error, here
+        if not tiny.exists() or (tiny.is_dir() and not any(tiny.iterdir())):
+            console.print(f"writing the tiny default checkpoint (random weights) to {tiny}, once: every command "
                           "without a checkpoint argument uses it")
         try:
             with _ProgressBar("writing the tiny default checkpoint") as bar:
@@ -597,7 +598,7 @@ def generate(
     check_tokens(ids, cfg.vocab_size, "--tokens" if tokens is not None else "--prompt")
     check_generation_length(cfg, len(ids), n)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    num_layers = layers if layers is not None else cfg.num_dense_layers
+    num_layers = layers if layers is not None else cfg.num_hidden_layers  # what the loader loads by default
     if backend == "triton":
         _check_generate_fits(cfg, num_layers, batch, len(ids), n, dev)
     engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format)
