@@ -260,7 +260,10 @@ class Attention(nn.Module):
         o = rope_tail(o.float(), cos, -sin).to(torch.bfloat16)  # K = V carried the keys' rope
         groups = o.view(N, cfg.o_groups, -1)
         z = torch.cat([proj(groups[:, k]) for k, proj in enumerate(self.wo_a)], dim=-1)
-        return self.wo_b(z).float()
+        out = self.wo_b(z).float()
+        if step.trace is not None:
+            step.trace.record("attn", self.index, out)
+        return out
 
     def _topk(self, x, qr, step: V4Step, state: LayerState) -> Tensor:
         """[N, index_topk] int32 entry ids: the indexer's (its keys written either way), or the override."""
