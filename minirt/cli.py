@@ -512,9 +512,6 @@ def verify(
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
     path, cfg = _checkpoint(weights)
     family = family_of(cfg)
-    if family is not None and family.RUNTIME_MISSING:
-        raise InputError(f"verify compares the kernel runtime with the eager reference, and {family.RUNTIME_MISSING} "
-                         "(`minirt generate --backend reference` runs the reference)")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_dense_layers
     (family.tensor_specs if family is not None else tensor_specs)(cfg, num_layers)  # the loader's error, now

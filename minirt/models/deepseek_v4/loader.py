@@ -15,9 +15,6 @@ from .config import DeepseekV4Config
 from .engine import EngineV4, build_engine_v4
 from .reference import ReferenceModelV4
 
-RUNTIME_MISSING = ""  # the kernel runtime exists (engine.EngineV4)
-
-
 def load(path: str | Path, layers: int | None, device: torch.device, backend: str, progress=None,
          prefill_chunk: int | None = None) -> EngineV4 | ReferenceEngine:
     """The first ``layers`` layers (None: all) of the V4 checkpoint at ``path`` as a Backend: backend "triton"
