@@ -175,6 +175,6 @@ def test_cli_init_and_info(tmp_path, v4_master):
     out = runner.invoke(app, ["info", str(v4_master), "--layers", "2"])
     assert out.exit_code == 0, out.output
     assert "deepseek_v4" in out.output and "SWA CSA HCA CSA" in out.output and "first 2" in out.output
-    assert "cache CSA layer" in out.output and "162.0 B/token" in out.output  # 584 / 4 + 4 · 128 / 4
+    assert "cache CSA layer" in out.output and "274.0 B/token" in out.output  # 584 / 4 + 4 · 128 / 4
     result = runner.invoke(app, ["init", str(v4_master), "--preset", "v4-tiny", "--seed", "7"])
     assert result.exit_code == 0 and "already complete" in result.output
