@@ -68,7 +68,7 @@ class EngineV4(Engine):
         return F.linear(y.to(torch.bfloat16), self.head).float()
 
     def _run(self, step: V4Step) -> torch.Tensor:
-        X = self.embed[step.tokens].float()[:, None].expand(-1, self.cfg.hc_mult, -1)
+        X = self.embed[step.tokens].float()[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             X = layer(X, step)
         return X

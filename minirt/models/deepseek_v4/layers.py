@@ -3,7 +3,7 @@ decode step (the maths is :mod:`.reference`'s; the numbers differ by the kernels
 
 Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
 
-* mHC pre / post (Sinkhorn) in fp32 torch (:func:`.reference.hc_pre`, :func:`.reference.hc_post`);
+* mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32;
 * attention (:class:`Attention`): fp8 projections (``Fp8Linear`` on the stored e4m3 weights, the ue8m0
   scales as float32), kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
   each completed window into a compressed entry inside the step (its fp32 partial-window state carried
@@ -31,13 +31,14 @@ from ...context import KVStash, PrefillTrace, Segment
 from ...fp8_linear import Fp8Linear
 from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
                         sparse_mla_prefill_two_sources, write_kv_model1)
+from ...kernels import mhc
 from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
 from ...kernels.moe_routing import route_hash, route_topk
 from ...reference import rmsnorm
 from .cache import CompressorState, LayerState, V4Cache
 from .checkpoint import scale_name
 from .config import DeepseekV4Config, LayerKind
-from .reference import hc_post, hc_pre, rope_tail, unweighted_rmsnorm
+from .reference import rope_tail, unweighted_rmsnorm
 
 
 def rope_family(kind: LayerKind) -> str:
@@ -367,7 +368,8 @@ class MoE(nn.Module):
 
 
 class V4Layer(nn.Module):
-    """One DeepSeek-V4 layer: ``X = post · attn(attn_norm(Σ pre X)) + combᵀ X``, then the same with the MoE.
+    """One DeepSeek-V4 layer on X [N, hc, D] fp32 (contiguous): ``X = post · attn(attn_norm(Σ pre X)) + combᵀ X``,
+    then the same with the MoE.
     ``w``: the layer's tensors by names relative to ``layers.{index}.``, fp8 / fp4 as stored with their
     ``.scale`` entries (``load_checkpoint(..., as_stored=True)``)."""
 
@@ -381,10 +383,11 @@ class V4Layer(nn.Module):
 
     def forward(self, X: Tensor, step: V4Step) -> Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        collapsed, post, comb = hc_pre(X, *self.hc["attn"], cfg)
-        X = hc_post(self.attn(rmsnorm(collapsed, self.attn_norm, eps).to(torch.bfloat16), step), X, post, comb)
-        collapsed, post, comb = hc_pre(X, *self.hc["ffn"], cfg)
-        X = hc_post(self.ffn(rmsnorm(collapsed, self.ffn_norm, eps).to(torch.bfloat16), step.tokens), X, post, comb)
+        mix = dict(eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+        collapsed, post, comb = mhc.hc_pre(X, *self.hc["attn"], **mix)
+        X = mhc.hc_post(self.attn(rmsnorm(collapsed, self.attn_norm, eps).to(torch.bfloat16), step), X, post, comb)
+        collapsed, post, comb = mhc.hc_pre(X, *self.hc["ffn"], **mix)
+        X = mhc.hc_post(self.ffn(rmsnorm(collapsed, self.ffn_norm, eps).to(torch.bfloat16), step.tokens), X, post, comb)
         if step.trace is not None:
             step.trace.record("hidden", self.index, X)
         return X
