@@ -82,6 +82,9 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     path = Path(path) if path is not None else default_checkpoint(progress)
     family = family_of(load_config(path))
     if family is not None:  # another model family (DeepSeek-V4): its own loader
+        if indexer_precision != "exact" or weights == "bf16":
+            raise InputError(f"DeepSeek-V4 runs fp8 weights and an exact indexer: indexer_precision="
+                             f"{indexer_precision!r} / weights={weights!r} apply to DeepSeek-V3.2 only")
         return family.load(path, layers, dev, backend, progress, prefill_chunk=prefill_chunk)
     if backend == "reference":
         cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)

@@ -72,3 +72,10 @@ def test_compressor_state_across_chunks_and_decode(v4_tiny, prefix, layer):
             got[int(window)] = entry[0]
     assert sorted(got) == list(range(T // kind.ratio))
     torch.testing.assert_close(torch.stack([got[i] for i in sorted(got)]), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_v32_only_options_are_refused(v4_tiny):
+    for args in (["--indexer-precision", "fp8"], ["--weights", "bf16"]):
+        result = CliRunner().invoke(app, ["generate", str(v4_tiny), "--tokens", "1,2", "-n", "1", *args])
+        line = result.stderr.strip()
+        assert result.exit_code == 2 and line.startswith("minirt: error:") and "V3.2 only" in line and "\n" not in line
