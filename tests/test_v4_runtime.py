@@ -32,7 +32,8 @@ def test_verify_v4_tiny_across_chunks_and_window(v4_tiny):
     args = ["verify", str(v4_tiny), "--layers", "3", "--prompt-len", "132", "--prefill-chunk", "64",
             "--decode-steps", "2", "--device", DEVICE, "--json"]
     result = CliRunner().invoke(app, args)
-    report = json.loads(result.stdout)
+    assert "{" in result.output, result.output
+    report = json.loads(result.output[result.output.index("{"):])
     checks = {c["name"]: c for c in report["checks"]}
     assert set(checks) == {"hidden[0]", "hidden[1]", "hidden[2]", "attention[0]", "attention[1]", "attention[2]",
                            "topk_overlap[1]", "prefill_logits", "decode_logits", "top1_agreement"}
