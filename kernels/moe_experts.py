@@ -24,7 +24,10 @@ in registers (exact) and multiplied with the fp8 activations converted to bf16 (
 Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
 rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
 16 tokens on its narrow side (swap_ab), so each active expert's weights are read once per 16 of
-its tokens and inactive experts not at all.
+its tokens and inactive experts not at all; launches of fewer programs than the GPU has SMs
+(a few experts' tiles) split K, the last split of each tile adding the partials in split order.
+Results do not depend on the order in which an expert's rows are placed (each row is computed on its
+own), so they are deterministic although the plan places rows with atomics.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from .fp8_gemm import _capability
+from .fp8_gemm import _arrival_counters, _capability, _num_sms
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
 FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
@@ -125,6 +128,10 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.w13.device
 
+    def to(self, device) -> "ExpertWeights":
+        """The same experts with every tensor on ``device``."""
+        return ExpertWeights(self.format, *(t.to(device) for t in (self.w13, self.w13_scales, self.w2, self.w2_scales)))
+
     @property
     def nbytes(self) -> int:
         """Bytes of the four tensors (all experts; one expert's share is nbytes / n_experts)."""
@@ -143,58 +150,87 @@ class ExpertWeights:
         raise InputError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
 
 
-def _stack(name: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Per-expert 2-D tensors stacked to [E, ...] of ``dtype``: float32 converts any float dtype (scales),
-    a 1-byte dtype reinterprets any 1-byte dtype (int8 codes, e8m0 bytes)."""
-    if len(tensors) == 0:
-        raise InputError(f"{name}: no experts given")
-    stacked = []
+def _check_experts(name: str, tensors: Sequence[torch.Tensor], scales: bool) -> None:
+    """Raise InputError unless tensors is a non-empty sequence of 2-D tensors of one shape, of a float
+    dtype (scales) or a 1-byte one (codes), naming the first bad one."""
+    if not isinstance(tensors, Sequence) or len(tensors) == 0:
+        raise InputError(f"{name}: expected a sequence of per-expert tensors, got {type(tensors).__name__}")
     for e, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != tensors[0].shape \
-                or (t.element_size() != 1 if dtype != torch.float32 else not t.is_floating_point()):
-            raise InputError(f"{name}[{e}] must be a 2-D {'float' if dtype == torch.float32 else '1-byte'} tensor "
-                             f"of expert 0's shape {tuple(getattr(tensors[0], 'shape', ()))}, got "
+                or (not t.is_floating_point() if scales else t.element_size() != 1):
+            raise InputError(f"{name}[{e}] must be a 2-D {'float' if scales else '1-byte'} tensor of expert 0's "
+                             f"shape {tuple(getattr(tensors[0], 'shape', ()))}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        stacked.append(t.float() if dtype == torch.float32 else t.view(dtype))
-    return torch.stack(stacked)
 
 
-def expert_weights_fp8(w1, w1_scales, w3, w3_scales, w2, w2_scales) -> ExpertWeights:
+def _stacked(parts: Sequence[tuple[str, Sequence[torch.Tensor]]], dtype: torch.dtype, device) -> torch.Tensor:
+    """Per-expert tensors [E] x [n_p, k] of each part p (name, tensors), concatenated along dim 1
+    and stacked into one [E, sum n_p, k] ``dtype`` tensor on ``device``, filled expert by expert (no
+    second full copy): float32 converts float scales, a 1-byte dtype reinterprets 1-byte codes."""
+    scales = dtype == torch.float32
+    for name, tensors in parts:
+        _check_experts(name, tensors, scales)
+    n_experts = len(parts[0][1])
+    if any(len(tensors) != n_experts for _, tensors in parts):
+        raise InputError(f"{', '.join(name for name, _ in parts)}: different numbers of experts "
+                         f"({', '.join(str(len(t)) for _, t in parts)})")
+    widths = [tensors[0].shape[1] for _, tensors in parts]
+    if len(set(widths)) != 1:
+        raise InputError(f"{', '.join(name for name, _ in parts)}: different input widths {widths}")
+    out = torch.empty((n_experts, sum(t[0].shape[0] for _, t in parts), widths[0]), dtype=dtype, device=device)
+    for e in range(n_experts):
+        row = 0
+        for _, tensors in parts:
+            t = tensors[e] if scales else tensors[e].view(dtype)
+            out[e, row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    return out
+
+
+def expert_weights_fp8(w1, w1_scales, w3, w3_scales, w2, w2_scales, device=None) -> ExpertWeights:
     """
     ExpertWeights in block fp8 from per-expert checkpoint tensors (each a sequence of E tensors, in
-    expert order): w1 / w3 [I, D] float8_e4m3fn with scales [I / 128, D / 128], w2 [D, I] with
-    scales [D / 128, I / 128]. Scales of any float dtype (V4's float8_e8m0fnu included) are converted
-    to float32. Raises InputError (naming the expert) on a wrong shape or dtype.
+    expert order, on any device): w1 / w3 [I, D] float8_e4m3fn with scales [I / 128, D / 128], w2
+    [D, I] with scales [D / 128, I / 128]. Scales of any float dtype (V4's float8_e8m0fnu included)
+    are converted to float32. The result is built on ``device`` (default: w1[0]'s), expert by expert.
+    Raises InputError (naming the tensor and expert) on a wrong shape or dtype.
     """
-    return _experts("fp8", w1, w1_scales, w3, w3_scales, w2, w2_scales, FP8_DTYPE, torch.float32)
+    return _experts("fp8", w1, w1_scales, w3, w3_scales, w2, w2_scales, FP8_DTYPE, torch.float32, device)
 
 
-def expert_weights_fp4(w1, w1_scales, w3, w3_scales, w2, w2_scales) -> ExpertWeights:
+def expert_weights_fp4(w1, w1_scales, w3, w3_scales, w2, w2_scales, device=None) -> ExpertWeights:
     """
     ExpertWeights in fp4 from per-expert checkpoint tensors (each a sequence of E tensors): w1 / w3
     [I, D / 2] int8 or uint8 (packed e2m1, the low nibble element 2i) with e8m0 scales [I, D / 32]
     (float8_e8m0fnu or uint8 bytes), w2 [D, I / 2] with scales [D, I / 32]. The bytes are kept as
-    they are. Raises InputError on a wrong shape or element size.
+    they are; the result is built on ``device`` (default: w1[0]'s). Raises InputError on a wrong
+    shape or element size.
     """
-    return _experts("fp4", w1, w1_scales, w3, w3_scales, w2, w2_scales, torch.uint8, torch.uint8)
+    return _experts("fp4", w1, w1_scales, w3, w3_scales, w2, w2_scales, torch.uint8, torch.uint8, device)
 
 
-def _experts(fmt, w1, w1_scales, w3, w3_scales, w2, w2_scales, dtype, scale_dtype) -> ExpertWeights:
+def _experts(fmt, w1, w1_scales, w3, w3_scales, w2, w2_scales, dtype, scale_dtype, device) -> ExpertWeights:
     """Stack and concatenate per-expert tensors into ExpertWeights (which validates the result)."""
-    w13 = torch.cat([_stack("w1", w1, dtype), _stack("w3", w3, dtype)], 1)
-    s13 = torch.cat([_stack("w1_scales", w1_scales, scale_dtype), _stack("w3_scales", w3_scales, scale_dtype)], 1)
-    return ExpertWeights(fmt, w13, s13, _stack("w2", w2, dtype), _stack("w2_scales", w2_scales, scale_dtype))
+    _check_experts("w1", w1, False)
+    device = w1[0].device if device is None else device
+    return ExpertWeights(fmt, _stacked([("w1", w1), ("w3", w3)], dtype, device),
+                         _stacked([("w1_scales", w1_scales), ("w3_scales", w3_scales)], scale_dtype, device),
+                         _stacked([("w2", w2)], dtype, device), _stacked([("w2_scales", w2_scales)], scale_dtype, device))
 
 
 @dataclass(frozen=True)
 class MoeConfig:
     """Launch shape of moe_experts' grouped GEMMs. block_m: token rows per tile (every expert's rows
     padded to whole tiles); block_n: weight rows per program (128: one activation scale group of the
-    SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode)."""
+    SwiGLU output); swap_ab: weight rows on the MMA's M side and tokens on its N side (decode);
+    split_k: at most this many programs per output tile, each over an equal share of the k blocks
+    (the most that divide them), the last to finish summing the fp32 partials in split order; None
+    picks it (_splits)."""
 
     block_m: int = 64
     block_n: int = 128
     swap_ab: bool = False
+    split_k: Optional[int] = None
     num_warps: int = 8
     num_stages: int = 4
 
@@ -204,6 +240,9 @@ class MoeConfig:
 # triton 3.6); 64 rows also pad each expert's rows by half as much.
 PREFILL_CONFIG = MoeConfig()
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
+# Split-K (automatic) aims at this many programs per SM, each keeping >= SPLIT_MIN_K_BLOCKS k blocks.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MIN_K_BLOCKS = 4
 # Assignments per expert (on average) up to which the decode shape runs: a 16-token tile then holds
 # most of an expert's tokens, and 64-row tiles would be mostly padding.
 DECODE_MAX_PER_EXPERT = 16
@@ -383,21 +422,46 @@ def _k_block(a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.const
 
 
 @triton.jit
+def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: tl.constexpr,
+                BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, FP4: tl.constexpr, SWIGLU: tl.constexpr,
+                HAS_LIMIT: tl.constexpr):
+    """The epilogue of one output tile: bf16 rows, or (SWIGLU) silu(g) * u as fp8 codes with one scale
+    per row (BLOCK_N = 128), its columns split as the down product's fp4 weight wants them."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    offs_n = col + tl.arange(0, BLOCK_N)
+    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT
+    if SWIGLU:
+        if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+            acc = tl.minimum(acc, limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        h = acc / (1.0 + tl.exp(-acc)) * acc_up
+        codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
+        tl.store(out_rows + _split_columns(offs_n, FP4)[None, :], codes.to(tl.uint8))
+        tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
+    else:
+        tl.store(out_rows + offs_n[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
 def _grouped_gemm_kernel(
-    a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, limit,
+    a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, partial_ptr,
+    arrivals_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, FP4: tl.constexpr,
-    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
+    FP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    # Program (tile, column block), tile-major: the column blocks of one tile (one expert's weight)
-    # run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight has N
-    # rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N) and
-    # the matching up rows, silu(g) * u stored as fp8 codes with one scale per row (BLOCK_N = 128),
-    # its columns split as the down product's fp4 weight wants them (_split_columns); otherwise rows
-    # [c, c + BLOCK_N) (N = N_OUT) stored as bf16.
+    # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
+    # weight) run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight
+    # has N rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N)
+    # and the matching up rows; otherwise rows [c, c + BLOCK_N) (N = N_OUT). Split s of SPLITS takes
+    # k blocks [s, s + 1) x K / 128 / SPLITS.
     pid = tl.program_id(0)
-    tile = pid // (N_OUT // BLOCK_N)
-    col = (pid % (N_OUT // BLOCK_N)) * BLOCK_N
+    split = pid % SPLITS
+    tile_col = pid // SPLITS
+    tile = tile_col // (N_OUT // BLOCK_N)
+    col = (tile_col % (N_OUT // BLOCK_N)) * BLOCK_N
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
         gate_row = expert * N + col
@@ -405,28 +469,43 @@ def _grouped_gemm_kernel(
         a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, K // _BLOCK_K):
+        per_split: tl.constexpr = K // _BLOCK_K // SPLITS
+        for i in range(0, per_split):
+            kb = split * per_split + i
             a_scale = tl.load(a_scale_rows + kb)
             acc += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, K,
                             BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
             if SWIGLU:
                 acc_up += _k_block(a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
                                    FP4, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
-        if SWAP_AB:
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
-        offs_n = col + tl.arange(0, BLOCK_N)
-        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT
-        if SWIGLU:
-            if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
-                acc = tl.minimum(acc, limit)
-                acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            h = acc / (1.0 + tl.exp(-acc)) * acc_up
-            codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
-            tl.store(out_rows + _split_columns(offs_n, FP4)[None, :], codes.to(tl.uint8))
-            tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
+        if SPLITS == 1:
+            _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB, FP4,
+                        SWIGLU, HAS_LIMIT)
         else:
-            tl.store(out_rows + offs_n[None, :], acc.to(tl.bfloat16))
+            # partial_ptr: [tiles x column blocks, SPLITS, 2 (gate / up, or the product alone), tile] float32. Every split stores its
+            # partial sums and counts itself in; the last of its tile adds them in split order (the
+            # same sums whichever finishes last), runs the epilogue and resets the counter.
+            tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+            rows = tl.arange(0, BLOCK_N if SWAP_AB else BLOCK_M)
+            cols = tl.arange(0, BLOCK_M if SWAP_AB else BLOCK_N)
+            offsets = rows[:, None] * (BLOCK_M if SWAP_AB else BLOCK_N) + cols[None, :]
+            partials = partial_ptr + tile_col.to(tl.int64) * (SPLITS * 2 * tile_elems) + offsets
+            tl.store(partials + split * 2 * tile_elems, acc)
+            if SWIGLU:
+                tl.store(partials + (split * 2 + 1) * tile_elems, acc_up)
+            # All threads' stores precede the (acq_rel, gpu scope) count, one atomic per program.
+            tl.debug_barrier()
+            if tl.atomic_add(arrivals_ptr + tile_col, 1) == SPLITS - 1:
+                acc = tl.zeros_like(acc)
+                acc_up = tl.zeros_like(acc_up)
+                for s in range(0, SPLITS):
+                    # .cg: from L2, where the other programs' partials are, never a stale L1 line.
+                    acc += tl.load(partials + s * 2 * tile_elems, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += tl.load(partials + (s * 2 + 1) * tile_elems, cache_modifier=".cg")
+                tl.store(arrivals_ptr + tile_col, 0)
+                _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
+                            FP4, SWIGLU, HAS_LIMIT)
 
 
 @triton.jit
@@ -460,6 +539,16 @@ def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor, split: bool) -> t
     return x_fp8, x_scales
 
 
+def _splits(programs: int, n_k_blocks: int, device: torch.device, split_k: Optional[int]) -> int:
+    """Splits of the k blocks: the most that divide them evenly up to split_k, or (None) up to
+    SPLIT_PROGRAMS_PER_SM programs per SM keeping >= SPLIT_MIN_K_BLOCKS k blocks each (decode
+    launches of a few experts' tiles; prefill has enough programs and never splits)."""
+    if split_k is None:
+        split_k = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * _num_sms(device), programs),
+                      n_k_blocks // SPLIT_MIN_K_BLOCKS)
+    return max(s for s in range(1, max(1, split_k) + 1) if n_k_blocks % s == 0)
+
+
 def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, fp4: bool, swiglu: bool,
                   limit: Optional[float], n_experts: int, config: MoeConfig) -> None:
     """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]."""
@@ -469,11 +558,18 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     stacked = weight.view(n_experts * n, k_stored)
     # fp4: packed bytes, and the activations' k blocks loaded in halves (_split_columns).
     block_k = BLOCK_K // 2 if fp4 else BLOCK_K
-    _grouped_gemm_kernel[(tile_expert.numel() * (n_out // config.block_n),)](
+    tile_cols = tile_expert.numel() * (n_out // config.block_n)
+    splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
+    partials = arrivals = out      # unread placeholders without split-K
+    if splits > 1:
+        partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
+                               device=a.device)
+        arrivals = _arrival_counters(a.device, tile_cols)
+    _grouped_gemm_kernel[(tile_cols * splits,)](
         TensorDescriptor.from_tensor(a, [config.block_m, block_k]), a_scales,
         TensorDescriptor.from_tensor(stacked, [config.block_n, block_k]), scales, tile_expert, out,
-        out if out_scales is None else out_scales, 0.0 if limit is None else float(limit),
-        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        out if out_scales is None else out_scales, partials, arrivals, 0.0 if limit is None else float(limit),
+        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
         SWAP_AB=config.swap_ab, FP4=fp4, SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -489,8 +585,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     x is quantised to fp8 per token and 128 columns (fp8_gemm.quantize_act_fp8's rule, bit for bit)
     and so is the SwiGLU output before W2 (DeepSeek's act_quant on the expert's intermediate); each
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
-    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127)). Expert outputs are rounded to
-    bf16 per expert, then summed over the slots in slot order in fp32 (deterministic).
+    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
+    multiplied back per k block). Expert outputs are rounded to bf16 per expert, then summed over
+    the slots in slot order in fp32. Deterministic: the same inputs give the same bits.
 
     Sync-free and of static shapes (CUDA-graph capturable): the permutation by expert runs on the
     device with buffers sized for the worst case (max_tiles), the programs of unused tiles exit.

@@ -1,18 +1,28 @@
-"""The public kernels as torch custom ops (``torch.ops.minirt.*``), so ``torch.compile`` traces through
-them as single opaque nodes (no graph break) and CUDA graphs capture them like any ATen op.
+"""The kernels as torch custom ops (``torch.ops.minirt.*``), so ``torch.compile`` traces through them
+as single opaque nodes (no graph break, ``fullgraph=True`` works) and CUDA graphs capture them like any
+ATen op. ``minirt.layers`` and ``minirt.cache`` call the kernels through these ops, so a whole
+``DecoderLayer`` compiles.
 
 Each op has the signature and semantics of the Python function it wraps (see that function's
-docstring); the registered fake implementation gives output shapes and dtypes without running a kernel.
+docstring), less the keyword-only ``out``/``config`` arguments; the registered fake implementation
+gives output shapes and dtypes without running a kernel (nor the wrapper's checks, which need real
+data pointers).
 """
 from typing import Optional
 
 import torch
 
+from minirt.formats import FP8_DTYPE, FP8_GROUP
+
+from .fp8_gemm import fp8_gemm, quantize_act_fp8
+from .indexer_cache import paged_indexer_scores, write_index_keys
 from .kv_cache_fp8 import write_kv_fp8
 from .kv_cache_model1 import write_kv_model1
 from .moe_experts import ExpertWeights, moe_experts
 from .moe_routing import route_hash, route_topk
-from .sparse_mla_decode import sparse_mla_decode_fp8
+from .lightning_indexer import indexer_topk
+from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
+from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8
 from .sparse_mla_prefill import sparse_mla_prefill
 from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources
 
@@ -48,6 +58,21 @@ def _(q, kv_cache, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
       extra_indices=None, extra_topk_length=None):
     b, s_q, h_q, _ = q.shape
     return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, h_q, s_q, dtype=torch.float32)
+
+
+@torch.library.custom_op("minirt::mla_decode_fp8", mutates_args=())
+def mla_decode_fp8_op(q_absorbed: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      topk_positions: torch.Tensor, sm_scale: float, d_v: int = 512,
+                      attn_sink: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.mla_decode_fp8`` as a custom op: (out, lse)."""
+    return mla_decode_fp8(q_absorbed, kv_cache, block_table, topk_positions, sm_scale, d_v, attn_sink, topk_length)
+
+
+@mla_decode_fp8_op.register_fake
+def _(q_absorbed, kv_cache, block_table, topk_positions, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    b, s_q, h_q, _ = q_absorbed.shape
+    return q_absorbed.new_empty(b, s_q, h_q, d_v), q_absorbed.new_empty(b, h_q, s_q, dtype=torch.float32)
 
 
 @torch.library.custom_op("minirt::write_kv_fp8", mutates_args=("kv_cache",))
@@ -133,3 +158,88 @@ def moe_experts_op(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
 @moe_experts_op.register_fake
 def _(x, expert_ids, weights, w13, w13_scales, w2, w2_scales, format, swiglu_limit=None):
     return x.new_empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("minirt::write_index_keys", mutates_args=("cache",))
+def write_index_keys_op(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) -> None:
+    """``minirt.kernels.write_index_keys`` as a custom op (writes the fp8 index cache in place)."""
+    write_index_keys(cache, k, slots)
+
+
+@write_index_keys_op.register_fake
+def _(cache, k, slots):
+    return None
+
+
+@torch.library.custom_op("minirt::paged_indexer_scores", mutates_args=())
+def paged_indexer_scores_op(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                            limit: torch.Tensor, n_keys: Optional[int] = None) -> torch.Tensor:
+    """``minirt.kernels.paged_indexer_scores`` as a custom op: scores [b, t, n_keys] float32."""
+    return paged_indexer_scores(q, weights, cache, block_table, limit, n_keys=n_keys)
+
+
+@paged_indexer_scores_op.register_fake
+def _(q, weights, cache, block_table, limit, n_keys=None):
+    width = n_keys if n_keys is not None else block_table.shape[1] * cache.shape[1]  # pages × block_size
+    return q.new_empty(q.shape[0], q.shape[1], width, dtype=torch.float32)
+
+
+@torch.library.custom_op("minirt::indexer_topk", mutates_args=())
+def indexer_topk_op(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """``minirt.kernels.indexer_topk`` as a custom op: [..., topk] int32."""
+    return indexer_topk(scores, topk)
+
+
+@indexer_topk_op.register_fake
+def _(scores, topk):
+    return scores.new_empty(*scores.shape[:-1], topk, dtype=torch.int32)
+
+
+@torch.library.custom_op("minirt::quantize_act_fp8", mutates_args=())
+def quantize_act_fp8_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.quantize_act_fp8`` as a custom op: (x_fp8 [M, K], scales [M, K / 128])."""
+    return quantize_act_fp8(x)
+
+
+@quantize_act_fp8_op.register_fake
+def _(x):
+    m, k = x.shape
+    return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // FP8_GROUP, dtype=torch.float32)
+
+
+@torch.library.custom_op("minirt::fp8_gemm", mutates_args=())
+def fp8_gemm_op(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``minirt.kernels.fp8_gemm`` as a custom op: a · b^T [M, N] of out_dtype."""
+    return fp8_gemm(a, a_scales, b, b_scales, out_dtype)
+
+
+@fp8_gemm_op.register_fake
+def _(a, a_scales, b, b_scales, out_dtype=torch.bfloat16):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("minirt::mla_query_absorb", mutates_args=())
+def mla_query_absorb_op(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_scale: torch.Tensor,
+                        qk_nope_head_dim: int, v_head_dim: int) -> torch.Tensor:
+    """``minirt.kernels.mla_query_absorb`` as a custom op: q_lat [T, H, C]."""
+    return mla_query_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim)
+
+
+@mla_query_absorb_op.register_fake
+def _(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim):
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], kv_b_weight.shape[1])
+
+
+@torch.library.custom_op("minirt::mla_value_proj_fp8", mutates_args=())
+def mla_value_proj_fp8_op(o_lat: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_scale: torch.Tensor,
+                          qk_nope_head_dim: int, v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.mla_value_proj_fp8`` as a custom op: (o_fp8 [T, H * v], scales [T, H * v / 128])."""
+    return mla_value_proj_fp8(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim)
+
+
+@mla_value_proj_fp8_op.register_fake
+def _(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim):
+    width = o_lat.shape[1] * v_head_dim
+    return o_lat.new_empty(o_lat.shape[0], width, dtype=FP8_DTYPE), \
+        o_lat.new_empty(o_lat.shape[0], width // FP8_GROUP, dtype=torch.float32)

@@ -25,7 +25,9 @@ def default_weights_dir() -> Path:
     """Where the embedded default checkpoint lives: $MINIRT_WEIGHTS, else the checkout's ``weights/``
     (an editable install), else ``~/.cache/minirt``."""
     if "MINIRT_WEIGHTS" in os.environ:
-        return Path(os.environ["MINIRT_WEIGHTS"])
+        from .files import as_path
+
+        return as_path(os.environ["MINIRT_WEIGHTS"], "MINIRT_WEIGHTS")  # empty: an error, not the current directory
     repo_weights = Path(__file__).resolve().parent.parent / "weights"
     return repo_weights if repo_weights.is_dir() else Path.home() / ".cache" / "minirt"
 
@@ -47,7 +49,9 @@ def default_checkpoint(progress=None) -> Path:
 def load(path: str | Path | None = None, layers: int | None = None, device: str | None = None,
          backend: str = "triton", dtype: torch.dtype | None = None, indexer_precision: str = "exact",
          prefill_chunk: int | None = None, weights: str | None = None, progress=None):
-    """Load the first ``layers`` dense layers of a checkpoint (None: all dense layers) for inference.
+    """Load the first ``layers`` layers of a checkpoint (None: all, ``num_hidden_layers``; dense and MoE)
+    for inference; the weights must fit in the device's free memory (else DeviceError with the largest
+    layer count that fits).
 
     path: HF checkpoint directory; None uses the tiny synthetic default (created once).
     device: "cuda" or "cpu"; None picks cuda when available. On the CPU the Triton kernels run under
@@ -79,7 +83,9 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     if weights not in (None, "fp8", "bf16"):
         raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    path = Path(path) if path is not None else default_checkpoint(progress)
+    from .files import as_path
+
+    path = as_path(path, "checkpoint path") if path is not None else default_checkpoint(progress)
     family = family_of(load_config(path))
     if family is not None:  # another model family (DeepSeek-V4): its own loader
         if indexer_precision != "exact" or weights == "bf16":
@@ -98,5 +104,5 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress,
                                    fp8_as_stored=weights == "fp8")
-    return build_engine(cfg, tensors, layers or cfg.num_dense_layers, dev, dtype, indexer_precision, prefill_chunk,
+    return build_engine(cfg, tensors, layers or cfg.num_hidden_layers, dev, dtype, indexer_precision, prefill_chunk,
                         fp8_weights=weights == "fp8")

@@ -7,7 +7,7 @@ use either through this interface alone.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -38,6 +38,8 @@ def check_tokens(tokens, vocab_size: int, what: str = "tokens") -> list[int]:
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InputError(f"{what}: token ids must be integers, got a {tokens.dtype} tensor")
         tokens = tokens.reshape(-1).tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise InputError(f"{what}: expected a sequence of token ids, got {type(tokens).__name__} {tokens!r:.40}")
     ids = list(tokens)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
@@ -48,8 +50,17 @@ def check_tokens(tokens, vocab_size: int, what: str = "tokens") -> list[int]:
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """The prompts as lists of ints, or InputError: a non-empty sequence of non-empty token-id sequences
+    (``[[1, 2, 3]]``, not ``[1, 2, 3]``), every id in [0, vocab)."""
+    if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+        prompts = list(prompts)
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence):
+        raise InputError(f"prompts must be a list of prompts, each a list of token ids, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise InputError("no prompts given")
+    if any(isinstance(p, numbers.Integral) for p in prompts):
+        raise InputError(f"prompts must be a list of prompts, each a list of token ids: [{list(prompts)!r:.40}], "
+                         f"not {list(prompts)!r:.40}")
     out = [check_tokens(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
     for i, p in enumerate(out):
         if not p:

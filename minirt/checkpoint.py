@@ -1,27 +1,33 @@
-"""Read the leading dense layers of a Hugging Face DeepSeek-V3 / V3.2 checkpoint.
+"""Read the leading layers of a Hugging Face DeepSeek-V3 / V3.2 checkpoint, dense and MoE.
 
 Layout (see ``tensor_specs``): ``config.json`` plus either ``model.safetensors.index.json``
 (``{"metadata": {...}, "weight_map": {tensor: shard}}``) with its shards, or one ``model.safetensors``.
 Quantised checkpoints store each linear weight as float8_e4m3fn with a float32 ``<name>_scale_inv``
-partner (see ``minirt.blockfp8``). minirt runs dense layers only: layers >= ``first_k_dense_replace`` are
-MoE and are refused, layers >= ``num_hidden_layers`` (the MTP module) are never read.
+partner (see ``minirt.blockfp8``). Layers >= ``num_hidden_layers`` (the MTP module) are never read.
+A MoE layer's routed experts are stored one tensor per expert and projection; the loader stacks them
+(``stacked_expert_name``) into the layout the MoE kernels read, as stored (e4m3 with their block scales).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
+import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
 from .config import ModelConfig
-from .errors import CheckpointError, DeviceError, InputError
+from .errors import CheckpointError, DeviceError, InputError, excerpt
+from .files import (MAX_HEADER_BYTES, MAX_INDEX_BYTES, as_path, is_present, member, open_regular, os_reason, read_json,
+                    shown, stat_regular)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -52,30 +58,70 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     quantized: bool
+    fp32: bool = False  # kept float32 whatever the load dtype (the router's weight and bias)
 
 
 def _check_num_layers(cfg: ModelConfig, num_layers: int) -> None:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise InputError(f"num_layers must be a positive int, got {num_layers!r}")
-    dense = cfg.num_dense_layers
-    if num_layers > dense:
-        moe = cfg.num_hidden_layers - dense
+    if num_layers > cfg.num_hidden_layers:
         raise CheckpointError(
-            f"asked for {num_layers} layers, but only the first {dense} layer(s) of this checkpoint are dense "
-            f"(first_k_dense_replace={cfg.first_k_dense_replace}, num_hidden_layers={cfg.num_hidden_layers}"
-            + (f"; the other {moe} are MoE, which minirt does not run" if moe > 0 else "")
-            + f"): load at most {dense} layer(s)"
+            f"asked for {num_layers} layers, but the model has {cfg.num_hidden_layers} (num_hidden_layers): "
+            f"load at most {cfg.num_hidden_layers} layer(s)"
         )
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def stacked_expert_name(name: str) -> tuple[str, int, int] | None:
+    """Where one expert's stored weight goes in its layer's stacked experts, or None for other tensors.
+
+    ``model.layers.{i}.mlp.experts.{e}.{gate,up}_proj.weight`` [I, D] → rows [0, I) / [I, 2I) of expert
+    e of ``model.layers.{i}.mlp.experts.gate_up_proj.weight`` [E, 2I, D]; ``...{e}.down_proj.weight``
+    [D, I] → expert e of ``model.layers.{i}.mlp.experts.down_proj.weight`` [E, D, I]. Their
+    ``_scale_inv`` partners stack the same way (rows in blocks). Returns (stacked name, e, part) with
+    part 0 for gate and down, 1 for up (the second half of the rows).
+    """
+    m = _EXPERT_NAME.fullmatch(name)
+    if m is None:
+        return None
+    prefix, expert, proj = m.groups()
+    stacked = f"{prefix}.down_proj.weight" if proj == "down_proj" else f"{prefix}.gate_up_proj.weight"
+    return stacked, int(expert), int(proj == "up_proj")
+
+
+def stacked_expert_specs(cfg: ModelConfig, layer: int) -> dict[str, TensorSpec]:
+    """MoE layer ``layer``'s stacked experts as the loader returns them: ``...mlp.experts.gate_up_proj.weight``
+    [E, 2I, D] (gate rows, then up rows) and ``...mlp.experts.down_proj.weight`` [E, D, I], each with a
+    float32 ``_scale_inv`` [E, rows / 128, cols / 128] when quantised; empty for a dense layer."""
+    if not cfg.is_moe_layer(layer):
+        return {}
+    moe, hidden, fp8 = cfg.moe, cfg.hidden_size, cfg.quantization is not None
+    prefix = f"model.layers.{layer}.mlp.experts"
+    return {f"{prefix}.gate_up_proj.weight": TensorSpec((moe.n_routed_experts, 2 * moe.moe_intermediate_size, hidden), fp8),
+            f"{prefix}.down_proj.weight": TensorSpec((moe.n_routed_experts, hidden, moe.moe_intermediate_size), fp8)}
+
+
+def stacked_scale_shape(spec: TensorSpec, block: tuple[int, int]) -> tuple[int, int, int]:
+    """The ``_scale_inv`` shape of a stacked expert tensor [E, rows, cols]: [E, rows / b0, cols / b1]."""
+    return (spec.shape[0], *block_scale_shape(spec.shape[1:], block))
+
+
 def tensor_specs(cfg: ModelConfig, num_layers: int) -> dict[str, TensorSpec]:
-    """The checkpoint layout: HF weight name → TensorSpec, for dense layers 0..num_layers-1 and the
+    """The checkpoint layout: HF weight name → TensorSpec, for layers 0..num_layers-1 and the
     top-level tensors (``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``).
 
     Shapes are (out, in) for linear weights. Quantised (when ``cfg.quantization`` is set): every linear
-    projection except embeddings, lm_head, norms, ``indexer.weights_proj`` and ``indexer.k_norm``.
+    projection except embeddings, lm_head, norms, ``indexer.weights_proj``, ``indexer.k_norm`` and the
+    MoE router (``mlp.gate.weight`` [E, hidden] and ``mlp.gate.e_score_correction_bias`` [E], kept
+    fp32). A MoE layer (``cfg.is_moe_layer``) has, instead of the dense ``mlp.{gate,up,down}_proj``,
+    the router, ``mlp.experts.{e}.{gate,up,down}_proj.weight`` for e < n_routed_experts ([I, hidden],
+    [I, hidden], [hidden, I] with I = moe_intermediate_size) and, with n_shared_experts > 0,
+    ``mlp.shared_experts.{gate,up,down}_proj.weight`` (width n_shared_experts · I).
     ``_scale_inv`` partners are not listed. Raises InputError for num_layers < 1 and CheckpointError when
-    num_layers exceeds ``cfg.num_dense_layers`` (MoE layers).
+    num_layers exceeds ``cfg.num_hidden_layers``.
     """
     _check_num_layers(cfg, num_layers)
     fp8 = cfg.quantization is not None
@@ -99,10 +145,8 @@ def tensor_specs(cfg: ModelConfig, num_layers: int) -> dict[str, TensorSpec]:
             "self_attn.kv_a_layernorm.weight": plain(cfg.kv_lora_rank),
             "self_attn.kv_b_proj.weight": linear(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
             "self_attn.o_proj.weight": linear(hidden, heads * cfg.v_head_dim),
-            "mlp.gate_proj.weight": linear(cfg.intermediate_size, hidden),
-            "mlp.up_proj.weight": linear(cfg.intermediate_size, hidden),
-            "mlp.down_proj.weight": linear(hidden, cfg.intermediate_size),
         }
+        layer |= _moe_specs(cfg, linear) if cfg.is_moe_layer(i) else _swiglu_specs("mlp", cfg.intermediate_size, hidden, linear)
         if cfg.is_v32:
             layer |= {
                 "self_attn.indexer.wq_b.weight": linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
@@ -118,6 +162,22 @@ def tensor_specs(cfg: ModelConfig, num_layers: int) -> dict[str, TensorSpec]:
     return specs
 
 
+def _swiglu_specs(prefix: str, width: int, hidden: int, linear) -> dict[str, TensorSpec]:
+    return {f"{prefix}.gate_proj.weight": linear(width, hidden), f"{prefix}.up_proj.weight": linear(width, hidden),
+            f"{prefix}.down_proj.weight": linear(hidden, width)}
+
+
+def _moe_specs(cfg: ModelConfig, linear) -> dict[str, TensorSpec]:
+    moe, hidden = cfg.moe, cfg.hidden_size
+    specs = {"mlp.gate.weight": TensorSpec((moe.n_routed_experts, hidden), False, fp32=True),
+             "mlp.gate.e_score_correction_bias": TensorSpec((moe.n_routed_experts,), False, fp32=True)}
+    for e in range(moe.n_routed_experts):
+        specs |= _swiglu_specs(f"mlp.experts.{e}", moe.moe_intermediate_size, hidden, linear)
+    if moe.n_shared_experts:
+        specs |= _swiglu_specs("mlp.shared_experts", moe.n_shared_experts * moe.moe_intermediate_size, hidden, linear)
+    return specs
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """One tensor as a safetensors header describes it."""
@@ -126,6 +186,7 @@ class StoredTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # the file offset of its first data byte
 
 
 def _is_size(value) -> bool:
@@ -136,8 +197,9 @@ def _is_size(value) -> bool:
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """Parse and validate a safetensors file's header without reading tensor data.
 
-    Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing or
-    truncated file, a header length beyond the file, a header that is not a JSON object, an entry
+    Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing, not
+    regular (a FIFO, a device) or truncated file, a header length beyond the file or beyond
+    ``files.MAX_HEADER_BYTES`` (100 MB, the safetensors library's own cap), a header that is not a JSON object, an entry
     that is not ``{"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}``, a
     ``__metadata__`` that is not an object of strings, an unsupported dtype, a byte range that
     disagrees with dtype × shape, tensor data past the end of the file, or byte ranges that overlap,
@@ -145,13 +207,17 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     the safetensors library refuses such files when they are opened).
     """
     path = Path(path)
+    f, st = open_regular(path, "safetensors file", CheckpointError)
+    size = st.st_size
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+        with f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
             (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: corrupt safetensors file: header length {header_len:,} exceeds the "
+                                      f"{MAX_HEADER_BYTES:,} bytes safetensors allows")
             if header_len > size - 8:
                 raise CheckpointError(
                     f"{path}: truncated or corrupt safetensors file: header length {header_len} exceeds the "
@@ -182,31 +248,31 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if not (isinstance(dtype_str, str) and isinstance(shape, list) and all(_is_size(d) for d in shape)
                 and isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}: {entry!r:.200}")
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {shown(name)}: {entry!r:.200}")
         dtype = SAFETENSORS_DTYPES.get(dtype_str)
         if dtype is None:
             raise CheckpointError(
-                f"{path}: tensor {name} has dtype {dtype_str:.40}, not one of {', '.join(SAFETENSORS_DTYPES)}"
+                f"{path}: tensor {shown(name)} has dtype {dtype_str:.40}, not one of {', '.join(SAFETENSORS_DTYPES)}"
             )
         begin, end = offsets
         nbytes = math.prod(shape) * dtype.itemsize
         if begin > end or end - begin != nbytes:
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {name} byte range {[begin, end]} does not hold "
+                f"{path}: corrupt safetensors header: tensor {shown(name)} byte range {[begin, end]} does not hold "
                 f"{dtype_str} {shape} ({nbytes} bytes)"
             )
         if end > data_size:
             raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name} ends at data byte {end}, "
+                f"{path}: truncated safetensors file: tensor {shown(name)} ends at data byte {end}, "
                 f"but the file holds only {data_size} data bytes"
             )
-        tensors[name] = StoredTensor(path, dtype, tuple(shape), nbytes)
+        tensors[name] = StoredTensor(path, dtype, tuple(shape), nbytes, 8 + header_len + begin)
         ranges.append((begin, end, name))
     covered = 0
     for begin, end, name in sorted(ranges):
         if begin != covered:
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {name} starts at data byte {begin}, but the "
+                f"{path}: corrupt safetensors header: tensor {shown(name)} starts at data byte {begin}, but the "
                 f"tensors before it end at byte {covered} ({'overlap' if begin < covered else 'hole'})"
             )
         covered = end
@@ -242,23 +308,39 @@ class LoadPlan:
 
 
 def read_weight_map(path: Path) -> tuple[str, dict[str, str]]:
-    """(file the map comes from, tensor name → shard file name): the index, else the single file's header."""
+    """(file the map comes from, tensor name → shard file name): the index, else the single file's header.
+
+    The index is a regular file of at most ``files.MAX_INDEX_BYTES``; every shard name in it must name
+    a file inside ``path`` (no absolute name, no ``..``): CheckpointError otherwise."""
     index_path = path / INDEX_FILE
-    if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index_path}: cannot parse ({e})") from None
-        except RecursionError:  # json's decoder recurses once per nesting level
-            raise CheckpointError(f"{index_path}: cannot parse (JSON nested too deeply)") from None
+    if is_present(index_path):
+        index = read_json(index_path, INDEX_FILE, MAX_INDEX_BYTES, CheckpointError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' of tensor name → shard file")
+        for shard in set(weight_map.values()):
+            member(path, shard, str(index_path), CheckpointError)
         return INDEX_FILE, weight_map
     single = path / SINGLE_FILE
-    if single.is_file():
+    if is_present(single):
         return SINGLE_FILE, {name: SINGLE_FILE for name in read_safetensors_header(single)}
     raise CheckpointError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE} found")
+
+
+def check_checkpoint_dir(path: Path) -> None:
+    """CheckpointError unless ``path`` is a directory (symlinks followed) with a regular config.json,
+    saying what is there instead (nothing, a file, a symlink loop, a FIFO as config.json, ...)."""
+    what = "(a checkpoint is a directory with config.json and safetensors shards)"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{shown(path)}: no such directory {what}") from None
+    except OSError as e:
+        raise CheckpointError(f"{os_reason(e, path, 'checkpoint directory')} {what}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{shown(path)}: not a checkpoint directory {what}")
+    stat_regular(path / "config.json", "config.json", CheckpointError,
+                 missing=f"{shown(path)}: not a checkpoint directory (no config.json)")
 
 
 def _check_stored(name: str, stored: StoredTensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
@@ -286,8 +368,8 @@ def locate_tensors(
         if name not in weight_map:
             raise CheckpointError(f"{path}: tensor {name} is missing (not in {map_file})")
         shard = path / weight_map[name]
-        if not shard.is_file():
-            raise CheckpointError(f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
+        stat_regular(shard, f"shard of tensor {name}", CheckpointError,
+                     missing=f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
         shard_of[name] = shard
 
     shard_files = tuple(sorted(set(shard_of.values())))
@@ -303,22 +385,21 @@ def locate_tensors(
 
 
 def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
-    """Plan loading the first ``num_layers`` dense layers (None: all dense layers) of the checkpoint
-    directory ``path``, reading only config.json, the index and the headers of the shards needed.
+    """Plan loading the first ``num_layers`` layers (None: every layer, ``num_hidden_layers``) of the
+    checkpoint directory ``path``, reading only config.json, the index and the headers of the shards needed.
 
     Checks that every needed tensor is mapped to an existing shard and present in its header with the
     expected dtype and shape (fp8 weights float8_e4m3fn with a float32 ``_scale_inv`` of the block grid
-    shape; others bf16/fp16/fp32). Raises ConfigError for a bad config.json, CheckpointError (naming the
-    tensor and shard or file) for everything else, including MoE layers asked for.
+    shape; others bf16/fp16/fp32). Only regular files are read, and only files inside ``path`` (a
+    shard name in the index may not be absolute or hold ``..``; a symlink in ``path`` may point
+    anywhere). Raises InputError for an empty path, ConfigError for a bad config.json, CheckpointError
+    (naming the tensor and shard or file) for everything else, including more layers than the model has.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint directory")
+    path = as_path(path, "checkpoint path")
+    check_checkpoint_dir(path)
     cfg = ModelConfig.from_file(path / "config.json")
     if num_layers is None:
-        num_layers = cfg.num_dense_layers
-        if num_layers == 0:
-            raise CheckpointError(f"{path}: the checkpoint has no dense layers (first_k_dense_replace=0)")
+        num_layers = cfg.num_hidden_layers
     specs = tensor_specs(cfg, num_layers)
     block = cfg.quantization.weight_block_size if cfg.quantization else None
 
@@ -351,32 +432,165 @@ def _first_nonfinite(t: torch.Tensor) -> int | None:
     return int(bad.flatten().to(torch.uint8).argmax())  # argmax returns the first of equal maxima
 
 
-def _check_finite(t: torch.Tensor, name: str, shard: Path, what: str = "value") -> None:
+def _check_finite(t: torch.Tensor, name: str, shard: Path, what: str = "value", first: int = 0) -> None:
+    """CheckpointError naming the first NaN or ±Inf of t; ``first``: the flat index of t's first element
+    in the whole tensor (t may be a row range of it)."""
     index = _first_nonfinite(t)
     if index is not None:
         value = t.flatten()[index].float().item()
-        raise CheckpointError(f"tensor {name} in {shard.name}: non-finite {what} ({value}) at flat index {index}")
+        raise CheckpointError(f"tensor {name} in {shard.name}: non-finite {what} ({value}) at flat index {first + index}")
 
 
-def _read_tensor(handle, stored: StoredTensor, name: str) -> torch.Tensor:
-    """One tensor from an open safe_open handle, checked finite (on the CPU copy, before any cast)."""
+READ_CHUNK_BYTES = 16 << 20  # stored bytes read, checked and converted at a time (its temporaries: ~5x)
+
+
+def _read_rows(file, stored: StoredTensor, name: str, first_row: int, rows: int) -> torch.Tensor:
+    """Rows [first_row, first_row + rows) of a stored tensor (along its leading dim; a 0-d tensor is
+    one row), read from its open shard into a new CPU tensor of the stored dtype."""
+    row_bytes = stored.nbytes // stored.shape[0] if stored.shape else stored.nbytes
+    data = torch.empty(rows * row_bytes, dtype=torch.uint8)
     try:
-        t = handle.get_tensor(name)
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise CheckpointError(f"{stored.shard}: cannot read tensor {name} ({e})") from None
-    _check_finite(t, name, stored.shard)
-    return t
+        file.seek(stored.offset + first_row * row_bytes)
+        got = file.readinto(memoryview(data.numpy()))
+    except OSError as e:
+        raise CheckpointError(f"{stored.shard}: cannot read tensor {name} ({e.strerror or e})") from None
+    if got != data.numel():
+        raise CheckpointError(f"{stored.shard}: cannot read tensor {name} (the file ends early)")
+    return data.view(stored.dtype).view(rows, *stored.shape[1:]) if stored.shape else data.view(stored.dtype)[0]
+
+
+def _load_tensor(file, stored: StoredTensor, name: str, device: torch.device, dtype: torch.dtype,
+                 scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """One stored tensor as a new ``dtype`` tensor on ``device``, dequantised with ``scale_inv`` (its
+    block scales) when given. It is read, checked finite (before and after the cast) and converted
+    ``READ_CHUNK_BYTES`` of stored data at a time, straight into the result: loading holds the result
+    and one chunk, never a second full-size copy (nor a memory map of the shard)."""
+    out = torch.empty(stored.shape, dtype=dtype, device=device)
+    rows = stored.shape[0] if stored.shape else 1
+    if rows == 0:
+        return out
+    step = max(1, READ_CHUNK_BYTES // max(1, stored.nbytes // rows))
+    if scale_inv is not None:
+        step = max(block[0], step // block[0] * block[0])  # whole scale blocks per chunk
+    per_row = math.prod(stored.shape[1:])
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        raw = _read_rows(file, stored, name, start, n)
+        _check_finite(raw, name, stored.shard, first=start * per_row)
+        raw = raw.to(device)
+        if scale_inv is not None:
+            value = dequantize_block_fp8(raw, scale_inv[start // block[0] : -(-(start + n) // block[0])], block, dtype)
+        else:
+            value = raw.to(dtype)
+        if value.dtype != stored.dtype:
+            _check_finite(value, name, stored.shard, f"value after conversion to {dtype}", first=start * per_row)
+        if stored.shape:
+            out[start : start + n].copy_(value)
+        else:
+            out.copy_(value)
+    return out
+
+
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """torch.device(device), or InputError if unparsable, DeviceError if it is CUDA and none is available."""
+    """torch.device(device) of type cpu or cuda; InputError if unparsable or of another type (xpu, meta,
+    ...: minirt runs on neither), DeviceError if it is CUDA and none (or no such index) is available."""
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(f"not a torch device: {device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"device {device} requested but CUDA is not available")
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"not a torch device: {excerpt(device)}") from None
+    if device.type not in DEVICE_TYPES:
+        raise InputError(f"device {excerpt(str(device))}: minirt runs on {' or '.join(DEVICE_TYPES)} only")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {device} requested but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {device} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
     return device
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on ``device``: CUDA's free memory, or the CPU's available RAM
+    (MemAvailable in /proc/meminfo; elsewhere free physical pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_ue8m0(scale: torch.Tensor, name: str, shard: Path) -> None:
+    """A ue8m0 block scale is a power of two (an 8-bit exponent): zero, negative or any other value
+    means the file is not what its config says."""
+    mantissa, _ = torch.frexp(scale)
+    bad = ~((scale > 0) & (mantissa == 0.5))
+    if bad.any():
+        index = int(bad.flatten().to(torch.uint8).argmax())
+        raise CheckpointError(f"tensor {name} in {shard.name}: block scale {scale.flatten()[index].item():g} at flat "
+                              f"index {index} is not a positive power of two, as config.json's scale_fmt 'ue8m0' says")
+
+
+def spec_memory_bytes(name: str, spec: TensorSpec, block: tuple[int, int] | None, dtype: torch.dtype,
+                      fp8_as_stored: bool) -> int:
+    """Bytes weight ``name`` takes once loaded: routed experts and, with ``fp8_as_stored``, every
+    quantised weight as stored (e4m3 + float32 block scales); the router in float32; the rest in dtype."""
+    n = math.prod(spec.shape)
+    if spec.quantized and (fp8_as_stored or stacked_expert_name(name) is not None):
+        return n + 4 * math.prod(block_scale_shape(spec.shape, block))
+    return n * (4 if spec.fp32 else dtype.itemsize)
+
+
+def layer_memory_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: torch.dtype,
+                       fp8_as_stored: bool) -> tuple[int, list[int]]:
+    """(bytes of the top-level tensors, bytes of each layer in order) that ``load_checkpoint`` holds
+    for ``specs`` (``spec_memory_bytes``)."""
+    block = cfg.quantization.weight_block_size if cfg.quantization else None
+    top, layers = 0, {}
+    for name, spec in specs.items():
+        size = spec_memory_bytes(name, spec, block, dtype, fp8_as_stored)
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            layers[i] = layers.get(i, 0) + size
+        else:
+            top += size
+    return top, [layers[i] for i in sorted(layers)]
+
+
+def expert_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes of MoE layer ``layer``'s routed experts once loaded (as stored: e4m3 + float32 scales)."""
+    block = cfg.quantization.weight_block_size if cfg.quantization else None
+    return sum(spec_memory_bytes(name, spec, block, torch.bfloat16, False) for name, spec in
+               tensor_specs(cfg, layer + 1).items() if name.startswith(f"model.layers.{layer}.")
+               and stacked_expert_name(name) is not None)
+
+
+def weight_memory_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: torch.dtype, fp8_as_stored: bool) -> int:
+    """Bytes of all the weights ``load_checkpoint`` holds for ``specs`` (``layer_memory_bytes`` summed)."""
+    top, layers = layer_memory_bytes(cfg, specs, dtype, fp8_as_stored)
+    return top + sum(layers)
+
+
+def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as_stored: bool) -> None:
+    """DeviceError, with both numbers and the largest layer count that fits, when the weights of
+    ``plan`` exceed the free memory of ``device``: before anything is read."""
+    top, layers = layer_memory_bytes(plan.config, plan.specs, dtype, fp8_as_stored)
+    need, free = top + sum(layers), available_memory(device)
+    if need <= free:
+        return
+    fits, total = 0, top
+    while fits < len(layers) and total + layers[fits] <= free:
+        total += layers[fits]
+        fits += 1
+    advice = f"at most {fits} layer(s) fit (--layers {fits})" if fits else "not even one layer fits"
+    raise DeviceError(f"{plan.num_layers} layer(s) of {plan.path} need {decimal(need)} of weights on {device.type}, "
+                      f"{decimal(free)} is free: {advice}")
 
 
 def load_checkpoint(
@@ -387,43 +601,80 @@ def load_checkpoint(
     progress: Progress | None = None,
     fp8_as_stored: bool = False,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load the first ``num_layers`` dense layers (None: all dense layers) plus embeddings, final norm
-    and lm_head from the HF checkpoint directory ``path``.
+    """Load the first ``num_layers`` layers (None: every layer) plus embeddings, final norm and
+    lm_head from the HF checkpoint directory ``path``.
 
-    Opens only the shards holding those tensors (see ``plan_load`` for the layout checks). Every stored
-    tensor, ``_scale_inv`` included, must be finite (NaN or ±Inf → CheckpointError naming the tensor,
-    shard and first bad flat index); fp8 weights are dequantised (``blockfp8.dequantize_block_fp8``) and
-    must stay finite in ``dtype``. Returns (config, {HF weight name: tensor}) with tensors of the
-    TensorSpec shapes in ``dtype`` on ``device``; no ``_scale_inv`` entries. With ``fp8_as_stored``
-    the fp8 weights are not dequantised: they come as stored (float8_e4m3fn) with their float32
-    ``<name>_scale_inv`` entries beside them. ``progress(done, total, name)``, if given, is called
-    after each weight with bytes read so far and in total.
+    Opens only the shards holding those tensors (see ``plan_load`` for the layout checks) and first
+    checks that the loaded weights fit in ``device``'s free memory (DeviceError naming both sizes and
+    the largest layer count that fits). Every stored tensor, ``_scale_inv`` included, must be finite
+    (NaN or ±Inf → CheckpointError naming the tensor, shard and first bad flat index), and a positive
+    power of two where config.json's ``scale_fmt`` is ``ue8m0``; fp8 weights are dequantised
+    (``blockfp8.dequantize_block_fp8``) and must stay finite in ``dtype``. Returns
+    (config, {HF weight name: tensor}) with tensors of the TensorSpec shapes in ``dtype`` on ``device``
+    (the MoE router's in float32); no ``_scale_inv`` entries. With ``fp8_as_stored`` the fp8 weights
+    are not dequantised: they come as stored (float8_e4m3fn) with their float32 ``<name>_scale_inv``
+    entries beside them. A MoE layer's routed experts always come as stored, stacked
+    (``stacked_expert_specs``: ``...mlp.experts.gate_up_proj.weight`` [E, 2I, D] and
+    ``...mlp.experts.down_proj.weight`` [E, D, I] with their ``_scale_inv``; in ``dtype`` for an
+    unquantised checkpoint), copied in expert by expert so that no second copy is ever held.
+    ``progress(done, total, name)``, if given, is called after each weight with bytes read so far and
+    in total.
     """
     if dtype not in UNQUANTIZED_DTYPES:
         raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
-    block = plan.config.quantization.weight_block_size if plan.config.quantization else None
+    _check_fits(plan, device, dtype, fp8_as_stored)
+    cfg = plan.config
+    block = cfg.quantization.weight_block_size if cfg.quantization else None
+    stacked: dict[str, TensorSpec] = {}
+    for i in range(plan.num_layers):
+        stacked |= stacked_expert_specs(cfg, i)
 
     weights: dict[str, torch.Tensor] = {}
+    for name, spec in stacked.items():  # filled expert by expert below
+        weights[name] = torch.empty(spec.shape, dtype=FP8_DTYPE if spec.quantized else dtype, device=device)
+        if spec.quantized:
+            weights[name + SCALE_SUFFIX] = torch.empty(stacked_scale_shape(spec, block), dtype=torch.float32,
+                                                       device=device)
     done = 0
     with contextlib.ExitStack() as stack:
-        handles = {}
+        files = {}
         for shard in plan.shard_files:
             try:
-                handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own SafetensorError, or OSError
-                raise CheckpointError(f"{shard}: cannot open safetensors file ({e})") from None
+                files[shard] = stack.enter_context(open(shard, "rb", buffering=0))
+            except OSError as e:
+                raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
+
+        def read(name: str, dtype: torch.dtype, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+            stored = plan.stored[name]
+            return _load_tensor(files[stored.shard], stored, name, device, dtype, scale_inv, block)
+
         for name, spec in plan.specs.items():
             names = (name, name + SCALE_SUFFIX) if spec.quantized else (name,)
-            raw = [_read_tensor(handles[plan.stored[n].shard], plan.stored[n], n).to(device) for n in names]
-            if spec.quantized and fp8_as_stored:
-                weights |= dict(zip(names, raw))
+            scale = read(name + SCALE_SUFFIX, torch.float32) if spec.quantized else None
+            if scale is not None and cfg.quantization.scale_fmt == "ue8m0":
+                _check_ue8m0(scale, name + SCALE_SUFFIX, plan.stored[name + SCALE_SUFFIX].shard)
+            slot = stacked_expert_name(name)
+            if slot is not None:  # a routed expert: as stored, into its rows of the stacked tensors
+                _copy_expert(weights, slot, [read(name, FP8_DTYPE if spec.quantized else dtype)] +
+                             ([scale] if scale is not None else []))
+            elif scale is None:
+                weights[name] = read(name, torch.float32 if spec.fp32 else dtype)
+            elif fp8_as_stored:
+                weights[name], weights[name + SCALE_SUFFIX] = read(name, FP8_DTYPE), scale
             else:
-                w = dequantize_block_fp8(raw[0], raw[1], block, dtype) if spec.quantized else raw[0].to(dtype)
-                _check_finite(w, name, plan.stored[name].shard, f"value after conversion to {dtype}")
-                weights[name] = w
+                weights[name] = read(name, dtype, scale)
             done += sum(plan.stored[n].nbytes for n in names)
             if progress is not None:
                 progress(done, plan.num_bytes, name)
     return plan.config, weights
+
+
+def _copy_expert(weights: dict[str, torch.Tensor], slot: tuple[str, int, int], raw: list[torch.Tensor]) -> None:
+    """One expert's stored weight (and scale) into its rows of the stacked tensors (``stacked_expert_name``)."""
+    stacked, expert, part = slot
+    targets = [weights[stacked]] + ([weights[stacked + SCALE_SUFFIX]] if len(raw) == 2 else [])
+    for target, t in zip(targets, raw):
+        rows = t.shape[0]
+        target[expert, part * rows : (part + 1) * rows].copy_(t)  # casts an unquantised expert to dtype

@@ -94,7 +94,8 @@ class StepContext:
     without a cache (prefill only; the indexer then has no keys, so ``topk_override`` must be given).
     segments / stash: a prefill step (None: a decode step with one token per sequence, positions =
     cached lengths). topk_override: per layer None or [N, k] positions (−1 = none) that replace the
-    indexer's choice. trace: where a prefill records per-layer intermediates.
+    indexer's choice. expert_override: per layer None or (weights [N, k] fp32, expert ids [N, k]) that
+    replace a MoE layer's routing. trace: where a prefill records per-layer intermediates.
     """
 
     positions: torch.Tensor
@@ -108,6 +109,7 @@ class StepContext:
     stash_rows: torch.Tensor | None = None
     topk_override: Sequence[torch.Tensor | None] | None = None
     trace: PrefillTrace | None = None
+    expert_override: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -118,7 +120,7 @@ def prefill_context(cfg: ModelConfig, lengths: Sequence[int], *, starts: Sequenc
                     seqs: Sequence[int] | None = None, cache: PagedCache | None = None,
                     stash: KVStash | None = None, topk_override=None, trace: PrefillTrace | None = None,
                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    device: torch.device | str | None = None) -> StepContext:
+                    device: torch.device | str | None = None, expert_override=None) -> StepContext:
     """Context of a prefill step over segments packed back to back: ``lengths[j]`` tokens of sequence
     ``seqs[j]`` (default j) from position ``starts[j]`` (default 0).
 
@@ -144,11 +146,12 @@ def prefill_context(cfg: ModelConfig, lengths: Sequence[int], *, starts: Sequenc
     return StepContext(positions, cos, sin, cache=cache,
                        slots=cache.slots(seq_index, positions) if cache is not None else None,
                        segments=segments, stash=stash, stash_rows=base[seq_index] + positions,
-                       topk_override=topk_override, trace=trace)
+                       topk_override=topk_override, trace=trace, expert_override=expert_override)
 
 
 def decode_context(cfg: ModelConfig, cache: PagedCache, batch: int,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, topk_override=None) -> StepContext:
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, topk_override=None,
+                   expert_override=None) -> StepContext:
     """Context of a decode step: one new token for each of the cache's first ``batch`` sequences, at
     position ``cache.seq_lens`` (the caller advances seq_lens after the step, as the engine does).
     rope: (cos, sin) tables indexed by position, covering the cache's capacity; with them the context
@@ -160,4 +163,4 @@ def decode_context(cfg: ModelConfig, cache: PagedCache, batch: int,
         rope_cos_sin(cfg, positions, cfg.qk_rope_head_dim)
     return StepContext(positions, cos, sin, cache=cache,
                        slots=cache.slots(rows, positions), block_table=cache.block_table[:batch],
-                       topk_override=topk_override)
+                       topk_override=topk_override, expert_override=expert_override)

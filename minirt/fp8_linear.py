@@ -7,7 +7,7 @@ from torch import nn
 from .blockfp8 import block_scale_shape
 from .errors import InputError
 from .formats import FP8_DTYPE
-from .kernels.fp8_gemm import fp8_gemm, quantize_act_fp8
+from .kernels.ops import fp8_gemm_op as fp8_gemm, quantize_act_fp8_op as quantize_act_fp8  # custom ops: compilable
 
 
 class Fp8Linear(nn.Module):

@@ -26,6 +26,12 @@ class GenerationResult:
     decode_steps: int
     decode_seconds: float
     stop_reasons: list[str]
+    decode_step_seconds: float = float("nan")  # inside engine.decode alone; decode_seconds adds sampling, streaming
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced by decode steps, over the batch (each sequence's first token comes from prefill)."""
+        return self.decode_steps * len(self.tokens)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -33,9 +39,14 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens produced per second by decode steps, summed over the batch."""
-        n = self.decode_steps * len(self.tokens)
-        return n / self.decode_seconds if self.decode_seconds else float("nan")
+        """Tokens produced per second of the decode loop (engine steps, sampling, streaming), summed over
+        the batch."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else float("nan")
+
+    @property
+    def decode_steps_per_s(self) -> float:
+        """Engine decode steps per second, the step alone (one token for every sequence each)."""
+        return self.decode_steps / self.decode_step_seconds if self.decode_step_seconds else float("nan")
 
 
 def _sync(device) -> None:
@@ -53,15 +64,35 @@ def check_generation_length(cfg, longest_prompt: int, max_new_tokens: int) -> No
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
 
 
+def warm_up(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> float:
+    """Run the prefill of ``prompts`` and two greedy decode steps once, untimed, on the cache
+    ``generate(engine, prompts, max_new_tokens)`` then uses (``setup_cache`` keeps a cache of the same
+    sizes): the first calls compile the Triton kernels on a GPU and the first decode step captures
+    the batch's CUDA graph, so ``generate``'s figures then measure the runtime alone. Returns its
+    seconds."""
+    longest = max((len(p) for p in prompts), default=0)
+    check_generation_length(engine.cfg, longest, max_new_tokens)
+    engine.setup_cache(len(prompts), longest + max_new_tokens)
+    _sync(engine.device)
+    start = time.perf_counter()
+    tokens = engine.prefill(prompts).argmax(-1)
+    for _ in range(min(2, max_new_tokens - 1)):
+        tokens = engine.decode(tokens).argmax(-1)
+    _sync(engine.device)
+    return time.perf_counter() - start
+
+
 def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-             eos_token_id: int | None = None,
-             on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+             eos_token_id: int | None = None, on_token: Callable[[int, int], None] | None = None,
+             on_prefill: Callable[[int, int], None] | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` for each prompt; a sequence stops after it emits ``eos_token_id``.
 
     ``on_token(sequence_index, token)`` is called for every new token as soon as it is sampled (streaming).
     The cache is sized for the longest prompt plus ``max_new_tokens``; more than the model's
     ``max_position_embeddings`` in total is an InputError. The result says why each sequence stopped
-    (``GenerationResult.stop_reasons``).
+    (``GenerationResult.stop_reasons``). ``on_prefill(done, total)``: prompt tokens prefilled so far
+    (the triton backend's chunks; ``Engine.prefill``'s progress). The first calls on a GPU include
+    Triton's compilation and the CUDA-graph capture: ``warm_up`` first keeps them out of the figures.
     """
     longest = max((len(p) for p in prompts), default=0)
     check_generation_length(engine.cfg, longest, max_new_tokens)
@@ -70,14 +101,14 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
     engine.setup_cache(len(prompts), longest + max_new_tokens)
     _sync(device)
     start = time.perf_counter()
-    logits = engine.prefill(prompts)
+    logits = engine.prefill(prompts, progress=on_prefill) if on_prefill is not None else engine.prefill(prompts)
     next_tokens = sample(logits, sampling, generator)
     _sync(device)
     prefill_seconds = time.perf_counter() - start
 
     out: list[list[int]] = [[] for _ in prompts]
     stop: list[str | None] = [None] * len(prompts)
-    steps, start = 0, time.perf_counter()
+    steps, step_seconds, start = 0, 0.0, time.perf_counter()
     while True:
         for i, t in enumerate(next_tokens.tolist()):
             if stop[i] is not None:
@@ -91,7 +122,12 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
                 stop[i] = STOP_LENGTH
         if all(reason is not None for reason in stop):
             break
-        next_tokens = sample(engine.decode(next_tokens), sampling, generator)
+        step_start = time.perf_counter()
+        logits = engine.decode(next_tokens)
+        _sync(device)  # sampling reads the logits on the host right after: this wait costs nothing more
+        step_seconds += time.perf_counter() - step_start
+        next_tokens = sample(logits, sampling, generator)
         steps += 1
     _sync(device)
-    return GenerationResult(out, sum(len(p) for p in prompts), prefill_seconds, steps, time.perf_counter() - start, stop)
+    return GenerationResult(out, sum(len(p) for p in prompts), prefill_seconds, steps, time.perf_counter() - start,
+                            stop, step_seconds)

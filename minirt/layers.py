@@ -25,8 +25,14 @@ from .config import ModelConfig
 from .context import StepContext
 from .errors import InputError
 from .fp8_linear import Fp8Linear
-from .kernels import (indexer_topk, mla_decode_fp8, mla_query_absorb, mla_value_proj_fp8, paged_indexer_scores,
-                      quantize_act_fp8, sparse_mla_prefill, write_kv_fp8)
+# The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
+from .kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
+                          mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
+                          paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
+                          sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
+from .blockfp8 import block_scale_shape
+from .formats import FP8_DTYPE
+from .kernels import ExpertWeights, moe_experts, route_topk
 from .rope import apply_rope_half, apply_rope_interleaved
 
 
@@ -252,20 +258,109 @@ class MLAAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fp8_weights: bool = False):
+    """SwiGLU down(silu(gate(x)) · up(x)) of width ``intermediate_size`` (default the config's: a
+    dense layer's MLP; a MoE layer's shared experts pass theirs)."""
+
+    def __init__(self, cfg: ModelConfig, fp8_weights: bool = False, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, fp8_weights)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, fp8_weights)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, fp8_weights)
+        width = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = _linear(cfg.hidden_size, width, fp8_weights)
+        self.up_proj = _linear(cfg.hidden_size, width, fp8_weights)
+        self.down_proj = _linear(width, cfg.hidden_size, fp8_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class TopkRouter(nn.Module):
+    """DeepSeek-V3 / V3.2's router (``mlp.gate``): buffers ``weight`` [E, hidden] and
+    ``e_score_correction_bias`` [E], float32 (the loader keeps them so).
+
+    forward(x [T, hidden], any float dtype) -> (weights [T, k] fp32, expert ids [T, k] int32): the
+    logits x · weightᵀ in fp32, then ``route_topk`` (sigmoid scores, the bias for the choice only,
+    group-limited top-k with ties to the lower index, renormalised, scaled). Sync-free.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.moe = cfg.moe
+        self.register_buffer("weight", torch.zeros(self.moe.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.moe.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        return route_topk(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias.float(),
+                          top_k=moe.num_experts_per_tok, scoring=moe.scoring_func, n_group=moe.n_group,
+                          topk_group=moe.topk_group, normalize=moe.norm_topk_prob, scaling=moe.routed_scaling_factor)
+
+
+class StackedFp8Weight(nn.Module):
+    """E block-fp8 weights stacked: buffers ``weight`` (float8_e4m3fn [E, out, in]) and
+    ``weight_scale_inv`` (float32 [E, out / 128, in / 128]); zeros with unit scales until loaded."""
+
+    def __init__(self, n_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(n_experts, out_features, in_features, dtype=FP8_DTYPE))
+        self.register_buffer("weight_scale_inv",
+                             torch.ones(n_experts, *block_scale_shape((out_features, in_features))))
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts of width I in the MoE kernels' layout (``mlp.experts``, as the loader stacks
+    them): ``gate_up_proj`` [E, 2I, hidden] (gate rows, then up rows) and ``down_proj`` [E, hidden, I].
+
+    forward(x [T, hidden], expert_ids [T, k] int32, weights [T, k] fp32) -> [T, hidden] bf16:
+    Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) (``moe_experts``; ``swiglu_limit`` clamps as V4 does).
+    """
+
+    def __init__(self, n_experts: int, hidden: int, width: int, swiglu_limit: float | None = None):
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.gate_up_proj = StackedFp8Weight(n_experts, 2 * width, hidden)
+        self.down_proj = StackedFp8Weight(n_experts, hidden, width)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        experts = ExpertWeights("fp8", self.gate_up_proj.weight, self.gate_up_proj.weight_scale_inv,
+                                self.down_proj.weight, self.down_proj.weight_scale_inv)
+        return moe_experts(x.to(torch.bfloat16), expert_ids, weights, experts, swiglu_limit=self.swiglu_limit)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts FFN: out = Σ_k w_k · expert_k(x) + shared_experts(x).
+
+    ``gate``: any module mapping x [T, hidden] to (weights [T, k] fp32, expert ids [T, k] int32), the
+    V3 / V3.2 ``TopkRouter`` by default (``from_config``); another model family passes its own router
+    and ``swiglu_limit``. ``shared_experts``: a module on every token, or None. forward(x [T, hidden],
+    routing=None) -> [T, hidden] in x's dtype; ``routing`` = (weights, expert ids) replaces the gate's
+    choice (to compare the experts' numerics on a reference's routing). No host sync (CUDA-graph
+    capturable when the gate is).
+    """
+
+    def __init__(self, gate: nn.Module, experts: RoutedExperts, shared_experts: nn.Module | None):
+        super().__init__()
+        self.gate, self.experts, self.shared_experts = gate, experts, shared_experts
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, fp8_weights: bool = False) -> "MoE":
+        """V3 / V3.2's MoE layer: the grouped top-k router, ``n_routed_experts`` fp8 experts and
+        ``n_shared_experts`` experts' worth of a dense SwiGLU (as fp8 or float linears, as ``fp8_weights``)."""
+        moe = cfg.moe
+        shared = DenseMLP(cfg, fp8_weights, moe.n_shared_experts * moe.moe_intermediate_size) \
+            if moe.n_shared_experts else None
+        return cls(TopkRouter(cfg), RoutedExperts(moe.n_routed_experts, cfg.hidden_size, moe.moe_intermediate_size),
+                   shared)
+
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        weights, expert_ids = self.gate(x) if routing is None else routing
+        out = self.experts(x, expert_ids.to(torch.int32), weights.float()).to(x.dtype)
+        return out if self.shared_experts is None else out + self.shared_experts(x).to(x.dtype)
+
+
 class DecoderLayer(nn.Module):
-    """One dense decoder layer: x + attn(norm(x)), then + mlp(norm(·)). ``layer_index`` is its place
-    in the model (which cache, stash and top-k override of the step context it uses); ``fp8_weights``
-    keeps the linear weights block-fp8 as the checkpoint stores them."""
+    """One decoder layer: x + attn(norm(x)), then + mlp(norm(·)), the MLP dense or, where
+    ``cfg.is_moe_layer(layer_index)``, a ``MoE``. ``layer_index`` is its place in the model (which
+    cache, stash and top-k override of the step context it uses); ``fp8_weights`` keeps the linear
+    weights block-fp8 as the checkpoint stores them (routed experts always are)."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact",
                  fp8_weights: bool = False):
@@ -274,11 +369,40 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg, layer_index, indexer_precision, fp8_weights)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DenseMLP(cfg, fp8_weights)
+        self.mlp = MoE.from_config(cfg, fp8_weights) if cfg.is_moe_layer(layer_index) else DenseMLP(cfg, fp8_weights)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x [N, hidden] float (the residual stream of a step's N tokens: a prefill step's segments back
+        to back, or one token per sequence in a decode step) -> [N, hidden], x's dtype.
+
+        ctx: the step's ``StepContext`` (``minirt.context.prefill_context`` / ``decode_context``) with N
+        positions. The layer writes the new tokens' latents and indexer keys to
+        ``ctx.cache.layers[layer_index]`` and reads that cache (decode) or ``ctx.stash`` (prefill);
+        ``ctx.topk_override[layer_index]``, when given, replaces the indexer's choice.
+
+        Raises InputError when x is not [N, hidden] with N = ctx.positions' length, or when the context
+        holds no cache or top-k override entry for ``layer_index``.
+        """
+        _check_layer_input(x, ctx, self.layer_index, self.input_layernorm.weight.shape[0])
         h = x + self.self_attn(self.input_layernorm(x), ctx)
+        if isinstance(self.mlp, MoE):
+            routing = ctx.expert_override[self.layer_index] if ctx.expert_override is not None else None
+            return h + self.mlp(self.post_attention_layernorm(h), routing)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _check_layer_input(x, ctx: StepContext, layer_index: int, hidden: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise InputError(f"layer input x must be a float tensor [N, {hidden}] (tokens, hidden), got {shape}")
+    if x.shape[0] != ctx.positions.shape[0]:
+        raise InputError(f"layer input x has {x.shape[0]} tokens, the step context {ctx.positions.shape[0]} positions")
+    if ctx.cache is not None and layer_index >= len(ctx.cache.layers):
+        raise InputError(f"layer_index {layer_index} has no cache: the context's cache holds {len(ctx.cache.layers)} "
+                         f"layer(s) (build it with num_layers > {layer_index})")
+    if ctx.topk_override is not None and layer_index >= len(ctx.topk_override):
+        raise InputError(f"layer_index {layer_index} has no top-k override: topk_override holds "
+                         f"{len(ctx.topk_override)} layer(s)")
 
 
 class Transformer(nn.Module):

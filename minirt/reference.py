@@ -1,11 +1,16 @@
-"""Eager reference model (the oracle) for DeepSeek-V3 / V3.2 dense layers, in plain torch.
+"""Eager reference model (the oracle) for DeepSeek-V3 / V3.2 layers, dense and MoE, in plain torch.
 
 One sequence, one dtype throughout (fp32 by default, fp64 for tight comparisons), dense ``[T, T]``
 attention with explicit boolean masks. Read next to DeepSeek's published math:
 
     h   = x + o_proj(MLA(rmsnorm(x)))            per decoder layer
-    out = h + down(silu(gate(h')) · up(h')),     h' = rmsnorm(h)
+    out = h + down(silu(gate(h')) · up(h')),     h' = rmsnorm(h)   (dense layers)
+    out = h + Σ_k w_k · expert_k(h') + shared(h')                  (MoE layers)
     logits = lm_head(rmsnorm(out of the last layer))
+
+MoE (:func:`route_experts`, :func:`moe`): the router's sigmoid scores plus the selection-only bias,
+group-limited top-k (ties to the lower index), weights renormalised and scaled; each expert a SwiGLU
+dequantised from its block-fp8 weights when it is used.
 
 MLA (:func:`mla_projections`, :func:`mla_attention`): per head ``q = [q_nope | q_rope]``, a shared
 latent ``c`` (the KV cache) and a shared ``k_rope``; ``k_nope, v = kv_b_proj(c)``;
@@ -26,9 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backend import check_prompts, check_tokens
-from .checkpoint import tensor_specs
-from .config import ModelConfig
-from .errors import CheckpointError, InputError
+from .blockfp8 import dequantize_block_fp8
+from .checkpoint import SCALE_SUFFIX, stacked_expert_name, stacked_expert_specs, stacked_scale_shape, tensor_specs
+from .config import ModelConfig, MoeConfig
+from .errors import CheckpointError, InputError, NumericalError
 from .rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
 
 # The official indexer builds its k LayerNorm with the default eps, not the config's rms_norm_eps.
@@ -40,10 +46,67 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def mlp(x: Tensor, w: Mapping[str, Tensor]) -> Tensor:
-    """Dense SwiGLU MLP ``down_proj(silu(gate_proj(x)) · up_proj(x))``; x ``[T, hidden]`` → ``[T, hidden]``."""
-    gate = F.silu(F.linear(x, w["mlp.gate_proj.weight"]))
-    return F.linear(gate * F.linear(x, w["mlp.up_proj.weight"]), w["mlp.down_proj.weight"])
+def mlp(x: Tensor, w: Mapping[str, Tensor], prefix: str = "mlp") -> Tensor:
+    """Dense SwiGLU MLP ``down_proj(silu(gate_proj(x)) · up_proj(x))`` of the weights ``{prefix}.*``
+    (``mlp``, or a MoE layer's ``mlp.shared_experts``); x ``[T, hidden]`` → ``[T, hidden]``."""
+    gate = F.silu(F.linear(x, w[f"{prefix}.gate_proj.weight"]))
+    return F.linear(gate * F.linear(x, w[f"{prefix}.up_proj.weight"]), w[f"{prefix}.down_proj.weight"])
+
+
+def route_experts(x: Tensor, gate_weight: Tensor, bias: Tensor, moe: MoeConfig) -> tuple[Tensor, Tensor]:
+    """V3 / V3.2 ``noaux_tc`` routing of x ``[T, hidden]`` with the router ``gate_weight [E, hidden]``
+    and ``bias [E]`` (``e_score_correction_bias``), in x's dtype.
+
+    scores = sigmoid(x · gateᵀ); choice = scores + bias (the bias only chooses). With n_group > 1
+    each group of E / n_group consecutive experts scores the sum of its two best choices and only the
+    topk_group best groups stay eligible. The num_experts_per_tok best choices win, ties to the lower
+    index (stable sorts), best first. Returns (weights ``[T, k]``: the winners' unbiased scores,
+    divided by their sum when norm_topk_prob, times routed_scaling_factor; expert ids ``[T, k]`` int64).
+    """
+    T, E = x.shape[0], moe.n_routed_experts
+    scores = F.linear(x, gate_weight.to(x.dtype)).sigmoid()
+    choice = scores + bias.to(x.dtype)
+    if moe.n_group > 1:
+        grouped = choice.view(T, moe.n_group, E // moe.n_group)
+        group_scores = grouped.sort(dim=-1, descending=True).values[..., :2].sum(-1)
+        kept = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, : moe.topk_group]
+        eligible = torch.zeros(T, moe.n_group, dtype=torch.bool, device=x.device).scatter_(1, kept, True)
+        choice = choice.masked_fill(~eligible.repeat_interleave(E // moe.n_group, dim=1), float("-inf"))
+    ids = choice.sort(dim=-1, descending=True, stable=True).indices[:, : moe.num_experts_per_tok]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * moe.routed_scaling_factor, ids
+
+
+def expert_weight(w: Mapping[str, Tensor], name: str, expert: int, block: tuple[int, int] | None,
+                  dtype: torch.dtype) -> Tensor:
+    """Expert ``expert``'s slice of the stacked ``w[name]`` (``mlp.experts.gate_up_proj.weight`` or
+    ``mlp.experts.down_proj.weight``), dequantised with its ``_scale_inv`` when stored fp8, in dtype."""
+    if w[name].dtype.is_floating_point and w[name].element_size() > 1:
+        return w[name][expert].to(dtype)
+    return dequantize_block_fp8(w[name][expert], w[name + SCALE_SUFFIX][expert], block, dtype)
+
+
+def moe(x: Tensor, w: Mapping[str, Tensor], cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """A MoE layer's FFN on x ``[T, hidden]`` (post-attention-normalised), from a layer's weights ``w``
+    (the router, the stacked experts of ``checkpoint.stacked_expert_specs``, the shared experts).
+
+    Returns (out ``[T, hidden]`` = Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) + shared(x[t]), weights
+    ``[T, k]``, ids ``[T, k]``; :func:`route_experts`). Each expert used is dequantised once, in x's dtype.
+    """
+    block = cfg.quantization.weight_block_size if cfg.quantization else None
+    weights, ids = route_experts(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], cfg.moe)
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        gate_up = expert_weight(w, "mlp.experts.gate_up_proj.weight", e, block, x.dtype)
+        gate, up = F.linear(x[rows], gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, expert_weight(w, "mlp.experts.down_proj.weight", e, block, x.dtype))
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    if cfg.moe.n_shared_experts:
+        out = out + mlp(x, w, "mlp.shared_experts")
+    return out, weights, ids
 
 
 @dataclass
@@ -193,7 +256,9 @@ class ReferenceOutput:
     topk_indices: per layer the sparse selection used ``[T, k]`` int64 (−1 padded; k = index_topk
     unless overridden), None for dense-attention (V3) layers; attn_outputs: per layer the ``o_proj``
     output ``[T, hidden]``; index_scores: per layer the indexer scores ``[T, T]`` (−inf for s > t),
-    None for V3.
+    None for V3. Per MoE layer (None for dense ones): moe_inputs the FFN's normalised input
+    ``[T, hidden]``, moe_outputs its output ``[T, hidden]``, expert_ids ``[T, k]`` int64 and
+    expert_weights ``[T, k]`` (:func:`moe`).
     """
 
     logits: Tensor
@@ -201,15 +266,21 @@ class ReferenceOutput:
     topk_indices: list[Tensor | None]
     attn_outputs: list[Tensor]
     index_scores: list[Tensor | None]
+    moe_inputs: list[Tensor | None]
+    moe_outputs: list[Tensor | None]
+    expert_ids: list[Tensor | None]
+    expert_weights: list[Tensor | None]
 
 
 class ReferenceModel:
-    """The first ``num_layers`` dense decoder layers of a DeepSeek-V3/V3.2 model, then the final norm
-    and lm_head, in plain torch.
+    """The first ``num_layers`` decoder layers (dense and MoE) of a DeepSeek-V3/V3.2 model, then the
+    final norm and lm_head, in plain torch.
 
-    weights: HF name → tensor (dequantised; any float dtype), at least those of ``checkpoint.tensor_specs``;
-    they are copied to ``dtype`` on ``device``. ``num_layers`` defaults to every dense layer
-    (``cfg.num_dense_layers``); MoE layers are not supported.
+    weights: HF name → tensor as ``checkpoint.load_checkpoint`` returns them (dequantised; any float
+    dtype), at least those of ``checkpoint.tensor_specs``, but a MoE layer's routed experts stacked
+    (``checkpoint.stacked_expert_specs``, fp8 with their ``_scale_inv`` or float); they are copied to
+    ``dtype`` on ``device``, the fp8 experts kept as stored (each is dequantised when used).
+    ``num_layers`` defaults to every layer (``cfg.num_hidden_layers``).
     """
 
     def __init__(
@@ -221,24 +292,29 @@ class ReferenceModel:
         device: torch.device | str = "cpu",
     ):
         if num_layers is None:
-            num_layers = cfg.num_dense_layers
-        if not 1 <= num_layers <= cfg.num_dense_layers:
-            raise InputError(
-                f"num_layers={num_layers}: the reference runs only the {cfg.num_dense_layers} dense layers "
-                f"(first_k_dense_replace={cfg.first_k_dense_replace}, num_hidden_layers={cfg.num_hidden_layers})"
-            )
+            num_layers = cfg.num_hidden_layers
+        if not 1 <= num_layers <= cfg.num_hidden_layers:
+            raise InputError(f"num_layers={num_layers}: the model has {cfg.num_hidden_layers} layers (num_hidden_layers)")
         if not dtype.is_floating_point:
             raise InputError(f"dtype must be a floating-point dtype, got {dtype}")
         self.cfg, self.num_layers, self.dtype, self.device = cfg, num_layers, dtype, torch.device(device)
         self.weights: dict[str, Tensor] = {}
-        for name, spec in tensor_specs(cfg, num_layers).items():
-            shape = spec.shape
+        expected = {name: spec.shape for name, spec in tensor_specs(cfg, num_layers).items()
+                    if stacked_expert_name(name) is None}
+        block = cfg.quantization.weight_block_size if cfg.quantization else None
+        for i in range(num_layers):
+            for name, spec in stacked_expert_specs(cfg, i).items():
+                expected[name] = spec.shape
+                if spec.quantized and weights.get(name, torch.empty(0)).dtype == torch.float8_e4m3fn:
+                    expected[name + SCALE_SUFFIX] = stacked_scale_shape(spec, block)
+        for name, shape in expected.items():
             if name not in weights:
                 raise CheckpointError(f"tensor '{name}' is missing")
             tensor = weights[name]
             if tuple(tensor.shape) != shape:
                 raise CheckpointError(f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {shape}")
-            self.weights[name] = tensor.to(device=self.device, dtype=dtype)
+            keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(SCALE_SUFFIX)  # fp8 experts as stored
+            self.weights[name] = tensor.to(device=self.device, dtype=None if keep else dtype)
 
     def layer_weights(self, i: int) -> dict[str, Tensor]:
         """Layer i's weights by their names relative to ``model.layers.{i}.``."""
@@ -265,6 +341,7 @@ class ReferenceModel:
         T = tokens.shape[0]
         cos, sin = rope_cos_sin(cfg, torch.arange(T, device=self.device), cfg.qk_rope_head_dim, dtype=self.dtype)
         hidden_states, topk_indices, attn_outputs, index_scores = [], [], [], []
+        moe_inputs, moe_outputs, expert_ids, expert_weights = [], [], [], []
 
         h = self.weights["model.embed_tokens.weight"][tokens]
         for i in range(self.num_layers):
@@ -278,14 +355,22 @@ class ReferenceModel:
             o = mla_attention(p, w["self_attn.kv_b_proj.weight"], cfg, attention_mask(topk, T, self.device), absorbed)
             attn = F.linear(o.flatten(1), w["self_attn.o_proj.weight"])
             h = h + attn
-            h = h + mlp(rmsnorm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps), w)
+            x = rmsnorm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            is_moe = cfg.is_moe_layer(i)
+            ffn, routed_weights, routed_ids = moe(x, w, cfg) if is_moe else (mlp(x, w), None, None)
+            h = h + ffn
+            moe_inputs.append(x if is_moe else None)
+            moe_outputs.append(ffn if is_moe else None)
+            expert_weights.append(routed_weights)
+            expert_ids.append(routed_ids)
             hidden_states.append(h)
             topk_indices.append(None if topk is None else topk.to(self.device, torch.long))
             attn_outputs.append(attn)
             index_scores.append(scores)
 
         logits = F.linear(rmsnorm(h, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.weights["lm_head.weight"])
-        return ReferenceOutput(logits, hidden_states, topk_indices, attn_outputs, index_scores)
+        return ReferenceOutput(logits, hidden_states, topk_indices, attn_outputs, index_scores, moe_inputs,
+                               moe_outputs, expert_ids, expert_weights)
 
 
 class ReferenceEngine:
@@ -301,9 +386,19 @@ class ReferenceEngine:
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         """No cache: kept so callers can treat both backends alike."""
 
+    def _forward(self, tokens: list[int], stage: str) -> ReferenceOutput:
+        """The model's forward; NumericalError naming the first layer whose output is non-finite when
+        the logits are."""
+        out = self.model.forward(torch.tensor(tokens))
+        if not bool(torch.isfinite(out.logits).all()):
+            bad = [i for i, h in enumerate(out.hidden_states) if not bool(torch.isfinite(h).all())]
+            raise NumericalError.in_logits(stage, f"layer {bad[0]} (model.layers.{bad[0]})" if bad
+                                           else "the final norm (model.norm) or lm_head")
+        return out
+
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False) -> Tensor:
         self.sequences = check_prompts(prompts, self.cfg.vocab_size)
-        outs = [self.model.forward(torch.tensor(p)).logits.float() for p in self.sequences]
+        outs = [self._forward(p, "prefill").logits.float() for p in self.sequences]
         return torch.cat(outs) if all_logits else torch.stack([o[-1] for o in outs])
 
     def decode(self, tokens: Tensor) -> Tensor:
@@ -312,7 +407,7 @@ class ReferenceEngine:
             raise InputError(f"decode needs one token per prefilled sequence ({len(self.sequences)}), got {len(tokens)}")
         for seq, t in zip(self.sequences, tokens):
             seq.append(t)
-        return torch.stack([self.model.forward(torch.tensor(s)).logits[-1].float() for s in self.sequences])
+        return torch.stack([self._forward(s, "decode").logits[-1].float() for s in self.sequences])
 
 
 def forward_peak_bytes(cfg: ModelConfig, num_layers: int, num_tokens: int, dtype: torch.dtype = torch.float32) -> int:
@@ -328,7 +423,8 @@ def forward_peak_bytes(cfg: ModelConfig, num_layers: int, num_tokens: int, dtype
       softmax with its zero-row ``where``; scaled scores before that) plus ``[T, T]`` bool masks;
       :func:`select_topk`: the stable sort's values ``[T, T]`` and int64 indices;
       :func:`lightning_indexer`: the running ``[T, T]`` sum, a head's product and its relu;
-    * the layer's ``[T, width]`` projections and MLP activations, and the final ``[T, vocab]`` logits.
+    * the layer's ``[T, width]`` projections and MLP activations, and the final ``[T, vocab]`` logits;
+    * per MoE layer the FFN's kept input, output and routing, and (transient) one expert dequantised.
 
     The ``[H, T, T]`` term dominates from a few hundred tokens on (128 heads: 2 KiB · T²).
     """
@@ -348,4 +444,10 @@ def forward_peak_bytes(cfg: ModelConfig, num_layers: int, num_tokens: int, dtype
         widths += cfg.index_n_heads * cfg.index_head_dim
     layer = stage + T * widths * e
     logits = T * cfg.vocab_size * e
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(num_layers))
+    if moe_layers:  # kept: the FFN's input, output and routing; transient: one expert dequantised (fp32 + copy)
+        k, width = cfg.moe.num_experts_per_tok, cfg.moe.moe_intermediate_size
+        kept_moe = 2 * T * cfg.hidden_size * e + T * k * (8 + e)
+        layer += 2 * 3 * width * cfg.hidden_size * 4 + T * cfg.moe.n_routed_experts * 3 * e
+        return num_layers * kept + moe_layers * kept_moe + max(layer, logits)
     return num_layers * kept + max(layer, logits)

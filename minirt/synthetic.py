@@ -15,8 +15,12 @@ a few hundred MB of memory.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import glob
 import json
 import math
+import os
+import re
 import shutil
 import struct
 import uuid
@@ -29,8 +33,9 @@ import torch
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, plan_load, resolve_device, tensor_specs
-from .config import Fp8Quantization, ModelConfig, YarnScaling
+from .config import INT_LIMITS, Fp8Quantization, ModelConfig, MoeConfig, YarnScaling
 from .errors import InputError, MinirtError, WriteError
+from .files import as_path
 from .tokenizer import TOKENIZER_FILE
 
 BOS_TOKEN, EOS_TOKEN = "<bos>", "<eos>"
@@ -58,7 +63,7 @@ _V32_YARN = YarnScaling(
 _V32_FP8 = Fp8Quantization(weight_block_size=(128, 128), scale_fmt="ue8m0")
 
 
-def _extra_config(cfg: ModelConfig, moe: dict[str, Any]) -> dict[str, Any]:
+def _extra_config(cfg: ModelConfig) -> dict[str, Any]:
     """Keys of the real DeepSeek-V3.2 config.json that ModelConfig does not model."""
     return {
         "architectures": ["DeepseekV32ForCausalLM" if cfg.is_v32 else "DeepseekV3ForCausalLM"],
@@ -67,18 +72,12 @@ def _extra_config(cfg: ModelConfig, moe: dict[str, Any]) -> dict[str, Any]:
         "ep_size": 1,
         "hidden_act": "silu",
         "initializer_range": 0.02,
-        "moe_layer_freq": 1,
-        "norm_topk_prob": True,
         "num_key_value_heads": cfg.num_attention_heads,
         "num_nextn_predict_layers": 0,  # no MTP layer is written
-        "routed_scaling_factor": 2.5,
-        "scoring_func": "sigmoid",
         "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
         "torch_dtype": "bfloat16",
         "transformers_version": "4.44.2",
         "use_cache": True,
-        **moe,
     }
 
 
@@ -88,7 +87,7 @@ def _make_presets() -> dict[str, Preset]:
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=4,
         num_attention_heads=4,
         q_lora_rank=128,
         kv_lora_rank=512,  # the real latent and rope dims: kernels need d_qk 576, d_v 512
@@ -106,6 +105,10 @@ def _make_presets() -> dict[str, Preset]:
         index_topk=32,  # below typical prompt lengths, so the sparse path is exercised
         bos_token_id=256,
         eos_token_id=257,
+        # 2 MoE layers after the 2 dense ones: few, small experts (CPU tests stay fast), V3.2's routing
+        # shape (groups of 4, the best 2 groups kept) and scale.
+        moe=MoeConfig(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, n_shared_experts=1,
+                      n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
     )
     v32 = ModelConfig(
         model_type="deepseek_v32",
@@ -130,16 +133,16 @@ def _make_presets() -> dict[str, Preset]:
         index_topk=2048,
         bos_token_id=0,
         eos_token_id=1,
+        moe=MoeConfig(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                      n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
     )
-    tiny_moe = {"moe_intermediate_size": 128, "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1,
-                "num_experts_per_tok": 2, "topk_group": 1}
-    v32_moe = {"moe_intermediate_size": 2048, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
-               "num_experts_per_tok": 8, "topk_group": 4}
     return {
-        "tiny": Preset(tiny, _extra_config(tiny, tiny_moe), tokenizer=True,
-                       description="2 dense V3.2 layers, hidden 256, 4 heads, real latent dims; seconds on CPU"),
-        "v32": Preset(v32, _extra_config(v32, v32_moe), tokenizer=False,
-                      description="the leading dense layers of DeepSeek-V3.2 at real size (several GB)"),
+        "tiny": Preset(tiny, _extra_config(tiny), tokenizer=True,
+                       description="2 dense + 2 MoE V3.2 layers, hidden 256, 4 heads, real latent dims, 16 experts "
+                                   "of width 128; seconds on CPU"),
+        "v32": Preset(v32, _extra_config(v32), tokenizer=False,
+                      description="DeepSeek-V3.2 at real size: its 3 dense layers (several GB), and with --layers "
+                                  "N > 3 MoE layers of 256 experts after them (11 GB each)"),
     }
 
 
@@ -155,8 +158,9 @@ def _family(preset: str):
 
 
 def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelConfig:
-    """The ModelConfig ``write_synthetic_checkpoint`` writes: the preset's, with num_hidden_layers and
-    first_k_dense_replace set to ``num_layers`` (all layers dense) when it is given."""
+    """The ModelConfig ``write_synthetic_checkpoint`` writes: the preset's, with num_hidden_layers set to
+    ``num_layers`` when it is given (the preset's dense layers first, at most num_layers of them; MoE
+    layers after them)."""
     if preset in FAMILY_PRESETS:
         return _family(preset).preset_config(preset, num_layers)
     if preset not in PRESETS:
@@ -165,8 +169,12 @@ def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelC
     if num_layers is None:
         return cfg
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise InputError(f"num_layers must be a positive int, got {num_layers!r}")
-    return dataclasses.replace(cfg, num_hidden_layers=num_layers, first_k_dense_replace=num_layers)
+        raise InputError(f"num_layers must be a positive int, got {num_layers!r:.40}")
+    if num_layers > INT_LIMITS["num_hidden_layers"]:
+        raise InputError(f"num_layers is {num_layers:,}, more than the {INT_LIMITS['num_hidden_layers']:,} layers the "
+                         "DeepSeek-V3/V3.2 family allows")
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers,
+                               first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,9 +190,12 @@ def _tensor_seed(seed: int, name: str) -> int:
 def _init_mean_std(name: str, spec: TensorSpec) -> tuple[float, float]:
     """Mean and std of a tensor's values, chosen so activations keep an O(1) scale through the layers:
     linear weights N(0, 1/fan_in) (unit-RMS inputs give unit-RMS outputs, attention logits of std ≈ 2
-    after the softmax scale), embeddings N(0, 1), norm weights 1 + small noise, the k_norm bias small."""
+    after the softmax scale), embeddings N(0, 1), norm weights 1 + small noise, the k_norm bias small,
+    the router's score bias N(0, 0.05²) (it moves choices between sigmoid scores ≈ 0.5 ± 0.2)."""
     if name == "model.embed_tokens.weight":
         return 0.0, 1.0
+    if name.endswith(".e_score_correction_bias"):
+        return 0.0, 0.05
     if len(spec.shape) == 1:
         return (0.0, 0.02) if name.endswith(".bias") else (1.0, 0.05)
     return 0.0, spec.shape[1] ** -0.5
@@ -313,17 +324,71 @@ def byte_level_tokenizer(bos_token_id: int, eos_token_id: int):
     return tokenizer
 
 
+class DirectoryNotEmpty(InputError):
+    """The output directory holds files and force is off (``path``: that directory)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} is not empty; force=True replaces it")
+        self.path = path
+
+
 def _check_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise InputError(f"{out_dir} is not empty; use force=True (--force) to replace it")
+        raise DirectoryNotEmpty(out_dir)
+
+
+def _checkpoint_bytes(preset: str, cfg: ModelConfig) -> int:
+    """The bytes of the tensors the checkpoint of ``preset`` at ``cfg`` stores."""
+    if preset in FAMILY_PRESETS:
+        return _family(preset).checkpoint_bytes(cfg)
+    specs = tensor_specs(cfg, cfg.num_hidden_layers)
+    return sum(_nbytes(*v) for v in _stored_layout(specs, cfg.quantization.weight_block_size).values())
+
+
+def _check_disk(out_dir: Path, preset: str, cfg: ModelConfig) -> None:
+    """WriteError, with both sizes, when the checkpoint would not fit on the disk that is to hold it."""
+    need = _checkpoint_bytes(preset, cfg)
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise WriteError(f"{out_dir}: the checkpoint takes {need:,} bytes, the disk there has {free:,} free")
 
 
 def _os_reason(e: OSError) -> str:
     """'No space left on device', with the path the operating system refused when it names one."""
     reason = e.strerror or str(e)
     return f"{reason}: {e.filename}" if e.filename else reason
+
+
+def _temporary_dir(out_dir: Path) -> Path:
+    """A new temporary directory name beside out_dir, naming this process: ``.NAME.tmp-PID-RANDOM``."""
+    return out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """Remove the temporary directories beside out_dir that an earlier write left (killed before it
+    could clean up): those of a process no longer running, and those of the older ``.NAME.tmp-RANDOM``
+    form, which named no process. A concurrent write's own temporary stays."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.tmp-(?:(\d+)-)?[0-9a-f]{{12}}(?:\.old)?")
+    for path in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.tmp-*"):
+        match = pattern.fullmatch(path.name)
+        if match is None or not path.is_dir():
+            continue
+        if match.group(1) is not None and _process_exists(int(match.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process: leave its directory alone
+    return True
 
 
 def _generator_record(preset: str, seed: int, device: torch.device) -> dict[str, Any]:
@@ -382,32 +447,44 @@ def write_synthetic_checkpoint(
 ) -> Path:
     """Write a synthetic checkpoint of ``preset`` (see PRESETS) into ``out_dir``; returns its absolute path.
 
-    num_layers: number of (dense) layers, default the preset's (tiny 2, v32 3); the config's
-    num_hidden_layers and first_k_dense_replace are both set to it. device: where values are generated
+    num_layers: number of layers, default the preset's (tiny 4: 2 dense + 2 MoE; v32 3 dense); the
+    config's num_hidden_layers is set to it (``preset_config``: the dense layers first, then MoE). device: where values are generated
     and quantised ("cuda" speeds up v32; output differs from "cpu" but is deterministic per device type).
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
-    removed on any failure; directories and files get the usual permissions (the umask's). The index's
-    metadata records preset, seed and device type (``GENERATOR_KEY``, read by ``is_synthetic_checkpoint``).
-    Raises InputError for an unknown preset, a bad num_layers, or an out_dir that
-    is a file or a non-empty directory (unless force=True, which replaces it); WriteError when the
-    operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
+    removed on any failure (Ctrl-C included); a temporary directory an earlier, killed write left is removed
+    first. Two processes writing the same checkpoint at once both succeed: the second finds the first's
+    complete checkpoint in place and keeps it. Directories and files get the usual permissions (the umask's).
+    The index's metadata records preset, seed and device type (``GENERATOR_KEY``, read by
+    ``is_synthetic_checkpoint``).
+    Raises InputError for an unknown preset, a bad num_layers (not an int in [1, 1024]), an empty
+    out_dir, or an out_dir that is a file or a non-empty directory (unless force=True, which replaces
+    it); WriteError before anything is written when the disk has less room than the checkpoint takes,
+    and when the operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
     name)``, if given, is called after each chunk written with bytes written so far and in total.
     """
     cfg = preset_config(preset, num_layers)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InputError(f"seed must be an int, got {seed!r}")
     device = resolve_device(device)
-    out_dir = Path(out_dir).resolve()  # "." must name a directory with a parent to hold the temporary
+    out_dir = as_path(out_dir, "the output directory").resolve()  # "." needs a parent to hold the temporary
     try:
         _check_out_dir(out_dir, force)
+        _check_disk(out_dir, preset, cfg)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(out_dir)
         # mkdir, not tempfile.mkdtemp: mkdtemp's mode 0700 would become the checkpoint's; this gets the umask's.
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = _temporary_dir(out_dir)
         tmp.mkdir()
     except OSError as e:
         raise WriteError(f"{out_dir}: cannot create the checkpoint there ({_os_reason(e)})") from e
+    def written_meanwhile() -> bool:  # by a concurrent write of the same checkpoint
+        return not force and is_synthetic_checkpoint(out_dir, preset, seed, num_layers, device)
+
     try:
         _write_files(tmp, preset, cfg, seed, device, progress)
+        if written_meanwhile():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out_dir
         _check_out_dir(out_dir, force)
         if out_dir.exists():
             # Move the old directory aside first so a failed rename can put it back.
@@ -423,6 +500,12 @@ def write_synthetic_checkpoint(
             tmp.rename(out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and written_meanwhile():  # the other write's rename came first
+            return out_dir
+        if isinstance(e, OSError) and e.errno == errno.EBUSY and os.path.ismount(out_dir):
+            raise WriteError(f"{out_dir} is a mount point: the checkpoint is written beside it and renamed into "
+                             f"place, which cannot replace a mount point; write into a directory inside it "
+                             f"({out_dir / preset})") from e
         if isinstance(e, OSError):  # disk full, permissions, ...: a one-line error, not a traceback
             raise WriteError(f"{out_dir}: writing the checkpoint failed ({_os_reason(e)}); "
                              f"{out_dir} is left as it was") from e

@@ -32,12 +32,26 @@ def kernel_path(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_master(tmp_path_factory):
-    """The tiny synthetic checkpoint, written once per session; tests only read it."""
+    """The tiny synthetic checkpoint's two dense layers, written once per session; tests only read it
+    (tests/test_moe_model.py writes the preset's MoE layers too)."""
     from minirt.synthetic import write_synthetic_checkpoint
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("master") / "tiny", preset="tiny", seed=1234)
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("master") / "tiny", preset="tiny", seed=1234,
+                                      num_layers=2)
 
 
 @pytest.fixture
 def tiny(tiny_master, tmp_path):
     """A private copy of the tiny checkpoint that a test may damage."""
     return shutil.copytree(tiny_master, tmp_path / "tiny")
+
+
+@pytest.fixture
+def transformers(monkeypatch):
+    """The transformers package (a test dependency: the eager references are compared with its models).
+    transformers probes for Hugging Face's ``kernels`` package at import; from the checkout's root that
+    name is minirt's ``kernels/`` directory (installed as ``minirt.kernels`` only), so the probe is told
+    there is none."""
+    monkeypatch.setitem(__import__("sys").modules, "kernels", None)
+    import transformers
+
+    return transformers

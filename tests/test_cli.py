@@ -16,7 +16,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "tiny"
-    result = runner.invoke(app, ["init", str(out), "--preset", "tiny", "--seed", "2"])
+    result = runner.invoke(app, ["init", str(out), "--preset", "tiny", "--seed", "2", "--layers", "2"])  # the dense ones
     assert result.exit_code == 0, result.output
     return out
 
@@ -32,7 +32,7 @@ def test_init_refuses_non_empty_dir_without_force(tiny):
     result = runner.invoke(app, ["init", str(tiny)])
     assert result.exit_code == 2
     assert "minirt: error:" in result.output and "Traceback" not in result.output
-    assert runner.invoke(app, ["init", str(tiny), "--seed", "2", "--force"]).exit_code == 0
+    assert runner.invoke(app, ["init", str(tiny), "--seed", "2", "--layers", "2", "--force"]).exit_code == 0
 
 
 def test_info_reports_shards_and_parameters(tiny):

@@ -37,14 +37,14 @@ def _env(**extra):
     return {**env, "TERM": "xterm-256color", **extra}
 
 
-def run(*args, tty: tuple[str, ...] = (), cwd=None, **env) -> subprocess.CompletedProcess:
+def run(*args, tty: tuple[str, ...] = (), cwd=None, columns: int = 200, **env) -> subprocess.CompletedProcess:
     """``python -m minirt ARGS``; the streams named in ``tty`` ("stdout", "stderr") go to one
-    pseudo-terminal 200 columns wide, whose bytes come back in that stream's field (the other: a pipe)."""
+    pseudo-terminal ``columns`` wide, whose bytes come back in that stream's field (the other: a pipe)."""
     if not tty:
         return subprocess.run([sys.executable, "-m", "minirt", *args], capture_output=True, text=True,
                               env=_env(**env), cwd=cwd, timeout=600)
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
     streams = {name: (slave if name in tty else subprocess.PIPE) for name in ("stdout", "stderr")}
     proc = subprocess.Popen([sys.executable, "-m", "minirt", *args], env=_env(**env), cwd=cwd, **streams)
     os.close(slave)
@@ -246,8 +246,9 @@ def test_verify_shows_stages_and_a_verdict_and_the_bar_human_sizes(tiny_master):
                  tty=("stderr",))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert re.fullmatch(rf"minirt verify {re.escape(str(tiny_master))}: the runtime \((bf16|fp8) weights\) against the "
-                        r"eager fp32 reference, 1 layer\(s\), 40 prompt tokens \+ 2 decode steps, (cpu|cuda(:\d+)?)", lines[0])
+    assert re.fullmatch(rf"minirt verify {re.escape(str(tiny_master))}: the runtime \((fp8 weights as stored|(bf16|fp32) "
+                        r"weights, dequantised at load)\) against the eager fp32 reference, 1 layer, 40 prompt tokens \+ "
+                        r"2 decode steps, (cpu|cuda(:\d+)?)", lines[0])
     assert re.search(r"check\s+┃\s+value\s+┃\s+limit\s+┃\s+result\s+┃", result.stdout)
     checks = sum(1 for line in lines if re.search(r"│ (ok|FAIL)\s+│", line))
     assert lines[-1] == f"PASS: all {checks} checks within tolerance"
@@ -274,7 +275,7 @@ def test_bare_init_writes_the_default_checkpoint_once_with_usual_permissions(tmp
     cwd.mkdir()
     first = run("init", cwd=cwd, MINIRT_WEIGHTS=str(weights))
     assert first.returncode == 0, first.stderr
-    assert list(cwd.iterdir()) == [] and plan_load(weights / "tiny").num_layers == 2
+    assert list(cwd.iterdir()) == [] and plan_load(weights / "tiny").num_layers == 4
     umask = os.umask(0)
     os.umask(umask)
     assert (weights / "tiny").stat().st_mode & 0o777 == 0o777 & ~umask

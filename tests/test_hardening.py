@@ -471,7 +471,8 @@ def test_cli_bad_input_is_one_line_exit_2(tiny, damage, argv, library_call):
     assert "Traceback" not in result.output and result.stdout == ""
     with pytest.raises(MinirtError) as library:
         library_call(tiny)
-    assert result.stderr.splitlines() == [f"minirt: error: {library.value}"]
+    # The command line names its option where the API names its argument (--tokens, not prompt 0).
+    assert result.stderr.splitlines() == [f"minirt: error: {library.value}".replace("prompt 0: ", "--tokens: ")]
     assert must_hold in str(library.value)
 
 

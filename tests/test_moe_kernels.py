@@ -18,8 +18,10 @@ from minirt.kernels import (ExpertWeights, check_tid2eid, expert_weights_fp4, ex
                             route_hash, route_topk)
 from minirt.kernels.moe_experts import DECODE_CONFIG, MoeConfig
 
-# A prefill-shaped launch (tokens on the MMA's M side) small enough for the interpreter.
+# A prefill-shaped launch (tokens on the MMA's M side) small enough for the interpreter, and the
+# decode one with split-K forced (a product of 2 k blocks in 2 splits).
 TILES_CONFIG = MoeConfig(block_m=16, num_warps=4, num_stages=2)
+SPLIT_CONFIG = MoeConfig(block_m=16, swap_ab=True, split_k=2, num_warps=4, num_stages=2)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # Relative-norm error of moe_experts against the oracle: bf16 expert outputs (2^-8 per element,
 # 2^-7 where the interpreter truncates), fp32 sums in another order, and now and then a SwiGLU value
@@ -185,7 +187,9 @@ def make_experts(fmt, gen, e, d, i):
     random, dequantize = (random_fp8_expert, dequantize_block_fp8) if fmt == "fp8" else (random_fp4_expert, dequantize_fp4)
     w1, w3, w2 = ([random(gen, *shape) for _ in range(e)] for shape in ((i, d), (i, d), (d, i)))
     build = expert_weights_fp8 if fmt == "fp8" else expert_weights_fp4
-    experts = build(*(t for w in (w1, w3, w2) for t in ([q for q, _ in w], [s for _, s in w])))
+    # fp4 scales as checkpoints store them (float8_e8m0fnu), fp8 ones as float32.
+    as_stored = (lambda s: s) if fmt == "fp8" else (lambda s: s.view(torch.float8_e8m0fnu))
+    experts = build(*(t for w in (w1, w3, w2) for t in ([q for q, _ in w], [as_stored(s) for _, s in w])))
     dense = [tuple(dequantize(*w[x]).double() for w in (w1, w3, w2)) for x in range(e)]
     return experts, dense
 
@@ -217,16 +221,16 @@ def rel_error(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("fmt, config, n_tokens, limit", [
-    ("fp8", DECODE_CONFIG, 1, None),
-    ("fp8", TILES_CONFIG, 6, None),
-    ("fp8", DECODE_CONFIG, 5, 0.5),
-    ("fp4", DECODE_CONFIG, 3, 0.5),
-    ("fp4", TILES_CONFIG, 4, None),
+@pytest.mark.parametrize("fmt, config, n_tokens, limit, i", [
+    ("fp8", DECODE_CONFIG, 1, None, 128),
+    ("fp8", TILES_CONFIG, 6, None, 128),
+    ("fp8", SPLIT_CONFIG, 5, 0.5, 256),      # both products split (2 k blocks each)
+    ("fp4", SPLIT_CONFIG, 3, 0.5, 128),
+    ("fp4", TILES_CONFIG, 4, None, 128),
 ])
-def test_moe_experts(poisoned, fmt, config, n_tokens, limit):
+def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
     gen = generator(3)
-    e, d, i, top_k = 8, 256, 128, 2
+    e, d, top_k = 8, 256, 2
     experts, dense = make_experts(fmt, gen, e, d, i)
     x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
     # The last expert gets no token.
@@ -274,6 +278,8 @@ def test_expert_weights_bytes(fmt):
     experts, _ = make_experts(fmt, generator(7), 3, 256, 128)
     assert experts.nbytes == 3 * ExpertWeights.bytes_per_expert(fmt, 256, 128)
     assert experts.n_experts == 3 and experts.hidden_size == 256 and experts.intermediate_size == 128
+    moved = experts.to("cpu")
+    assert moved.device.type == "cpu" and torch.equal(moved.w2.view(torch.uint8).cpu(), experts.w2.view(torch.uint8).cpu())
 
 
 def test_custom_ops_equal_the_functions():
@@ -288,9 +294,14 @@ def test_custom_ops_equal_the_functions():
                                                  route_hash(logits, table, tokens, scoring="sigmoid")))
     experts, _ = make_experts("fp4", gen, 8, 128, 128)
     x = torch.randn(3, 128, generator=gen, device=DEVICE).bfloat16()
-    out = torch.ops.minirt.moe_experts(x, ids, weights, experts.w13, experts.w13_scales, experts.w2,
-                                       experts.w2_scales, "fp4", 10.0)
+    expert_args = (experts.w13, experts.w13_scales, experts.w2, experts.w2_scales, "fp4", 10.0)
+    out = torch.ops.minirt.moe_experts(x, ids, weights, *expert_args)
     assert torch.equal(out, moe_experts(x, ids, weights, experts, swiglu_limit=10.0))
+    # Schemas, fake implementations (shapes and dtypes without a kernel) and torch.compile tracing.
+    torch.library.opcheck(torch.ops.minirt.route_topk, (logits, None, 2, "sqrtsoftplus", 1, 1, True, 1.5))
+    torch.library.opcheck(torch.ops.minirt.route_hash, (logits, table, tokens, "sigmoid"))
+    torch.library.opcheck(torch.ops.minirt.moe_experts, (x, ids, weights, *expert_args),
+                          test_utils=("test_schema", "test_faketensor"))   # the others rerun the kernels
 
 
 def test_expert_weights_reject_bad_tensors():
@@ -336,3 +347,20 @@ def test_moe_decode_is_sync_free_and_graph_capturable():
     x.copy_(torch.randn(n_tokens, d, generator=gen, device=DEVICE))
     graph.replay()
     assert torch.equal(captured, step())
+
+
+def test_moe_experts_rejects_bad_input():
+    experts, _ = make_experts("fp8", generator(9), 2, 128, 128)
+    x = torch.randn(3, 128, device=DEVICE).bfloat16()
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE)
+    weights = torch.ones(3, 2, device=DEVICE)
+    with pytest.raises(InputError, match=r"x must be .*\[T, 128\]"):
+        moe_experts(x[:, :64], ids, weights, experts)
+    with pytest.raises(InputError, match="expert_ids"):
+        moe_experts(x, ids.float(), weights, experts)
+    with pytest.raises(InputError, match="weights"):
+        moe_experts(x, ids, weights[:, :1], experts)
+    with pytest.raises(InputError, match="ExpertWeights"):
+        moe_experts(x, ids, weights, (experts.w13, experts.w2))
+    with pytest.raises(InputError, match="config"):
+        moe_experts(x, ids, weights, experts, config=MoeConfig(block_n=64))

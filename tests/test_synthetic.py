@@ -28,7 +28,8 @@ def test_tiny_preset_dims():
     assert cfg.model_type == "deepseek_v32" and cfg.is_v32
     assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (512, 64)  # kernels: d_qk 576, d_v 512
     assert cfg.index_topk < 64 and cfg.index_head_dim >= cfg.qk_rope_head_dim
-    assert cfg.vocab_size >= 258 and cfg.num_dense_layers == cfg.num_hidden_layers == 2
+    assert cfg.vocab_size >= 258 and (cfg.num_dense_layers, cfg.num_hidden_layers) == (2, 4)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, False, True, True]
     assert cfg.rope_scaling.factor == 40 and cfg.rope_scaling.mscale_all_dim == 1
     assert cfg.quantization.weight_block_size == (128, 128) and cfg.quantization.scale_fmt == "ue8m0"
 
@@ -43,6 +44,8 @@ def test_v32_preset_has_the_real_dims():
     assert cfg.sm_scale == pytest.approx(0.135234, abs=1e-6)
     one = preset_config("v32", num_layers=1)
     assert one.num_hidden_layers == one.first_k_dense_replace == 1
+    five = preset_config("v32", num_layers=5)  # 3 dense layers, then 2 MoE layers at real size
+    assert (five.num_hidden_layers, five.first_k_dense_replace) == (5, 3)
     assert not PRESETS["v32"].tokenizer and PRESETS["tiny"].tokenizer
 
 

@@ -1,8 +1,6 @@
 """The DeepSeek-V4 eager reference: agreement with transformers' deepseek_v4 on the v4-tiny checkpoint,
 and the properties it must have on its own (causality, Sinkhorn, sinks, routing, the load API)."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,27 +39,13 @@ def ours(model):
     return model.forward(tokens(PROMPT))
 
 
-def transformers_v4():
-    """transformers' DeepseekV4ForCausalLM, or skip when the installed transformers lacks it (< 5.8).
-
-    Imported with the checkout's root off sys.path (``python -m pytest`` puts it there): transformers probes
-    for the hub's ``kernels`` package at import, and the checkout's own ``kernels/`` directory (installed as
-    ``minirt.kernels``) would shadow it."""
-    root = Path(minirt.__file__).resolve().parent.parent
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
-    try:
-        return pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4").DeepseekV4ForCausalLM
-    finally:
-        sys.path[:] = saved
-
-
 def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_matches_transformers_deepseek_v4(v4, loaded, ours, tmp_path):
-    DeepseekV4ForCausalLM = transformers_v4()
+def test_matches_transformers_deepseek_v4(v4, loaded, ours, tmp_path, transformers):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM
+
     cfg, weights = loaded
     # The same checkpoint dequantised to fp32 under DeepSeek's names: transformers renames them itself.
     raw = json.loads((v4 / "config.json").read_text())

@@ -6,7 +6,7 @@ step context (:class:`.layers.V4Step`) and layers (:class:`.layers.V4Layer`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ...backend import check_prompts
 from ...context import KVStash, PrefillTrace, Segment
 from ...engine import DECODE_HEADROOM, DEFAULT_PREFILL_CHUNK, Engine, check_prefill_chunk, plan_chunks
-from ...errors import ConfigError, InputError
+from ...errors import ConfigError, InputError, NumericalError
 from ...reference import rmsnorm
 from .cache import V4Cache
 from .config import DeepseekV4Config, LayerKind
@@ -79,14 +79,15 @@ class EngineV4(Engine):
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
-                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor | None] | None = None
-                ) -> torch.Tensor:
+                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor | None] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Run prompts (lists of token ids) through the model, filling the caches from position 0.
 
         Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
         packed prompt after prompt [sum(len), vocab]. ``trace`` records per layer the residual state
         after it and (CSA) the top-k entry ids. ``topk_override``: per layer None or [sum(len), k] entry ids
         (−1 = none) that replace the CSA indexer's choice (to compare numerics with identical top-k).
+        ``progress(done, total)``: called with the prompt tokens run so far, before the first step and after each.
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
@@ -100,6 +101,8 @@ class EngineV4(Engine):
         ratios = {k.ratio for k in self.cfg.layer_kinds[: self.num_layers] if k != LayerKind.SWA}
         entry_stash = {m: KVStash([n // m + 1 for n in lens], dev) for m in ratios}
         logits, first = [], 0
+        if progress is not None:
+            progress(0, len(tokens))
         for plan in plan_chunks(lens, self.prefill_chunk):
             segments, offset = [], 0
             for seq, start, n in plan:
@@ -121,13 +124,25 @@ class EngineV4(Engine):
                 X = X[[s.offset + s.length - 1 for s in segments if s.end == lens[s.seq]]]
             logits.append(self.logits(X))
             first = last
+            if progress is not None:
+                progress(last, len(tokens))
+        logits = torch.cat(logits)
+        self._check_finite(logits, "prefill", None)
         self.cache.seq_lens[: len(lens)] = torch.tensor(lens, device=dev)
         self._lens = lens
-        return torch.cat(logits)
+        return logits
 
-    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor | None] | None = None
-                     ) -> torch.Tensor:
-        """The decode step proper: static shapes, no host sync (so it can be graph-captured)."""
+    def _check_finite(self, logits: torch.Tensor, stage: str, rerun, finite: torch.Tensor | None = None) -> None:
+        """NumericalError when ``logits`` hold a NaN or ±Inf (one reduction and one host read)."""
+        if not bool(torch.isfinite(logits).all() if finite is None else finite):
+            raise NumericalError.in_logits(stage, None)
+
+    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor | None] | None = None,
+                     expert_override=None) -> torch.Tensor:
+        """The decode step proper: static shapes, no host sync (so it can be graph-captured).
+        ``expert_override`` (V3.2's routing override) is not offered by V4's MoE layers."""
+        if expert_override is not None:
+            raise InputError("expert_override is not supported by the DeepSeek-V4 runtime")
         b, W = tokens.shape[0], self.cfg.sliding_window
         positions = self.cache.seq_lens[:b].clone()
         seq = torch.arange(b, device=self.device)

@@ -117,14 +117,19 @@ def _shard_groups(specs: dict[str, V4TensorSpec], num_layers: int) -> list[list[
     return groups + [[n for n in TOP_LEVEL if n != "embed.weight"]]
 
 
+def checkpoint_bytes(cfg: DeepseekV4Config) -> int:
+    """The bytes of the tensors a checkpoint of ``cfg`` stores (the disk it takes, headers aside)."""
+    specs = tensor_specs(cfg, cfg.num_hidden_layers)
+    return sum(_nbytes(*v) for name, spec in specs.items() for v in stored_layout(name, spec).values())
+
+
 def write_files(tmp: Path, preset_name: str, cfg: DeepseekV4Config, seed: int, device: torch.device,
                 progress: Progress | None) -> None:
     """Write the checkpoint files of ``cfg`` into the directory ``tmp`` (``minirt.synthetic`` renames it
     into place): config.json, the shards, the index (with the generator record), tokenizer.json for v4-tiny."""
     preset = PRESETS[preset_name]
     specs = tensor_specs(cfg, cfg.num_hidden_layers)
-    layout = {n: v for name, spec in specs.items() for n, v in stored_layout(name, spec).items()}
-    total = sum(_nbytes(*v) for v in layout.values())
+    total = checkpoint_bytes(cfg)
     config: dict[str, Any] = {**preset.extra_config, **cfg.to_dict()}
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -149,7 +154,7 @@ def write_files(tmp: Path, preset_name: str, cfg: DeepseekV4Config, seed: int, d
                         w, scale = quantize_fp4(rows)
                         done += writer.write_rows(scale_name(name), first_row, scale)
                     else:
-                        w = rows.to(layout[name][0])
+                        w = rows.to(shard_layout[name][0])
                     done += writer.write_rows(name, first_row, w)
                     if progress is not None:
                         progress(done, total, name)
