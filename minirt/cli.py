@@ -312,9 +312,9 @@ def init(
     Done already (the same preset, layers, seed and device there, complete): says so and exits 0."""
     from .synthetic import is_synthetic_checkpoint, write_synthetic_checkpoint
 
-    from .synthetic import PRESETS, DirectoryNotEmpty
+    from .synthetic import FAMILY_PRESETS, PRESETS, DirectoryNotEmpty
 
-    _choice(preset, "--preset", tuple(PRESETS))
+    _choice(preset, "--preset", (*PRESETS, *FAMILY_PRESETS))
     _check_layers(layers)
     out = out if out is not None else default_weights_dir() / preset
     if not force and is_synthetic_checkpoint(out, preset, seed, layers, device):
