@@ -48,11 +48,12 @@ def default_prompt_len(cfg) -> int:
 
 
 def run_verify(engine: EngineV4, oracle: ReferenceEngine, prompt_len: int, decode_steps: int, seed: int = 0,
-               progress: Callable[[str], None] | None = None) -> VerifyReport:
+               progress: Callable[[str], None] | None = None,
+               on_prefill: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Random tokens (seeded): prefill ``prompt_len`` of them, then decode ``decode_steps`` more one by one,
     on the runtime (twice: attending the reference's CSA top-k, then with its own indexer) and on the
     oracle (``minirt.load(..., backend="reference")``, one forward over all tokens). ``progress(stage)``
-    is called as each stage starts."""
+    is called as each stage starts, ``on_prefill(done, total)`` as each prefill step ends."""
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need prompt_len >= 1 and decode_steps >= 0, got {prompt_len}, {decode_steps}")
     say = progress or (lambda stage: None)
@@ -67,7 +68,8 @@ def run_verify(engine: EngineV4, oracle: ReferenceEngine, prompt_len: int, decod
         def override(rows: slice):
             return [ref.topk_indices[i][rows] if i in csa else None for i in layers] if forced else None
         engine.setup_cache(1, total)
-        logits = [engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace, topk_override=override(slice(0, P)))]
+        logits = [engine.prefill([tokens[:P].tolist()], all_logits=True, trace=trace, progress=on_prefill,
+                                 topk_override=override(slice(0, P)))]
         for t in range(P, total):
             logits.append(engine.decode(tokens[t: t + 1], topk_override=override(slice(t, t + 1))))
         return torch.cat(logits)
