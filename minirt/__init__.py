@@ -57,7 +57,7 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     device: "cuda" or "cpu"; None picks cuda when available. On the CPU the Triton kernels run under
     the interpreter (TRITON_INTERPRET=1, set automatically when torch sees no GPU).
     backend: "triton" (kernels, fp8 paged cache) or "reference" (the eager fp32 oracle). DeepSeek-V4
-    checkpoints (``minirt.models.deepseek_v4``) run on "reference" only: no V4 kernel runtime yet.
+    checkpoints (``minirt.models.deepseek_v4``) load through their family's loader (fp8 weights as stored).
     dtype: weights/activations of the triton backend; default bf16 on cuda, fp32 on cpu.
     indexer_precision: "exact" (fp32 scores, default: what the reference computes, so verify can
     compare top-k sets) or "fp8" (the official Hadamard + fp8 path; near-ties may flip).
@@ -88,7 +88,10 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     path = as_path(path, "checkpoint path") if path is not None else default_checkpoint(progress)
     family = family_of(load_config(path))
     if family is not None:  # another model family (DeepSeek-V4): its own loader
-        return family.load(path, layers, dev, backend, progress)
+        if indexer_precision != "exact" or weights == "bf16":
+            raise InputError(f"DeepSeek-V4 runs fp8 weights and an exact indexer: indexer_precision="
+                             f"{indexer_precision!r} / weights={weights!r} apply to DeepSeek-V3.2 only")
+        return family.load(path, layers, dev, backend, progress, prefill_chunk=prefill_chunk)
     if backend == "reference":
         cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModel(cfg, tensors, layers, torch.float32, dev))

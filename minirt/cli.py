@@ -824,18 +824,21 @@ def verify(
     _choice(weights_format, "--weights", ("fp8", "bf16"))
     path, cfg = _checkpoint(weights)
     family = family_of(cfg)
-    if family is not None and family.RUNTIME_MISSING:
-        raise InputError(f"verify compares the kernel runtime with the eager reference, and {family.RUNTIME_MISSING} "
-                         "(`minirt generate --backend reference` runs the reference)")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_hidden_layers
-    tensor_specs(cfg, num_layers)  # more layers than the model has: the loader's error, now
+    # more layers than the model has: the loader's error, now
+    (family.tensor_specs if family is not None else tensor_specs)(cfg, num_layers)
     if prompt_len is None:
-        prompt_len = 2 * (cfg.index_topk or 32) + 8
+        prompt_len = family.default_prompt_len(cfg) if family is not None else 2 * (cfg.index_topk or 32) + 8
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need --prompt-len >= 1 and --decode-steps >= 0, got {prompt_len}, {decode_steps}")
     check_seed(seed)
-    _check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
+    if family is None:
+        _check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
+    elif prompt_len + decode_steps > cfg.max_position_embeddings:
+        raise InputError(f"--prompt-len + --decode-steps exceeds max_position_embeddings ({cfg.max_position_embeddings})")
+    if family is not None:
+        run_verify = family.run_verify
 
     engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)
     oracle = _load(path, num_layers, str(dev), "reference")

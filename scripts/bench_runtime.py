@@ -11,6 +11,13 @@ CUDA-graph decode step at that context, next to one eager step and the sum of it
 (torch.profiler: every kernel's device time added up, i.e. the step with no launch gaps). A warm-up
 prefill and decode compile every kernel first. ``--split`` profiles one prefill of the longest b 1
 context and splits its kernel time into indexer / attention / linear / other.
+
+DeepSeek-V4 checkpoints run in their one mode (fp8 linears as stored, fp4 experts, exact fp32 indexer
+keys; ``--modes`` is ignored), e.g. V4-Flash's first 4 layers:
+
+    minirt init /tmp/minirt-v4-flash --preset v4-flash --device cuda
+    python3 scripts/bench_runtime.py /tmp/minirt-v4-flash --context 1024,131072,1048576 --batch 1,64 \
+        --max-tokens 1048576
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import minirt
+from minirt.config import load_config
+from minirt.models import family_of
 from ceilings import measure_ceilings, write_report
 
 GIB = 2**30
@@ -91,7 +100,7 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
 
 def warm_up(engine) -> None:
     """Compile every kernel (prefill of a sparse-length prompt in two chunks, graphed decode steps)."""
-    n = 2 * (engine.cfg.index_topk or 64) + 8
+    n = max(2 * (engine.cfg.index_topk or 64) + 8, 2 * 128 + 8)  # V4: past the window and an HCA window
     engine.setup_cache(2, n + 8)
     chunk, engine.prefill_chunk = engine.prefill_chunk, n // 2
     tokens = engine.prefill(random_prompts(engine, 2, n, seed=99)).argmax(-1)
@@ -119,14 +128,16 @@ def main() -> None:
              f"checkpoint {args.weights_dir}",
              f"ceilings measured in the same run: bf16 matmul {matmul_tflops:.0f} TFLOP/s, device copy "
              f"{copy_gbps:.0f} GB/s", ""]
-    for mode in args.modes.split(","):
+    v4 = family_of(load_config(args.weights_dir)) is not None
+    for mode in ["fp8/exact"] if v4 else args.modes.split(","):
         weights, precision = mode.split("/")
         torch.cuda.empty_cache()
         engine = minirt.load(args.weights_dir, device="cuda", weights=weights, indexer_precision=precision)
         weight_gib = torch.cuda.memory_allocated() / GIB
         cfg = engine.cfg
         warm_up(engine)
-        lines += [f"### weights {weights}, indexer {precision}: {engine.num_layers} layers (hidden {cfg.hidden_size}, "
+        label = "DeepSeek-V4: fp8 linears, fp4 experts, fp32 indexer keys" if v4 else f"weights {weights}, indexer {precision}"
+        lines += [f"### {label}: {engine.num_layers} layers (hidden {cfg.hidden_size}, "
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
                   "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "

@@ -1,8 +1,10 @@
 """Model families beside DeepSeek-V3 / V3.2 (whose modules live at the package top level).
 
 Each family is a subpackage with its config, checkpoint layout, synthetic presets and eager reference,
-and offers ``plan_load(path, layers)``, ``load(path, layers, device, backend, progress)``,
-``info_rows(path, cfg, layers)`` and ``RUNTIME_MISSING`` (why there is no kernel runtime, or ""): ``deepseek_v4`` (DeepSeek-V4 Flash / Pro).
+and offers ``plan_load(path, layers)``, ``tensor_specs(cfg, layers)``,
+``load(path, layers, device, backend, progress, prefill_chunk=None)``, ``info_rows(path, cfg, layers)``,
+and ``run_verify(engine, oracle, prompt_len, decode_steps, seed, progress)`` with ``default_prompt_len(cfg)``:
+``deepseek_v4`` (DeepSeek-V4 Flash / Pro).
 ``minirt.config.parse_config`` picks a family's config class by model_type, :func:`family_of` its package.
 """
 from __future__ import annotations

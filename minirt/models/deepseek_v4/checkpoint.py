@@ -212,10 +212,13 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
+    as_stored: bool = False,
 ) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
     """Load the first ``num_layers`` layers (None: all) and the top-level tensors of a V4 checkpoint,
     dequantised: returns (config, {name: tensor}) with the :func:`tensor_specs` names and shapes, float
     weights in ``dtype`` and ``ffn.gate.tid2eid`` int64, on ``device``; no ``.scale`` entries.
+    With ``as_stored`` the fp8 / fp4 weights stay as stored instead (float8_e4m3fn, or int8 packed fp4),
+    each with its ``.scale`` entry (:func:`scale_name`) as released (float8_e8m0fnu), checked as powers of two.
 
     Opens only the shards :func:`plan_load` lists. Refused with a CheckpointError naming the tensor: a
     stored NaN / ±Inf, a scale that is not a positive power of two (ue8m0: zero, NaN, 3.0, ...), a
@@ -241,15 +244,17 @@ def load_checkpoint(
             raw = [_load_tensor(files[plan.stored[n].shard], plan.stored[n], n, cpu, plan.stored[n].dtype) for n in names]
             if spec.fmt in ("fp8", "fp4"):
                 check_pow2_scales(raw[1], names[1])
-                w = (dequantize_block_fp8(raw[0], raw[1].float(), (128, 128), torch.float32) if spec.fmt == "fp8"
-                     else dequantize_fp4(raw[0], raw[1]))
+            if spec.fmt in ("fp8", "fp4") and as_stored:
+                weights[name], weights[names[1]] = (t.to(device, copy=True) for t in raw)  # own, aligned storage
+            elif spec.fmt in ("fp8", "fp4"):
+                weights[name] = (dequantize_block_fp8(raw[0], raw[1].float(), (128, 128), torch.float32)
+                                 if spec.fmt == "fp8" else dequantize_fp4(raw[0], raw[1])).to(device=device, dtype=dtype)
+                _check_finite(weights[name], name, plan.stored[name].shard, f"value after conversion to {dtype}")
+            elif spec.fmt == "int64":
+                _check_tid2eid(raw[0], name, plan.config.n_routed_experts)
+                weights[name] = raw[0].to(device=device, dtype=torch.int64)
             else:
-                w = raw[0]
-            if spec.fmt == "int64":
-                _check_tid2eid(w, name, plan.config.n_routed_experts)
-                weights[name] = w.to(device=device, dtype=torch.int64)
-            else:
-                weights[name] = w.to(device=device, dtype=dtype)
+                weights[name] = raw[0].to(device=device, dtype=dtype)
                 _check_finite(weights[name], name, plan.stored[name].shard, f"value after conversion to {dtype}")
             done += sum(plan.stored[n].nbytes for n in names)
             if progress is not None:

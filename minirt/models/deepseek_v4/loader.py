@@ -7,23 +7,25 @@ from pathlib import Path
 import torch
 from rich.filesize import decimal
 
-from ...errors import InputError
+from ...engine import DEFAULT_PREFILL_CHUNK
 from ...reference import ReferenceEngine
+from .cache import cache_bytes_per_token, fixed_bytes_per_seq
 from .checkpoint import load_checkpoint, plan_load
 from .config import DeepseekV4Config
+from .engine import EngineV4, build_engine_v4
 from .reference import ReferenceModelV4
 
-RUNTIME_MISSING = "the kernel runtime for DeepSeek-V4 is not in minirt yet"
-
-
-def load(path: str | Path, layers: int | None, device: torch.device, backend: str, progress=None) -> ReferenceEngine:
-    """The first ``layers`` layers (None: all) of the V4 checkpoint at ``path`` as a Backend: the eager fp32
-    :class:`ReferenceModelV4` behind ``minirt.reference.ReferenceEngine``. backend "triton" raises
-    InputError (no V4 kernel runtime yet)."""
-    if backend != "reference":
-        raise InputError(f"{RUNTIME_MISSING}: load V4 checkpoints with backend='reference' (CLI: --backend reference)")
-    cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress)
-    return ReferenceEngine(ReferenceModelV4(cfg, weights, layers, torch.float32, device))
+def load(path: str | Path, layers: int | None, device: torch.device, backend: str, progress=None,
+         prefill_chunk: int | None = None) -> EngineV4 | ReferenceEngine:
+    """The first ``layers`` layers (None: all) of the V4 checkpoint at ``path`` as a Backend: backend "triton"
+    the kernel runtime :class:`EngineV4` (fp8 / fp4 weights as stored, prefill steps of ``prefill_chunk``
+    tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind ``minirt.reference.ReferenceEngine``."""
+    if backend == "reference":
+        cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress)
+        return ReferenceEngine(ReferenceModelV4(cfg, weights, layers, torch.float32, device))
+    cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.bfloat16, progress=progress, as_stored=True)
+    return build_engine_v4(cfg, weights, layers or cfg.num_hidden_layers, device,
+                           DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
 
 
 def info_rows(path: Path, cfg: DeepseekV4Config, layers: int | None) -> list[tuple[str, str]]:
@@ -51,5 +53,16 @@ def info_rows(path: Path, cfg: DeepseekV4Config, layers: int | None) -> list[tup
         ("shards to open", f"{', '.join(s.name for s in plan.shard_files)} ({len(plan.shard_files)})"),
         ("tensors / bytes to read", f"{len(plan.tensor_names)} / {decimal(plan.num_bytes)}"),
         ("parameters", f"{plan.num_parameters:,}"),
-        ("runtime", f"eager reference only ({RUNTIME_MISSING})"),
+        *cache_rows(cfg, plan.num_layers),
     ]
+
+
+def cache_rows(cfg: DeepseekV4Config, num_layers: int) -> list[tuple[str, str]]:
+    """``minirt info``'s cache rows: bytes per token of context per layer kind, the fixed bytes per sequence
+    (window, compressor state), and the total per token over the loaded layers."""
+    per_token = cache_bytes_per_token(cfg)
+    kinds = cfg.layer_kinds[:num_layers]
+    rows = [(f"cache {k.name} layer", f"{per_token[k.name]:.1f} B/token + {decimal(fixed_bytes_per_seq(cfg, k))}/sequence")
+            for k in sorted(set(kinds))]
+    total = sum(per_token[k.name] for k in kinds)
+    return rows + [(f"cache, {num_layers} layers", f"{total:.1f} B/token, {decimal(int(total * (1 << 20)))} at 1M tokens")]

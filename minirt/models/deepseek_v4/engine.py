@@ -1,0 +1,174 @@
+"""The DeepSeek-V4 kernel runtime: :class:`EngineV4`, what ``minirt.load`` returns for a V4 checkpoint.
+
+It plugs into V3.2's :class:`minirt.engine.Engine` for what both families share (``decode``'s checks and
+its CUDA-graph capture and replay, ``plan_chunks``) and brings V4's own caches (:class:`.cache.V4Cache`),
+step context (:class:`.layers.V4Step`) and layers (:class:`.layers.V4Layer`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ...backend import check_prompts
+from ...context import KVStash, PrefillTrace, Segment
+from ...engine import DECODE_HEADROOM, DEFAULT_PREFILL_CHUNK, Engine, check_prefill_chunk, plan_chunks
+from ...errors import ConfigError, InputError, NumericalError
+from ...reference import rmsnorm
+from .cache import V4Cache
+from .config import DeepseekV4Config, LayerKind
+from .layers import V4Layer, V4Step
+from .reference import hc_head, rope_cos_sin
+
+
+class EngineV4(Engine):
+    """Kernel runtime for the first ``len(layers)`` DeepSeek-V4 layers. ``prefill`` starts a batch of
+    prompts (different lengths allowed) in steps of at most ``prefill_chunk`` tokens, ``decode`` appends
+    one token per sequence; both return next-token logits [b, vocab] fp32.
+
+    A prefill step attends the prefill's bf16 keys and compressed entries (kept for the whole prefill),
+    and carries each compressor's partial window to the next step in its fp32 state, so any chunk size
+    gives the same numbers. Decode reads the fp8 MODEL1 caches; on CUDA a step is captured once per batch
+    size as a CUDA graph and replayed (``use_cuda_graph = False`` runs every step eagerly)."""
+
+    backend = "triton"
+    weights = "fp8"
+
+    def __init__(self, cfg: DeepseekV4Config, layers: torch.nn.ModuleList, top: dict[str, torch.Tensor],
+                 device: torch.device, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        self.cfg, self.layers, self.device, self.dtype = cfg, layers, device, torch.bfloat16
+        self.embed, self.head = top["embed.weight"].to(torch.bfloat16), top["head.weight"].to(torch.bfloat16)
+        self.norm = top["norm.weight"].float()
+        self.hc_head = tuple(top[f"hc_head_{k}"].float() for k in ("fn", "base", "scale"))
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        self.num_layers = len(layers)
+        self.use_cuda_graph = device.type == "cuda"
+        self.cache: V4Cache | None = None
+        self._sized_by_user = False
+
+    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
+        """Allocate the window, compressed and indexer caches and the compressor states for ``max_batch``
+        sequences of up to ``max_seq_len`` tokens. Without this call, prefill sizes (and regrows) them."""
+        self._allocate_cache(max_batch, max_seq_len)
+        self._sized_by_user = True
+
+    def _allocate_cache(self, max_batch: int, max_seq_len: int) -> None:
+        self.cache = None  # free the old cache before the new one is allocated
+        self.cache = V4Cache(self.cfg, self.num_layers, max_batch, max_seq_len, self.device)
+        positions = torch.arange(max_seq_len, device=self.device)
+        self._rope = {family: rope_cos_sin(self.cfg, kind, positions, torch.float32)
+                      for family, kind in (("main", LayerKind.SWA), ("compress", LayerKind.CSA))}
+        self._lens: list[int] = []
+        self._graphs = {}
+
+    def logits(self, X: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [N, vocab] fp32 of residual states X [N, hc, D]."""
+        y = rmsnorm(hc_head(X, *self.hc_head, self.cfg), self.norm, self.cfg.rms_norm_eps)
+        return F.linear(y.to(torch.bfloat16), self.head).float()
+
+    def _run(self, step: V4Step) -> torch.Tensor:
+        X = self.embed[step.tokens].float()[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            X = layer(X, step)
+        return X
+
+    def _step(self, tokens, positions, seq, window_slots, **prefill) -> V4Step:
+        rope = {family: (cos[positions], sin[positions]) for family, (cos, sin) in self._rope.items()}
+        return V4Step(tokens, positions, seq, rope, self._rope, self.cache, window_slots, **prefill)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
+                trace: PrefillTrace | None = None, topk_override: Sequence[torch.Tensor | None] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """Run prompts (lists of token ids) through the model, filling the caches from position 0.
+
+        Returns logits of each prompt's last token [b, vocab], or with ``all_logits`` of every token,
+        packed prompt after prompt [sum(len), vocab]. ``trace`` records per layer the residual state
+        after it and (CSA) the top-k entry ids. ``topk_override``: per layer None or [sum(len), k] entry ids
+        (−1 = none) that replace the CSA indexer's choice (to compare numerics with identical top-k).
+        ``progress(done, total)``: called with the prompt tokens run so far, before the first step and after each.
+        """
+        prompts = check_prompts(prompts, self.cfg.vocab_size)
+        lens = [len(p) for p in prompts]
+        if self.cache is None or not (self._sized_by_user or self.cache.has_room(lens)):
+            self._allocate_cache(len(prompts), max(lens) + DECODE_HEADROOM)
+        self.cache.check_room(lens)
+        self.cache.seq_lens.zero_()
+        dev, W = self.device, self.cfg.sliding_window
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
+        stash = KVStash(lens, dev)
+        ratios = {k.ratio for k in self.cfg.layer_kinds[: self.num_layers] if k != LayerKind.SWA}
+        entry_stash = {m: KVStash([n // m + 1 for n in lens], dev) for m in ratios}
+        logits, first = [], 0
+        if progress is not None:
+            progress(0, len(tokens))
+        for plan in plan_chunks(lens, self.prefill_chunk):
+            segments, offset = [], 0
+            for seq, start, n in plan:
+                segments.append(Segment(seq, start, n, offset))
+                offset += n
+            last = first + offset
+            positions = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(dev)
+            seq = torch.cat([torch.full((s.length,), s.seq) for s in segments]).to(dev)
+            keep = torch.cat([torch.arange(s.start, s.end) >= s.end - W for s in segments]).to(dev)
+            window_slots = torch.where(keep, seq * W + positions % W, -1)
+            override = None if topk_override is None else [None if t is None else t[first:last] for t in topk_override]
+            step = self._step(tokens[first:last], positions, seq, window_slots, segments=segments, stash=stash,
+                              window_rows=torch.tensor(stash.base, device=dev)[seq] + positions,
+                              entry_stash=entry_stash,
+                              entry_base={m: torch.tensor(s.base, device=dev)[seq] for m, s in entry_stash.items()},
+                              topk_override=override, trace=trace)
+            X = self._run(step)
+            if not all_logits:  # only the last token of each prompt that ends in this step
+                X = X[[s.offset + s.length - 1 for s in segments if s.end == lens[s.seq]]]
+            logits.append(self.logits(X))
+            first = last
+            if progress is not None:
+                progress(last, len(tokens))
+        logits = torch.cat(logits)
+        self._check_finite(logits, "prefill", None)
+        self.cache.seq_lens[: len(lens)] = torch.tensor(lens, device=dev)
+        self._lens = lens
+        return logits
+
+    def _check_finite(self, logits: torch.Tensor, stage: str, rerun, finite: torch.Tensor | None = None) -> None:
+        """NumericalError when ``logits`` hold a NaN or ±Inf (one reduction and one host read)."""
+        if not bool(torch.isfinite(logits).all() if finite is None else finite):
+            raise NumericalError.in_logits(stage, None)
+
+    def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor | None] | None = None,
+                     expert_override=None) -> torch.Tensor:
+        """The decode step proper: static shapes, no host sync (so it can be graph-captured).
+        ``expert_override`` (V3.2's routing override) is not offered by V4's MoE layers."""
+        if expert_override is not None:
+            raise InputError("expert_override is not supported by the DeepSeek-V4 runtime")
+        b, W = tokens.shape[0], self.cfg.sliding_window
+        positions = self.cache.seq_lens[:b].clone()
+        seq = torch.arange(b, device=self.device)
+        step = self._step(tokens, positions, seq, seq * W + positions % W, topk_override=topk_override)
+        X = self._run(step)
+        self.cache.seq_lens[:b] += 1
+        return self.logits(X)
+
+
+def build_engine_v4(cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
+                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> EngineV4:
+    """An EngineV4 from a config and DeepSeek-named tensors on ``device`` as stored
+    (``load_checkpoint(..., as_stored=True)``: fp8 / fp4 weights with their ``.scale`` entries)."""
+    if cfg.quantization is None:
+        raise ConfigError("the V4 kernel runtime runs fp8 checkpoints (fp8 linears, fp4 or fp8 experts); this one "
+                          "stores no quantization_config: use backend='reference'")
+    for key, need in (("head_dim", 512), ("qk_rope_head_dim", 64)):
+        if getattr(cfg, key) != need:
+            raise ConfigError(f"key '{key}' is {getattr(cfg, key)}: the MODEL1 cache and kernels need {key} = {need}; "
+                              "backend='reference' runs any dims")
+    missing = [n for n in ("embed.weight", "head.weight", "norm.weight") if n not in weights]
+    if missing:
+        raise InputError(f"weights lack '{missing[0]}'")
+    layers = torch.nn.ModuleList()
+    for i in range(num_layers):
+        prefix = f"layers.{i}."
+        layers.append(V4Layer({n[len(prefix):]: t for n, t in weights.items() if n.startswith(prefix)}, cfg, i))
+    return EngineV4(cfg, layers, weights, device, prefill_chunk)
+

@@ -1,0 +1,393 @@
+"""DeepSeek-V4 layers in the kernels' form: what :class:`~.engine.EngineV4` runs per prefill chunk and
+decode step (the maths is :mod:`.reference`'s; the numbers differ by the kernels' roundings only).
+
+Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
+
+* mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32;
+* attention (:class:`Attention`): fp8 projections (``Fp8Linear`` on the stored e4m3 weights, the ue8m0
+  scales as float32), kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
+  each completed window into a compressed entry inside the step (its fp32 partial-window state carried
+  across chunks and steps), written to the MODEL1 compressed cache; CSA: the :class:`Indexer`'s keys
+  (fp32, exact) and top-k by ``lightning_indexer_scores`` / ``indexer_topk``. Prefill attends the
+  prefill's bf16 keys and entries with ``sparse_mla_prefill(_two_sources)``; decode reads both fp8
+  caches with ``sparse_mla_decode_fp8`` (window + extra cache in one softmax, the sink in the
+  denominator). Then the inverse rope and the grouped output projection.
+* MoE (:class:`MoE`): ``route_hash`` / ``route_topk`` and ``moe_experts`` (fp4 routed experts; the shared
+  expert as a one-expert fp8 ``moe_experts`` call, every token weight 1).
+
+A decode step has static shapes and no host synchronisation (CUDA-graph capturable); prefill steps
+plan their segments on the host.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...context import KVStash, PrefillTrace, Segment
+from ...fp8_linear import Fp8Linear
+from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
+                        sparse_mla_prefill_two_sources, write_kv_model1)
+from ...kernels import mhc
+from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
+from ...kernels.moe_routing import route_hash, route_topk
+from ...reference import rmsnorm
+from .cache import CompressorState, LayerState, V4Cache
+from .checkpoint import scale_name
+from .config import DeepseekV4Config, LayerKind
+from .reference import rope_tail, unweighted_rmsnorm
+
+
+def rope_family(kind: LayerKind) -> str:
+    """Which rope a layer of ``kind`` uses: "main" (SWA) or "compress" (CSA / HCA)."""
+    return "main" if kind == LayerKind.SWA else "compress"
+
+
+@dataclass
+class V4Step:
+    """What a prefill chunk or decode step needs besides the activations (N tokens).
+
+    tokens, positions, seq [N] int64: token ids, positions, cache rows. rope: family → (cos, sin) [N, 32]
+    fp32 at positions; rope_table: family → (cos, sin) tables by position (entry positions). window_slots
+    [N] int64: the window-ring slot each token's kv goes to (−1: not written, a later token of its
+    segment takes the slot). Prefill only: segments (host), stash (the prefill's bf16 kv rows), window_rows
+    [N] (stash rows), entry_stash / entry_base (per ratio: the prefill's bf16 compressed entries and each
+    token's sequence's first row). topk_override: per layer None or [N, k] entry ids replacing the
+    indexer's choice. trace: per-layer intermediates of a prefill.
+    """
+
+    tokens: Tensor
+    positions: Tensor
+    seq: Tensor
+    rope: dict[str, tuple[Tensor, Tensor]]
+    rope_table: dict[str, tuple[Tensor, Tensor]]
+    cache: V4Cache
+    window_slots: Tensor
+    segments: list[Segment] | None = None
+    stash: KVStash | None = None
+    window_rows: Tensor | None = None
+    entry_stash: dict[int, KVStash] | None = None
+    entry_base: dict[int, Tensor] | None = None
+    topk_override: list[Tensor | None] | None = None
+    trace: PrefillTrace | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.segments is not None
+
+
+def fp8_linear(weight: Tensor, scale: Tensor) -> Fp8Linear:
+    """An Fp8Linear on a stored e4m3 weight [out, in] and its ue8m0 128×128 block scales (as float32)."""
+    linear = Fp8Linear(weight.shape[1], weight.shape[0], device="meta")
+    linear.weight, linear.weight_scale_inv = weight, scale.float()
+    return linear
+
+
+def _linear(w: Mapping[str, Tensor], name: str) -> Fp8Linear:
+    return fp8_linear(w[name], w[scale_name(name)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compressor and indexer
+
+
+class Compressor(nn.Module):
+    """One compressor (``prefix``: ``attn.compressor.`` or ``attn.indexer.compressor.``): per token the
+    fp32 rows ``kv = wkv·x``, ``score = wgate·x + ape[p mod ratio]``; per completed window w the entry
+    ``rope(norm(Σ softmax(score) · kv))`` at position ratio · w, over the window's tokens (with ``overlap``,
+    CSA: the previous window's first halves, then the window's second halves)."""
+
+    def __init__(self, w: Mapping[str, Tensor], prefix: str, ratio: int, dim: int, overlap: bool, eps: float):
+        super().__init__()
+        self.ratio, self.dim, self.overlap, self.eps = ratio, dim, overlap, eps
+        self.wkv, self.wgate = w[prefix + "wkv.weight"].float(), w[prefix + "wgate.weight"].float()
+        self.ape, self.norm = w[prefix + "ape"].float(), w[prefix + "norm.weight"].float()
+
+    def rows(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        x = x.float()
+        return F.linear(x, self.wkv), F.linear(x, self.wgate) + self.ape[positions % self.ratio]
+
+    def _pool(self, kv: Tensor, score: Tensor, prev_kv: Tensor | None, prev_score: Tensor | None) -> Tensor:
+        """Pooled windows [n, dim] from their rows [n, ratio, width] (and the previous windows')."""
+        if self.overlap:
+            d = self.dim
+            kv = torch.cat((prev_kv[..., :d], kv[..., d:]), dim=1)
+            score = torch.cat((prev_score[..., :d], score[..., d:]), dim=1)
+        return (kv * score.softmax(dim=1)).sum(dim=1)
+
+    def _finish(self, pooled: Tensor, windows: Tensor, table: tuple[Tensor, Tensor]) -> Tensor:
+        start = windows * self.ratio
+        return rope_tail(rmsnorm(pooled, self.norm, self.eps), table[0][start], table[1][start])
+
+    def decode(self, x: Tensor, step: V4Step, state: CompressorState, table) -> tuple[Tensor, Tensor, Tensor]:
+        """One token per sequence: store its rows in the ring, and pool its window as if complete.
+        Returns (entries [b, dim] fp32, window ids [b], emit [b] bool: the window completes now)."""
+        m, pos, seq = self.ratio, step.positions, step.seq
+        kv, score = self.rows(x, pos)
+        state.kv[seq, pos % state.rows] = kv
+        state.score[seq, pos % state.rows] = score
+        windows = pos // m
+        offs = torch.arange(m, device=pos.device)
+        cur = ((windows % 2) * m if self.overlap else torch.zeros_like(windows))[:, None] + offs
+        prev_kv = prev_score = None
+        if self.overlap:
+            prev = ((windows + 1) % 2 * m)[:, None] + offs
+            prev_kv = state.kv[seq[:, None], prev]
+            prev_score = state.score[seq[:, None], prev].masked_fill((windows == 0)[:, None, None], float("-inf"))
+        pooled = self._pool(state.kv[seq[:, None], cur], state.score[seq[:, None], cur], prev_kv, prev_score)
+        return self._finish(pooled, windows, table), windows, (pos + 1) % m == 0
+
+    def prefill(self, x: Tensor, step: V4Step, state: CompressorState, table) -> list[tuple[Segment, int, Tensor]]:
+        """A prefill step's segments: per segment (segment, first window id, entries [n, dim] fp32) of the
+        windows that complete in it (n may be 0), the earlier positions' rows read from the ring; the
+        ring then holds each segment's last positions."""
+        m, R, device = self.ratio, state.rows, x.device
+        kv, score = self.rows(x, step.positions)
+        out = []
+        for seg in step.segments:
+            rows = slice(seg.offset, seg.offset + seg.length)
+            first = max(0, m * (seg.start // m) - (m if self.overlap else 0))
+            past = torch.arange(first, seg.start, device=device) % R
+            seg_kv = torch.cat((state.kv[seg.seq, past], kv[rows]))
+            seg_score = torch.cat((state.score[seg.seq, past], score[rows]))
+            lo, hi = seg.start // m, seg.end // m  # windows lo .. hi-1 complete in this segment
+            n = hi - lo
+            if n > 0:
+                cur = slice(m * lo - first, m * hi - first)
+                prev_kv = prev_score = None
+                if self.overlap:
+                    if lo == 0:  # window 0 has no previous window: its slots weigh 0
+                        seg_kv = torch.cat((seg_kv.new_zeros(m, seg_kv.shape[1]), seg_kv))
+                        seg_score = torch.cat((seg_score.new_full((m, seg_score.shape[1]), float("-inf")), seg_score))
+                        first -= m
+                        cur = slice(m * lo - first, m * hi - first)
+                    prev = slice(m * (lo - 1) - first, m * (hi - 1) - first)
+                    prev_kv, prev_score = seg_kv[prev].view(n, m, -1), seg_score[prev].view(n, m, -1)
+                pooled = self._pool(seg_kv[cur].view(n, m, -1), seg_score[cur].view(n, m, -1), prev_kv, prev_score)
+                out.append((seg, lo, self._finish(pooled, torch.arange(lo, hi, device=device), table)))
+            keep = min(seg.length, R)
+            ring = torch.arange(seg.end - keep, seg.end, device=device) % R
+            state.kv[seg.seq, ring] = kv[seg.offset + seg.length - keep: seg.offset + seg.length]
+            state.score[seg.seq, ring] = score[seg.offset + seg.length - keep: seg.offset + seg.length]
+        return out
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer: keys from its own compressor (fp32 key cache), queries
+    ``rope(indexer.wq_b · qr)`` per head, ``I[t, s] = Σ_h wp[t, h] · d^-½ · h^-½ · relu(q[t, h] · k[s])`` over
+    the visible entries (s < (t + 1) // 4), top ``index_topk`` entry ids (−1 past the visible ones)."""
+
+    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config):
+        super().__init__()
+        self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = _linear(w, "attn.indexer.wq_b.weight")
+        self.weights_proj = w["attn.indexer.weights_proj.weight"].float() * (self.dim**-0.5 * self.heads**-0.5)
+        self.compressor = Compressor(w, "attn.indexer.compressor.", LayerKind.CSA.ratio, self.dim, True,
+                                     cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, qr: Tensor, step: V4Step, state: LayerState) -> Tensor:
+        """Write this step's completed keys and select: [N, index_topk] int32 entry ids."""
+        table = step.rope_table["compress"]
+        spare = state.index_keys.shape[1] - 1
+        if step.is_prefill:
+            for seg, lo, keys in self.compressor.prefill(x, step, state.index_compressor, table):
+                state.index_keys[seg.seq, lo: lo + keys.shape[0]] = keys
+        else:
+            keys, windows, emit = self.compressor.decode(x, step, state.index_compressor, table)
+            state.index_keys[step.seq, torch.where(emit, windows, spare)] = keys
+        N = x.shape[0]
+        cos, sin = step.rope["compress"]
+        q = rope_tail(self.wq_b(qr).float().view(N, self.heads, self.dim), cos, sin)
+        head_weights = F.linear(x.float(), self.weights_proj)
+        last_visible = (step.positions + 1) // LayerKind.CSA.ratio - 1
+        if not step.is_prefill:  # decode rows are the cache's first b sequences, in order
+            b = N
+            scores = lightning_indexer_scores(q[:, None], state.index_keys[:b, :spare], head_weights[:, None],
+                                              last_visible[:, None])
+            return indexer_topk(scores, self.topk)[:, 0]
+        picks = []
+        for seg in step.segments:
+            rows = slice(seg.offset, seg.offset + seg.length)
+            keys = state.index_keys[seg.seq, : max(1, seg.end // LayerKind.CSA.ratio)]
+            scores = lightning_indexer_scores(q[rows], keys, head_weights[rows], last_visible[rows])
+            picks.append(indexer_topk(scores, self.topk))
+        return torch.cat(picks)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+
+
+class Attention(nn.Module):
+    """One layer's attention of ``kind`` on x [N, D] bf16 (attn_norm applied): [N, D] fp32."""
+
+    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, kind: LayerKind):
+        super().__init__()
+        self.cfg, self.index, self.kind, self.rope = cfg, index, kind, rope_family(kind)
+        self.wq_a, self.wq_b, self.wkv = (_linear(w, f"attn.{n}.weight") for n in ("wq_a", "wq_b", "wkv"))
+        self.q_norm, self.kv_norm = w["attn.q_norm.weight"].float(), w["attn.kv_norm.weight"].float()
+        g = cfg.o_groups
+        wo_a, wo_a_scale = w["attn.wo_a.weight"], w[scale_name("attn.wo_a.weight")]
+        rows, scale_rows = wo_a.shape[0] // g, wo_a_scale.shape[0] // g
+        self.wo_a = nn.ModuleList(fp8_linear(wo_a[k * rows:(k + 1) * rows], wo_a_scale[k * scale_rows:(k + 1) * scale_rows])
+                                  for k in range(g))
+        self.wo_b = _linear(w, "attn.wo_b.weight")
+        self.sink = w["attn.attn_sink"].float()
+        self.compressor = (Compressor(w, "attn.compressor.", kind.ratio, cfg.head_dim, kind == LayerKind.CSA,
+                                      cfg.rms_norm_eps) if kind != LayerKind.SWA else None)
+        self.indexer = Indexer(w, cfg) if kind == LayerKind.CSA else None
+
+    def forward(self, x: Tensor, step: V4Step) -> Tensor:
+        cfg, N = self.cfg, x.shape[0]
+        eps, H, hd = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.head_dim
+        cos, sin = step.rope[self.rope]
+        qr = rmsnorm(self.wq_a(x).float(), self.q_norm, eps)
+        q = rope_tail(unweighted_rmsnorm(self.wq_b(qr).float().view(N, H, hd), eps), cos, sin).to(torch.bfloat16)
+        kv = rope_tail(rmsnorm(self.wkv(x).float(), self.kv_norm, eps), cos, sin).to(torch.bfloat16)
+        state = step.cache.layers[self.index]
+        write_kv_model1(state.window, kv, step.window_slots)
+        topk = None
+        if self.kind != LayerKind.SWA:
+            self._write_entries(x, step, state)
+        if self.kind == LayerKind.CSA:
+            topk = self._topk(x, qr, step, state)
+            if step.trace is not None:
+                step.trace.record("topk", self.index, topk)
+        o = (self._prefill_attention(q, kv, step, topk) if step.is_prefill
+             else self._decode_attention(q, step, state, topk))
+        o = rope_tail(o.float(), cos, -sin).to(torch.bfloat16)  # K = V carried the keys' rope
+        groups = o.view(N, cfg.o_groups, -1)
+        z = torch.cat([proj(groups[:, k]) for k, proj in enumerate(self.wo_a)], dim=-1)
+        out = self.wo_b(z).float()
+        if step.trace is not None:
+            step.trace.record("attn", self.index, out)
+        return out
+
+    def _topk(self, x, qr, step: V4Step, state: LayerState) -> Tensor:
+        """[N, index_topk] int32 entry ids: the indexer's (its keys written either way), or the override."""
+        chosen = self.indexer(x, qr, step, state)
+        override = step.topk_override[self.index] if step.topk_override is not None else None
+        if override is None:
+            return chosen
+        override = override.to(chosen.device, torch.int32)[:, : chosen.shape[1]]
+        return F.pad(override, (0, chosen.shape[1] - override.shape[1]), value=-1)
+
+    def _write_entries(self, x: Tensor, step: V4Step, state: LayerState) -> None:
+        """Pool the windows completed in this step into the compressed cache (and the prefill's stash)."""
+        table, per_seq = step.rope_table["compress"], step.cache.entries_per_seq(self.kind)
+        if not step.is_prefill:
+            entries, windows, emit = self.compressor.decode(x, step, state.compressor, table)
+            slots = torch.where(emit, step.seq * per_seq + windows, -1)
+            write_kv_model1(state.compressed, entries.to(torch.bfloat16), slots)
+            return
+        stash = step.entry_stash[self.kind.ratio]
+        rows = stash.layer(self.index, self.cfg.head_dim)
+        for seg, lo, entries in self.compressor.prefill(x, step, state.compressor, table):
+            ids = torch.arange(lo, lo + entries.shape[0], device=x.device)
+            entries = entries.to(torch.bfloat16)
+            write_kv_model1(state.compressed, entries, seg.seq * per_seq + ids)
+            rows[stash.base[seg.seq] + ids, 0] = entries
+
+    def _extra(self, step: V4Step, topk: Tensor | None, first: Tensor, width: int) -> tuple[Tensor, Tensor | None]:
+        """(extra indices [N, k] int32 = first + entry id, lengths [N] int32 or None) of the compressed entries
+        each token attends: CSA its top-k, HCA every visible entry (``width`` columns, lengths (t+1) // 128)."""
+        if self.kind == LayerKind.CSA:
+            return torch.where(topk >= 0, first[:, None] + topk, -1).to(torch.int32), None
+        ids = first[:, None] + torch.arange(width, device=first.device)
+        return ids.to(torch.int32), ((step.positions + 1) // self.kind.ratio).to(torch.int32)
+
+    def _prefill_attention(self, q: Tensor, kv: Tensor, step: V4Step, topk: Tensor | None) -> Tensor:
+        cfg, W = self.cfg, self.cfg.sliding_window
+        keys = step.stash.layer(self.index, cfg.head_dim)
+        keys[step.window_rows, 0] = kv
+        back = torch.arange(W, device=q.device)
+        window = torch.where(step.positions[:, None] >= back, step.window_rows[:, None] - back, -1)
+        window = window.to(torch.int32)[:, None]
+        if self.kind == LayerKind.SWA:
+            return sparse_mla_prefill(q, keys, window, cfg.sm_scale, cfg.head_dim, self.sink)[0]
+        width = max(1, max(seg.end // self.kind.ratio for seg in step.segments))
+        extra, lengths = self._extra(step, topk, step.entry_base[self.kind.ratio], width)
+        entries = step.entry_stash[self.kind.ratio].layer(self.index, cfg.head_dim)
+        return sparse_mla_prefill_two_sources(q, keys, window, entries, extra[:, None], cfg.sm_scale, cfg.head_dim,
+                                              self.sink, None, lengths)[0]
+
+    def _decode_attention(self, q: Tensor, step: V4Step, state: LayerState, topk: Tensor | None) -> Tensor:
+        W, pos, seq = self.cfg.sliding_window, step.positions, step.seq
+        back = torch.arange(W, device=q.device)
+        past = pos[:, None] - back
+        window = torch.where(past >= 0, seq[:, None] * W + past % W, -1).to(torch.int32)[:, None]
+        extra = {}
+        if self.kind != LayerKind.SWA:
+            per_seq = step.cache.entries_per_seq(self.kind)
+            ids, lengths = self._extra(step, topk, seq * per_seq, per_seq)
+            extra = dict(extra_kv_cache=state.compressed, extra_indices=ids[:, None], extra_topk_length=lengths)
+        o, _ = sparse_mla_decode_fp8(q[:, None], state.window, window, self.cfg.sm_scale, self.cfg.head_dim,
+                                     attn_sink=self.sink, **extra)
+        return o[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE
+
+
+class MoE(nn.Module):
+    """The MoE FFN on x [N, D] bf16 (ffn_norm applied): [N, D] fp32 = routed experts + shared expert."""
+
+    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int):
+        super().__init__()
+        self.cfg, self.hash = cfg, cfg.is_hash_layer(index)
+        self.gate = w["ffn.gate.weight"].float()
+        self.tid2eid = w["ffn.gate.tid2eid"] if self.hash else None
+        self.bias = None if self.hash else w["ffn.gate.bias"].float()
+        E, fmt = cfg.n_routed_experts, cfg.quantization.expert_dtype
+        parts = [[w[f"ffn.experts.{e}.{k}.weight"] for e in range(E)] for k in ("w1", "w3", "w2")]
+        scales = [[w[scale_name(f"ffn.experts.{e}.{k}.weight")] for e in range(E)] for k in ("w1", "w3", "w2")]
+        stack = expert_weights_fp4 if fmt == "fp4" else expert_weights_fp8
+        self.experts: ExpertWeights = stack(parts[0], scales[0], parts[1], scales[1], parts[2], scales[2])
+        shared = [w[f"ffn.shared_experts.{k}.weight"] for k in ("w1", "w3", "w2")]
+        shared_scales = [w[scale_name(f"ffn.shared_experts.{k}.weight")] for k in ("w1", "w3", "w2")]
+        self.shared = expert_weights_fp8([shared[0]], [shared_scales[0]], [shared[1]], [shared_scales[1]],
+                                         [shared[2]], [shared_scales[2]])
+
+    def forward(self, x: Tensor, tokens: Tensor) -> Tensor:
+        cfg, N = self.cfg, x.shape[0]
+        logits = F.linear(x.float(), self.gate)
+        route = dict(scoring=cfg.scoring_func, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+        if self.hash:
+            weights, ids = route_hash(logits, self.tid2eid, tokens, **route)
+        else:
+            weights, ids = route_topk(logits, self.bias, top_k=cfg.num_experts_per_tok, **route)
+        routed = moe_experts(x, ids, weights, self.experts, swiglu_limit=cfg.swiglu_limit)
+        one = torch.ones(N, 1, device=x.device)
+        shared = moe_experts(x, torch.zeros(N, 1, dtype=torch.int32, device=x.device), one, self.shared,
+                             swiglu_limit=cfg.swiglu_limit)
+        return routed.float() + shared.float()
+
+
+class V4Layer(nn.Module):
+    """One DeepSeek-V4 layer on X [N, hc, D] fp32 (contiguous): ``X = post · attn(attn_norm(Σ pre X)) + combᵀ X``,
+    then the same with the MoE.
+    ``w``: the layer's tensors by names relative to ``layers.{index}.``, fp8 / fp4 as stored with their
+    ``.scale`` entries (``load_checkpoint(..., as_stored=True)``)."""
+
+    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int):
+        super().__init__()
+        self.cfg, self.index, self.kind = cfg, index, cfg.layer_kinds[index]
+        self.hc = {part: tuple(w[f"hc_{part}_{k}"].float() for k in ("fn", "base", "scale")) for part in ("attn", "ffn")}
+        self.attn_norm, self.ffn_norm = w["attn_norm.weight"].float(), w["ffn_norm.weight"].float()
+        self.attn = Attention(w, cfg, index, self.kind)
+        self.ffn = MoE(w, cfg, index)
+
+    def forward(self, X: Tensor, step: V4Step) -> Tensor:
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        mix = dict(eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+        collapsed, post, comb = mhc.hc_pre(X, *self.hc["attn"], **mix)
+        X = mhc.hc_post(self.attn(rmsnorm(collapsed, self.attn_norm, eps).to(torch.bfloat16), step), X, post, comb)
+        collapsed, post, comb = mhc.hc_pre(X, *self.hc["ffn"], **mix)
+        X = mhc.hc_post(self.ffn(rmsnorm(collapsed, self.ffn_norm, eps).to(torch.bfloat16), step.tokens), X, post, comb)
+        if step.trace is not None:
+            step.trace.record("hidden", self.index, X)
+        return X
