@@ -228,7 +228,7 @@ EXPECTED = {
     "FIFO as index: info": re.escape(INDEX_FILE) + r": model\.safetensors\.index\.json is a FIFO, not a regular file",
     "FIFO as shard: info": r"model-00002-of-000004\.safetensors: shard of tensor model\.layers\.0\.\S+ is a FIFO, not a regular file",
     "FIFO as tokenizer.json: generate": r"tokenizer\.json: tokenizer\.json is a FIFO, not a regular file",
-    "FIFO as config.json: init": r"is not empty; use force=True \(--force\) to replace it",
+    "FIFO as config.json: init": r"is not empty; --force replaces it",
     "silent hub": r"acme/tiny-v32/config\.json from http://127\.0\.0\.1:\d+: no answer within 0\.5 s \(\w+\), 2 time\(s\) "
                   r"\(--retries 1, --timeout 0\.5 s\)",
     "hub answering 500": r"the hub answered HTTP 500, 3 time\(s\) \(--retries 2, --timeout 2 s\)",
