@@ -113,10 +113,10 @@ def _sparse_decode_sm90_kernel(
     out_row = out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s
     lse_row = lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s
     gl.warp_specialize([
-        (_consumer_0, (blocks, p_ready, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope,
-                       rescale, row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2, sink_ptr, out_row,
-                       stride_o_h, lse_row, stride_l_h, has_sink, SPLIT)),
-        (_consumer_1, (blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
+        (consumer_0, (blocks, p_ready, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope,
+                      rescale, row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2, sink_ptr, out_row,
+                      stride_o_h, lse_row, stride_l_h, has_sink, SPLIT, True)),
+        (consumer_1, (blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
                        stride_o_h, has_sink, SPLIT)),
         (produce_blocks, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
                           n_steps, (num_slots, block_size, block_stride_16, PADDED_BLOCKS), 0, 1)),
@@ -177,34 +177,39 @@ def allocate_blocks(num_consumers: gl.constexpr):
 
 
 @gluon.jit
-def _scores(q_halves, q_rope, blocks, step, s):
+def _scores(q_halves, q_rope, blocks, step, s, HAS_ROPE: gl.constexpr):
     """Issue the score MMAs of block `step` once it has landed (q_halves: [2, ...] indexed on an opaque
-    zero, see opaque_zero)."""
+    zero, see opaque_zero); HAS_ROPE: the keys have a rope tile beside their 512 columns (V32)."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     buf = step & 1
     zero = opaque_zero(step)
     wait_piece(ready, buf, (step >> 1) & 1)
     s = score_piece(q_halves.index(zero), k_left.index(buf), s, True)
     s = score_piece(q_halves.index(zero + 1), k_right.index(buf), s, False)
-    return score_piece(q_rope.index(zero), k_rope.index(buf), s, False)
+    if HAS_ROPE:
+        s = score_piece(q_rope.index(zero), k_rope.index(buf), s, False)
+    return s
 
 
 @gluon.jit
-def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps,
-                head0, h_q, sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink,
-                SPLIT: gl.constexpr):
+def consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps,
+               head0, h_q, sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink,
+               SPLIT: gl.constexpr, HAS_ROPE: gl.constexpr):
     """q, scores, softmax, output columns 0..255, lse. A split writes partials (fp32 out over its own
     keys, base-2 lse) for the merge kernel, which applies the sink. (q loads here, while the producer
-    already gathers the first blocks.)"""
+    already gathers the first blocks.) HAS_ROPE: q and the keys have 64 rope columns beside their 512
+    (V32; else the rope tile of each block only carries P)."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
-    load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, True)
+    # P.V is done when at most the block's score MMAs issued after it are pending.
+    SCORE_MMAS: gl.constexpr = 3 if HAS_ROPE else 2
+    load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE)
     gl.thread_barrier()   # every warp's rows of q are in shared memory before the warpgroup's MMAs
     m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
     if n_steps > 0:
-        s = warpgroup_mma_wait(0, deps=(_scores(q_halves, q_rope, blocks, 0, s),))
+        s = warpgroup_mma_wait(0, deps=(_scores(q_halves, q_rope, blocks, 0, s, HAS_ROPE),))
     for step in range(n_steps):
         buf = step & 1
         ids = key_ids.index(buf).load(COL_S)
@@ -224,8 +229,8 @@ def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, r
         # issued MMA's result is not yet a tensor.)
         if step + 1 < n_steps:
             acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_left.index(buf), acc, is_async=True)
-            s = _scores(q_halves, q_rope, blocks, step + 1, s)
-            acc = warpgroup_mma_wait(3, deps=(acc,))   # P.V is done; the 3 score MMAs may run on
+            s = _scores(q_halves, q_rope, blocks, step + 1, s, HAS_ROPE)
+            acc = warpgroup_mma_wait(SCORE_MMAS, deps=(acc,))   # P.V is done; the score MMAs may run on
             mbarrier.arrive(free.index(buf))
             s = warpgroup_mma_wait(0, deps=(s,))
         else:
@@ -241,8 +246,8 @@ def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, r
 
 
 @gluon.jit
-def _consumer_1(blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row, stride_o_h,
-                has_sink, SPLIT: gl.constexpr):
+def consumer_1(blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row, stride_o_h,
+               has_sink, SPLIT: gl.constexpr):
     """Output columns 256..511: P of each block from consumer 0, times the right half of its V."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
@@ -322,15 +327,22 @@ def _bf16_pairs(scales):
 
 
 @gluon.jit
-def _store_dequantised(words, scale_pairs, dst, part: gl.constexpr):
-    """Rows part*16.. of dst [64, 256] bf16 (shared) = the words' e4m3 values times their tiles'
-    scales. Word w of a tile gives its columns 4w..4w+3. The bf16 tile seen as 32-bit words has the same
-    bytes, 128-byte swizzle and column blocks; its rows are sliced after the reinterpretation (a
-    reinterpreted slice would lose the parent's column-block stride)."""
-    pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [words, scale_pairs[:, :, None]],
+def piece_words(dst, part: gl.constexpr):
+    """Rows part*16.. of dst [64, n] bf16 (shared) as 32-bit words [16, n / 2]. The bf16 tile seen as
+    words has the same bytes, 128-byte swizzle and column blocks; its rows are sliced after the
+    reinterpretation (a reinterpreted slice would lose the parent's column-block stride)."""
+    return dst._reinterpret(gl.int32, [BLOCK_N, dst.shape[1] // 2], WORD_SMEM).slice(part * PIECE, PIECE)
+
+
+@gluon.jit
+def store_dequantised(words, scale_pairs, dst):
+    """dst [keys, n] int32 (shared, bf16 pairs, see piece_words) = the e4m3 values of words [keys, ...,
+    w] times their tiles' scales (scale_pairs: [keys, ...], bf16x2 of each tile's scale). Word w of a
+    tile gives its columns 4w..4w+3."""
+    pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r",
+                                                   [words, gl.expand_dims(scale_pairs, -1)],
                                                    dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    dst._reinterpret(gl.int32, [BLOCK_N, HALF // 2], WORD_SMEM).slice(part * PIECE, PIECE).store(
-        gl.reshape(gl.join(pairs_lo, pairs_hi), [PIECE, HALF // 2]))
+    dst.store(gl.reshape(gl.join(pairs_lo, pairs_hi), dst.shape))
 
 
 @gluon.jit
@@ -340,10 +352,9 @@ def _fill(piece, blocks, buf, part: gl.constexpr):
     left, left_scales, right, right_scales, rope = piece
     # (The scales become bf16 pairs here, at their first use: converted where they are loaded, the
     # producer would wait for every piece's loads as soon as it issued them.)
-    _store_dequantised(left, _bf16_pairs(left_scales), k_left.index(buf), part)
-    _store_dequantised(right, _bf16_pairs(right_scales), k_right.index(buf), part)
-    rope_words = k_rope.index(buf)._reinterpret(gl.int32, [BLOCK_N, D_ROPE // 2], WORD_SMEM)
-    rope_words.slice(part * PIECE, PIECE).store(rope)
+    store_dequantised(left, _bf16_pairs(left_scales), piece_words(k_left.index(buf), part))
+    store_dequantised(right, _bf16_pairs(right_scales), piece_words(k_right.index(buf), part))
+    piece_words(k_rope.index(buf), part).store(rope)
 
 
 @gluon.jit
