@@ -118,8 +118,8 @@ def _sparse_decode_sm90_kernel(
                       stride_o_h, lse_row, stride_l_h, has_sink, SPLIT, True)),
         (consumer_1, (blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
                        stride_o_h, has_sink, SPLIT)),
-        (produce_blocks, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
-                          n_steps, (num_slots, block_size, block_stride_16, PADDED_BLOCKS), 0, 1)),
+        (producer, (blocks, load_ids, (cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
+                                       (num_slots, block_size, block_stride_16, PADDED_BLOCKS)), n_steps, 0, 1)),
     ], [4, 4], [160, 136])
 
 
@@ -265,15 +265,17 @@ def consumer_1(blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, hea
 
 
 @gluon.jit
-def _step_ids(idx_row, lo, hi, step):
-    """The 64 slot ids of block `step` (VEC_L); -1 at and past hi."""
+def step_ids(source, step):
+    """The 64 slot ids of block `step` (VEC_L); -1 at and past hi. source: (cache_ptr, idx_row (the query
+    row's indices), top-k range lo..hi, geometry (see _token_addresses)), as produce_blocks takes it."""
+    cache_ptr, idx_row, lo, hi, geometry = source
     offs = lo + step * BLOCK_N + gl.arange(0, BLOCK_N, VEC_L)
     return gl.load(idx_row + offs, mask=offs < hi, other=-1)
 
 
 @gluon.jit
 def _token_addresses(cache_ptr, ids, geometry):
-    """(address of each slot's 656-byte token, validity); invalid slots point at slot 0 (see _load_piece).
+    """(address of each slot's 656-byte token, validity); invalid slots point at slot 0 (see load_piece).
     geometry: (num_slots, block_size, block_stride_16, PADDED_BLOCKS); only blocks padded beyond
     block_size tokens need the division (a runtime divisor costs the producer ~25 instructions a piece)."""
     num_slots, block_size, block_stride_16, PADDED_BLOCKS = geometry
@@ -288,7 +290,7 @@ def _token_addresses(cache_ptr, ids, geometry):
 
 
 @gluon.jit
-def _piece_ids(load_ids, mine, part: gl.constexpr):
+def piece_ids(load_ids, mine, part: gl.constexpr):
     """The slot ids of a quarter block (keys part*16..part*16+15 of the producer's block `mine`) in the layouts of its
     latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
     reads, this load's latency would stall the producer (ncu: ~12% of its cycles)."""
@@ -297,13 +299,14 @@ def _piece_ids(load_ids, mine, part: gl.constexpr):
 
 
 @gluon.jit
-def _load_piece(cache_ptr, piece_ids, geometry):
-    """Registers of a quarter block (_piece_ids): the latent's e4m3 bytes as words [16, 2, 32] of
+def load_piece(source, step, ids):
+    """Registers of a quarter block of block `step` (ids: from piece_ids): the latent's e4m3 bytes as words [16, 2, 32] of
     tiles 0, 1 and of tiles 2, 3, their float32 scales' bits [16, 2] (int32), the rope's bf16 pairs
     [16, 32] (int32). An invalid slot's id is never dereferenced: its latent words come from slot 0 unmasked
     (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its scales and rope read
     as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
-    ids, rope_ids = piece_ids
+    cache_ptr, idx_row, lo, hi, geometry = source
+    ids, rope_ids = ids
     token, valid = _token_addresses(cache_ptr, ids, geometry)
     tile = gl.arange(0, 2, gl.SliceLayout(0, SCALES_L))
     word = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
@@ -346,8 +349,8 @@ def store_dequantised(words, scale_pairs, dst):
 
 
 @gluon.jit
-def _fill(piece, blocks, buf, part: gl.constexpr):
-    """Store a piece (_load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
+def fill(piece, blocks, buf, part: gl.constexpr):
+    """Store a piece (load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     left, left_scales, right, right_scales, rope = piece
     # (The scales become bf16 pairs here, at their first use: converted where they are loaded, the
@@ -358,48 +361,60 @@ def _fill(piece, blocks, buf, part: gl.constexpr):
 
 
 @gluon.jit
-def produce_blocks(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, geometry, first, STRIDE: gl.constexpr):
-    """Fill blocks first, first + STRIDE, ... of the top-k range lo..hi (n_steps blocks of 64 slot ids
-    from idx_row) into the buffers of allocate_blocks (block `step` into buffer step & 1, once its
-    consumers have released it), a quarter block at a time with the next three quarters' loads in
-    flight (registers hold no more). load_ids: [2, 64] int32 of this producer's own. Slot ids two
-    blocks ahead of the loads (loaded just before their use, their latency would stall every piece).
-    STRIDE 2: two producers, one per buffer, each fill every other block."""
+def produce_blocks(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr, step_ids: gl.constexpr,
+                   piece_ids: gl.constexpr, load_piece: gl.constexpr, fill: gl.constexpr):
+    """Fill blocks first, first + STRIDE, ... of the program's n_steps blocks of 64 keys into the buffers
+    of allocate_blocks (block `step` into buffer step & 1, once its consumers have released it), a
+    quarter block at a time with the next three quarters' loads in flight (registers hold no more).
+    load_ids: [2, 64] int32 of this producer's own. Slot ids two blocks ahead of the loads (loaded just
+    before their use, their latency would stall every piece). STRIDE 2: two producers, one per buffer,
+    each fill every other block.
+
+    The cache format is four functions of it (this module's step_ids, piece_ids, load_piece, fill for
+    V32) and source, what they read: step_ids(source, step) the block's 64 slot ids; piece_ids(load_ids,
+    mine, part) a quarter block's ids from shared memory in the layouts of its loads; load_piece(source,
+    step, ids) its registers; fill(piece, blocks, buf, part) their dequantised bf16 in the block's tiles."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     if first < n_steps:   # (the prologue's stand-in slot 0 may not exist otherwise)
-        ids_cur = _step_ids(idx_row, lo, hi, first)
+        ids_cur = step_ids(source, first)
         load_ids.index(0).store(ids_cur)
-        ids_next = _step_ids(idx_row, lo, hi, first + STRIDE)
+        ids_next = step_ids(source, first + STRIDE)
         gl.thread_barrier()
-        p0 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 0), geometry)
-        p1 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 1), geometry)
-        p2 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 2), geometry)
-        ids_p3 = _piece_ids(load_ids, 0, 3)
+        p0 = load_piece(source, first, piece_ids(load_ids, 0, 0))
+        p1 = load_piece(source, first, piece_ids(load_ids, 0, 1))
+        p2 = load_piece(source, first, piece_ids(load_ids, 0, 2))
+        ids_p3 = piece_ids(load_ids, 0, 3)
         for step in range(first, n_steps, STRIDE):
             buf = step & 1
             mine = step // STRIDE   # this producer's count of blocks: its load_ids slot
-            p3 = _load_piece(cache_ptr, ids_p3, geometry)
+            p3 = load_piece(source, step, ids_p3)
             # The other slot's ids were last read by the previous block's loads, before its barrier.
             load_ids.index((mine & 1) ^ 1).store(ids_next)
             gl.thread_barrier()
-            ids_after = _step_ids(idx_row, lo, hi, step + 2 * STRIDE)
-            ids_p = _piece_ids(load_ids, mine + 1, 0)
+            ids_after = step_ids(source, step + 2 * STRIDE)
+            ids_p = piece_ids(load_ids, mine + 1, 0)
             mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
             key_ids.index(buf).store(ids_cur)
-            _fill(p0, blocks, buf, 0)
-            p0 = _load_piece(cache_ptr, ids_p, geometry)
-            ids_p = _piece_ids(load_ids, mine + 1, 1)
-            _fill(p1, blocks, buf, 1)
-            p1 = _load_piece(cache_ptr, ids_p, geometry)
-            ids_p = _piece_ids(load_ids, mine + 1, 2)
-            _fill(p2, blocks, buf, 2)
-            p2 = _load_piece(cache_ptr, ids_p, geometry)
-            ids_p3 = _piece_ids(load_ids, mine + 1, 3)
-            _fill(p3, blocks, buf, 3)
+            fill(p0, blocks, buf, 0)
+            p0 = load_piece(source, step + STRIDE, ids_p)
+            ids_p = piece_ids(load_ids, mine + 1, 1)
+            fill(p1, blocks, buf, 1)
+            p1 = load_piece(source, step + STRIDE, ids_p)
+            ids_p = piece_ids(load_ids, mine + 1, 2)
+            fill(p2, blocks, buf, 2)
+            p2 = load_piece(source, step + STRIDE, ids_p)
+            ids_p3 = piece_ids(load_ids, mine + 1, 3)
+            fill(p3, blocks, buf, 3)
             fence_async_shared()
             publish_done(ready.index(buf))
             ids_cur = ids_next
             ids_next = ids_after
+
+
+@gluon.jit
+def producer(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr):
+    """produce_blocks of the V32 cache (656-byte tokens, see load_piece); source: see step_ids."""
+    produce_blocks(blocks, load_ids, source, n_steps, first, STRIDE, step_ids, piece_ids, load_piece, fill)
 
 
 def supported(q: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .sparse_mla_decode_sm90 import (RUNTIME_ARGS, allocate_blocks, allocate_q, produce_blocks, program_span)
+from .sparse_mla_decode_sm90 import RUNTIME_ARGS, allocate_blocks, allocate_q, producer, program_span
 from .sparse_mla_prefill_sm90 import (BLOCK_N, HALF, HALF_L, NO_MAX, VEC_SMEM, inverse_denominators, load_q,
                                       opaque_zero, score_piece, store_lse, wait_piece)
 
@@ -47,16 +47,16 @@ def _sparse_decode_few_heads_kernel(
                                                                                                     gl.bfloat16))
     load_ids_0 = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)   # each producer's own
     load_ids_1 = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)
-    geometry = (num_slots, block_size, block_stride_16, PADDED_BLOCKS)
-    idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
+    source = (cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
+              (num_slots, block_size, block_stride_16, PADDED_BLOCKS))
     gl.warp_specialize([
         (consumer_t, (blocks, p_t, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope, num_slots,
                       n_steps, head0, h_q, sm_scale_log2, sink_ptr,
                       out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s, stride_o_h,
                       lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s, stride_l_h,
                       has_sink, SPLIT, True)),
-        (produce_blocks, (blocks, load_ids_0, cache_ptr, idx_row, lo, hi, n_steps, geometry, 0, 2)),
-        (produce_blocks, (blocks, load_ids_1, cache_ptr, idx_row, lo, hi, n_steps, geometry, 1, 2)),
+        (producer, (blocks, load_ids_0, source, n_steps, 0, 2)),
+        (producer, (blocks, load_ids_1, source, n_steps, 1, 2)),
     ], [4, 4], [136, 136])
 
 
