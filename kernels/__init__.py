@@ -3,8 +3,12 @@
 - ``sparse_mla_prefill``: NaN-safe sparse MLA prefill, FlashMLA ``flash_mla_sparse_fwd`` semantics.
 - ``quantize_kv_fp8`` / ``dequantize_kv_fp8`` / ``write_kv_fp8`` / ``new_kv_cache``: the fp8 paged
   latent cache in FlashMLA's 656-byte V32 layout.
-- ``sparse_mla_decode_fp8`` and its wrapper ``mla_decode_fp8``: absorbed-MQA sparse decode over that
-  cache, dequantising in registers.
+- ``quantize_kv_model1`` / ``dequantize_kv_model1`` / ``write_kv_model1`` / ``new_model1_cache`` /
+  ``model1_cache_from_entries`` / ``model1_cache_entries``: the fp8 paged K = V cache in FlashMLA's
+  584-byte MODEL1 (DeepSeek-V4) layout.
+- ``sparse_mla_decode_fp8`` and its wrapper ``mla_decode_fp8``: absorbed-MQA sparse decode over the
+  V32 cache, dequantising in registers; over a MODEL1 cache (plus an optional extra one, V4's window
+  and compressed entries in one softmax) the same function.
 - ``lightning_indexer_scores`` / ``indexer_topk``: V3.2's indexer scores (exact mode) and a top-k
   with ties going to the lower key index, free of host syncs.
 - ``paged_indexer_scores`` and the fp8 indexer key cache (``new_index_cache``, ``write_index_keys``,
@@ -13,8 +17,8 @@
 - ``quantize_act_fp8`` / ``fp8_gemm``: block-scaled fp8 linear layers on the checkpoint's e4m3 weights;
   ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
   weight, the value projection writing o_proj's fp8 input directly.
-- ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8}``: the same as torch
-  custom ops, for torch.compile (see ``ops``).
+- ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8, write_kv_model1}``: the
+  same as torch custom ops, for torch.compile (see ``ops``).
 
 On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``,
 ``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two consumers meeting
@@ -30,6 +34,8 @@ from .interpreter import choose_interpreter_without_gpu
 choose_interpreter_without_gpu()
 
 from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, quantize_kv_fp8, write_kv_fp8  # noqa: E402
+from .kv_cache_model1 import (dequantize_kv_model1, model1_cache_entries, model1_cache_from_entries,  # noqa: E402
+                              new_model1_cache, quantize_kv_model1, write_kv_model1)
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
 from .lightning_indexer import indexer_topk, lightning_indexer_scores  # noqa: E402
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402

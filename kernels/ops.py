@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from .kv_cache_fp8 import write_kv_fp8
+from .kv_cache_model1 import write_kv_model1
 from .sparse_mla_decode import sparse_mla_decode_fp8
 from .sparse_mla_prefill import sparse_mla_prefill
 
@@ -31,13 +32,17 @@ def _(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
 @torch.library.custom_op("minirt::sparse_mla_decode_fp8", mutates_args=())
 def sparse_mla_decode_fp8_op(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                              d_v: int = 512, attn_sink: Optional[torch.Tensor] = None,
-                             topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``minirt.kernels.sparse_mla_decode_fp8`` as a custom op: (out, lse)."""
-    return sparse_mla_decode_fp8(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_length)
+                             topk_length: Optional[torch.Tensor] = None, extra_kv_cache: Optional[torch.Tensor] = None,
+                             extra_indices: Optional[torch.Tensor] = None,
+                             extra_topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.sparse_mla_decode_fp8`` as a custom op (either cache layout): (out, lse)."""
+    return sparse_mla_decode_fp8(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_length, extra_kv_cache,
+                                 extra_indices, extra_topk_length)
 
 
 @sparse_mla_decode_fp8_op.register_fake
-def _(q, kv_cache, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+def _(q, kv_cache, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, extra_kv_cache=None,
+      extra_indices=None, extra_topk_length=None):
     b, s_q, h_q, _ = q.shape
     return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, h_q, s_q, dtype=torch.float32)
 
@@ -50,4 +55,15 @@ def write_kv_fp8_op(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.
 
 @write_kv_fp8_op.register_fake
 def _(kv_cache, latent, k_rope, slots):
+    return None
+
+
+@torch.library.custom_op("minirt::write_kv_model1", mutates_args=("kv_cache",))
+def write_kv_model1_op(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """``minirt.kernels.write_kv_model1`` as a custom op (writes the MODEL1 cache in place)."""
+    write_kv_model1(kv_cache, kv, slots)
+
+
+@write_kv_model1_op.register_fake
+def _(kv_cache, kv, slots):
     return None

@@ -1,14 +1,21 @@
-"""Sparse MLA decode on the fp8 paged latent cache (FlashMLA ``flash_mla_with_kvcache``, sparse fp8 mode).
+"""Sparse MLA decode on an fp8 paged cache (FlashMLA ``flash_mla_with_kvcache``, sparse fp8 mode), in
+either of FlashMLA's layouts, chosen by the cache's last dim:
 
-The kernel gathers each query row's top-k cache slots straight from the 656-byte V32 tokens (see
-kv_cache_fp8), dequantises fp8 * scale in registers (exact in bf16), and runs a base-2 online
-softmax over chunks of BLOCK_N slots; there is no bf16 copy of the cache. When the batch is too
-small to fill the GPU, each row's top-k is split across programs and the partial (out, lse) are
-merged by lse in a second kernel. On sm_90 GPUs the default launch runs a Gluon kernel instead:
+- V32 (DeepSeek-V3.2, 656-byte tokens, kv_cache_fp8): q is 576 wide (latent 512 | rope 64), V the
+  512 latent values;
+- MODEL1 (DeepSeek-V4, 584-byte entries, kv_cache_model1): q is 512 wide and K = V is the whole
+  512-value entry; an optional second (extra) cache with its own indices and lengths feeds the same
+  softmax (V4: the sliding-window cache, then the compressed entries).
+
+The kernels gather each query row's top-k cache slots straight from the cache bytes, dequantise fp8 *
+scale in registers (exact in bf16), and run a base-2 online softmax over chunks of BLOCK_N slots; there
+is no bf16 copy of the cache. When the batch is too small to fill the GPU, each row's top-k (both
+sources', as one list) is split across programs and the partial (out, lse) are merged by lse in a
+second kernel. On sm_90 GPUs the default V32 launch runs a Gluon kernel instead:
 sparse_mla_decode_sm90's (64 heads a program) or, up to 32 heads, sparse_mla_decode_sm90_few_heads's
 (same semantics, same split/merge; uses_sm90_kernel decides); elsewhere, and for an explicit
-DecodeConfig, the portable Triton kernel here runs. All take the same runtime arguments, built once by
-sparse_mla_decode_fp8.
+DecodeConfig, the portable Triton kernels here run. The kernels of one layout take the same runtime
+arguments, built once by sparse_mla_decode_fp8.
 
 Public entry points: ``mla_decode_fp8`` (what the runtime calls per layer and step: block table +
 the indexer's top-k positions) and ``sparse_mla_decode_fp8`` (slot ids, FlashMLA's interface).
@@ -31,8 +38,10 @@ from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, 
                       softmax_step)
 from .kv_cache_fp8 import (D_LAT, D_ROPE, ROPE_AT, SCALES_AT, TILE, TILES, TOKEN_BYTES, cache_geometry,
                            positions_to_slots)
+from .kv_cache_model1 import M1_NOPE, M1_ROPE, M1_TILE, M1_TILES, model1_cache_geometry, model1_entry_addresses
 
 D_QK = formats.KV_LATENT_DIM + formats.KV_ROPE_DIM
+D_QK_MODEL1 = formats.MODEL1_DIM
 D_V = formats.KV_LATENT_DIM
 _MERGE_BLOCK_H = 16
 # Split the top-k only when one program per (row, head block) leaves the GPU short of work. Measured
@@ -85,6 +94,45 @@ def _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs
 
 
 @triton.jit
+def _program_row(n_head_blocks, s_q, h_q, batch_order_ptr, has_batch_order, BLOCK_H: tl.constexpr):
+    """(sequence b, query row s, heads offs_h [BLOCK_H], h_mask) of this program. Axis 0 is query rows x
+    blocks of heads, the heads of one row adjacent so that their identical gathers hit L2; with
+    per-sequence lengths the programs take the sequences in batch_order (longest first, see
+    sparse_mla_decode_fp8)."""
+    pid = tl.program_id(0)
+    row = pid // n_head_blocks
+    b = row // s_q
+    if has_batch_order:
+        b = tl.load(batch_order_ptr + b)
+    b = b.to(tl.int64)
+    s = (row % s_q).to(tl.int64)
+    offs_h = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return b, s, offs_h, offs_h < h_q
+
+
+@triton.jit
+def _used_entries(width, lengths_ptr, b, has_lengths):
+    """The entries of sequence b's top-k that are used: lengths[b] clamped to [0, width], or all width."""
+    n_used = width
+    if has_lengths:
+        n_used = tl.minimum(tl.maximum(tl.load(lengths_ptr + b), 0), width)
+    return n_used
+
+
+@triton.jit
+def _store_result(m_i, l_i, acc, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs, SPLIT: tl.constexpr):
+    """The end of a decode program: a split's partial result (normalised fp32 out and base-2 lse, -inf
+    when the split saw no valid key) for the merge kernel, or the final out and lse."""
+    _, l_safe, lse2 = softmax_rows(m_i, l_i)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        tl.store(out_rows[:, None] + tl.arange(0, D_LAT)[None, :], o, mask=h_mask[:, None])
+        tl.store(lse_ptrs, lse2, mask=h_mask)
+    else:
+        _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs)
+
+
+@triton.jit
 def _gather_tokens(cache_ptr, slot, num_slots, block_size, block_stride_16):
     """Load the cache tokens of slot [N] (slot ids): (valid [N], fp8 [N, 4, 128], scales [N, 4], rope [N, 64]).
 
@@ -118,18 +166,9 @@ def _sparse_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr,
 ):
-    # Program = (query row, block of heads) on axis 0, heads of one row adjacent so their identical
-    # gathers hit L2; the top-k split on axis 1.
-    pid = tl.program_id(0)
+    # Program = (query row, block of heads) on axis 0, the top-k split on axis 1.
     split = tl.program_id(1)
-    row = pid // n_head_blocks
-    b = row // s_q
-    if has_topk_length:
-        b = tl.load(batch_order_ptr + b)   # longest sequences first (see sparse_mla_decode_fp8)
-    b = b.to(tl.int64)
-    s = (row % s_q).to(tl.int64)
-    offs_h = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < h_q
+    b, s, offs_h, h_mask = _program_row(n_head_blocks, s_q, h_q, batch_order_ptr, has_topk_length, BLOCK_H)
     dot_dtype = tl.float32 if UPCAST else tl.bfloat16
 
     offs_lat = tl.arange(0, D_LAT)
@@ -138,11 +177,8 @@ def _sparse_decode_kernel(
     q_lat = tl.load(q_rows + offs_lat[None, :], mask=h_mask[:, None], other=0.0).to(dot_dtype)
     q_rope = tl.load(q_rows + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0).to(dot_dtype)
 
-    n_used = topk
-    if has_topk_length:
-        n_used = tl.minimum(tl.maximum(tl.load(topk_length_ptr + b), 0), topk)
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, n_used)
+    hi = tl.minimum(lo + split_len, _used_entries(topk, topk_length_ptr, b, has_topk_length))
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -164,16 +200,98 @@ def _sparse_decode_kernel(
         scores = tl.dot(q_rope, tl.trans(rope.to(dot_dtype)), acc=scores)
         m_i, l_i, acc = softmax_step(scores, valid, sm_scale_log2, kv, m_i, l_i, acc)
 
-    _, l_safe, lse2 = softmax_rows(m_i, l_i)
-    o = acc / l_safe[:, None]
     out_rows = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s + offs_h * stride_o_h
     lse_ptrs = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h
-    if SPLIT:
-        # Partial result: normalised fp32 out and base-2 lse (-inf: nothing in this split).
-        tl.store(out_rows[:, None] + offs_lat[None, :], o, mask=h_mask[:, None])
-        tl.store(lse_ptrs, lse2, mask=h_mask)
-    else:
-        _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs)
+    _store_result(m_i, l_i, acc, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs, SPLIT)
+
+
+@triton.jit
+def _gather_model1(cache_ptr, slot, num_slots, block_size, block_stride_16, dot_dtype: tl.constexpr):
+    """Load and dequantise the MODEL1 entries at slot [N]: (valid [N], K = V [N, 512] in dot_dtype).
+
+    The entry is read as an [N, 8, 64] block: tiles 0..6 the e4m3 values times their tile's ue8m0 scale
+    (2^(byte - 127), built from the byte as float32 exponent bits: exact for bytes 1..254, which the
+    writer's scales 2^-13.. take), tile 7 the bf16 rope. Invalid slots are never dereferenced (masked
+    loads give exact zeros, so NaN bytes elsewhere cannot reach the dots)."""
+    valid = (slot >= 0) & (slot < num_slots)
+    data, scales = model1_entry_addresses(cache_ptr, tl.where(valid, slot, 0), block_size, block_stride_16 * 16)
+    tiles = tl.arange(0, 8)
+    nope_tile = tiles < M1_TILES
+    cols = tl.arange(0, M1_TILE)
+    fp8 = tl.load(data.to(tl.pointer_type(tl.float8e4nv))[:, None, None] + tiles[None, :, None] * M1_TILE
+                  + cols[None, None, :], mask=valid[:, None, None] & nope_tile[None, :, None], other=0.0)
+    exponent = tl.load(scales[:, None] + tiles[None, :], mask=valid[:, None] & nope_tile[None, :], other=0)
+    scale = (exponent.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    rope = tl.load((data + M1_NOPE).to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :],
+                   mask=valid[:, None], other=0.0)
+    kv = tl.where(nope_tile[None, :, None], fp8.to(dot_dtype) * scale.to(dot_dtype)[:, :, None],
+                  rope.to(dot_dtype)[:, None, :])
+    return valid, tl.reshape(kv, (slot.shape[0], M1_NOPE + M1_ROPE))
+
+
+@triton.jit
+def _attend_model1(q, cache_ptr, idx_row, lo, hi, num_slots, block_size, block_stride_16, sm_scale_log2,
+                   m_i, l_i, acc, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr):
+    """softmax_step over the entries idx_row[lo:hi] of one MODEL1 cache (nothing when hi <= lo)."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    # The interpreter runs the constexpr maximum (see _sparse_decode_kernel); chunks past hi are masked.
+    for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)):
+        valid, kv = _gather_model1(cache_ptr, tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1), num_slots,
+                                   block_size, block_stride_16, q.dtype)
+        offs_n += BLOCK_N
+        m_i, l_i, acc = softmax_step(tl.dot(q, tl.trans(kv)), valid, sm_scale_log2, kv, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+# MODEL1 kernel parameters left unspecialised (as sparse_mla_decode_sm90.RUNTIME_ARGS for V32).
+MODEL1_RUNTIME_ARGS = [
+    "s_q", "h_q", "n_head_blocks", "topk", "extra_topk", "split_len", "block_size", "num_slots", "block_stride_16",
+    "extra_block_size", "extra_num_slots", "extra_block_stride_16", "has_topk_length", "has_extra_topk_length",
+    "has_sink", "stride_i_b", "stride_i_s", "stride_ei_b", "stride_ei_s", "stride_l_split", "stride_l_b",
+    "stride_l_s", "stride_l_h"]
+
+
+@triton.jit(do_not_specialize=MODEL1_RUNTIME_ARGS)
+def _sparse_decode_model1_kernel(
+    q_ptr, cache_ptr, indices_ptr, topk_length_ptr, extra_cache_ptr, extra_indices_ptr, extra_topk_length_ptr,
+    batch_order_ptr, sink_ptr, out_ptr, lse_ptr,
+    s_q, h_q, n_head_blocks, topk, extra_topk, split_len,
+    block_size, num_slots, block_stride_16, extra_block_size, extra_num_slots, extra_block_stride_16,
+    sm_scale_log2, has_topk_length, has_extra_topk_length, has_sink,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_i_b, stride_i_s, stride_ei_b, stride_ei_s,
+    stride_o_split, stride_o_b, stride_o_s, stride_o_h,
+    stride_l_split, stride_l_b, stride_l_s, stride_l_h,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr,
+):
+    split = tl.program_id(1)
+    b, s, offs_h, h_mask = _program_row(n_head_blocks, s_q, h_q, batch_order_ptr,
+                                        has_topk_length + has_extra_topk_length > 0, BLOCK_H)
+    offs_d = tl.arange(0, M1_NOPE + M1_ROPE)
+    q = tl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_h[:, None] * stride_q_h + offs_d[None, :],
+                mask=h_mask[:, None], other=0.0).to(tl.float32 if UPCAST else tl.bfloat16)
+
+    # The split covers [lo, lo + split_len) of the row's two top-k lists end to end: the main cache's
+    # topk entries, then the extra cache's extra_topk.
+    lo = split * split_len
+    hi = lo + split_len
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m_i, l_i, acc = _attend_model1(
+        q, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo,
+        tl.minimum(hi, _used_entries(topk, topk_length_ptr, b, has_topk_length)),
+        num_slots, block_size, block_stride_16, sm_scale_log2, m_i, l_i, acc, BLOCK_N, UPCAST, INTERPRETED_ITERS)
+    m_i, l_i, acc = _attend_model1(
+        q, extra_cache_ptr, extra_indices_ptr + b * stride_ei_b + s * stride_ei_s, tl.maximum(lo - topk, 0),
+        tl.minimum(hi - topk, _used_entries(extra_topk, extra_topk_length_ptr, b, has_extra_topk_length)),
+        extra_num_slots, extra_block_size, extra_block_stride_16, sm_scale_log2, m_i, l_i, acc, BLOCK_N, UPCAST,
+        INTERPRETED_ITERS)
+
+    out_rows = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s + offs_h * stride_o_h
+    lse_ptrs = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h
+    _store_result(m_i, l_i, acc, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs, SPLIT)
 
 
 _ORDER_BLOCK = 128   # sequences a program of the ordering kernel ranks, and compares them with per step
@@ -263,9 +381,9 @@ def _merge_splits_kernel(
 
 def uses_sm90_kernel(q: torch.Tensor, config: Optional[DecodeConfig] = None) -> bool:
     """Whether sparse_mla_decode_fp8 runs a Gluon kernel (sparse_mla_decode_sm90 or, up to 32 heads,
-    sparse_mla_decode_sm90_few_heads) for this q and config: compiled (not interpreted), no explicit
-    config, on an sm_90 GPU."""
-    return config is None and not INTERPRET and sm90.supported(q)
+    sparse_mla_decode_sm90_few_heads) for this q and config: a V32 query (576 wide; MODEL1 queries run
+    the portable kernel), compiled (not interpreted), no explicit config, on an sm_90 GPU."""
+    return config is None and not INTERPRET and q.shape[-1] == D_QK and sm90.supported(q)
 
 
 def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int, int]:
@@ -279,9 +397,10 @@ def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int,
 
 def default_num_splits(q: torch.Tensor, topk: int, config: Optional[DecodeConfig] = None) -> int:
     """Top-k splits per query row that sparse_mla_decode_fp8(q, ..., config=config) uses by default, for q
-    [b, s_q, h_q, 576] and topk entries per row, each split at least 256 entries; 1 off the GPU. The
-    sm90 kernel (uses_sm90_kernel): as many splits as one wave of its programs (one per SM) holds,
-    rounded down; the portable kernel: 1 with at least 2 programs per SM, else enough splits for 4."""
+    [b, s_q, h_q, d_qk] and topk entries per row (with an extra cache: both top-k widths together),
+    each split at least 256 entries; 1 off the GPU. The sm90 kernel (uses_sm90_kernel): as many splits
+    as one wave of its programs (one per SM) holds, rounded down; the portable kernel: 1 with at least 2
+    programs per SM, else enough splits for 4."""
     if q.device.type != "cuda":
         return 1
     use_sm90, block_h, _ = _tiling(q, config)
@@ -298,19 +417,47 @@ def default_num_splits(q: torch.Tensor, topk: int, config: Optional[DecodeConfig
     return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
 
 
-def _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse, num_splits, config) -> None:
-    check_tensors({"q": q, "indices": indices})
-    if q.dim() != 4 or q.shape[3] != D_QK or q.dtype != torch.bfloat16:
-        raise InputError(f"q must be a bfloat16 tensor [b, s_q, h_q, {D_QK}], got {q.dtype} {tuple(q.shape)}")
+def _cache_layout(kv_cache) -> int:
+    """The query width of kv_cache's layout, chosen by its last dim: D_QK (576) for V32's 656-byte
+    tokens, D_QK_MODEL1 (512) for MODEL1's 584-byte entries."""
+    width = kv_cache.shape[-1] if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() > 0 else None
+    if width == formats.KV_TOKEN_BYTES:
+        return D_QK
+    if width == formats.MODEL1_ENTRY_BYTES:
+        return D_QK_MODEL1
+    raise InputError(f"kv_cache must be a uint8 tensor [num_blocks, block_size, 1, {formats.KV_TOKEN_BYTES}] (V32) "
+                     f"or [num_blocks, block_size, 1, {formats.MODEL1_ENTRY_BYTES}] (MODEL1), got "
+                     f"{getattr(kv_cache, 'dtype', type(kv_cache).__name__)} {tuple(getattr(kv_cache, 'shape', ()))}")
+
+
+def _check_indices(name: str, indices, b: int, s_q: int) -> None:
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.dtype != torch.int32 \
+            or tuple(indices.shape[:2]) != (b, s_q):
+        raise InputError(f"{name} must be an int32 tensor [b={b}, s_q={s_q}, topk], got "
+                         f"{getattr(indices, 'dtype', type(indices).__name__)} {tuple(getattr(indices, 'shape', ()))}")
+
+
+def _check_decode_inputs(q, d_qk, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
+                         extra_topk_length, out, lse, num_splits, config) -> None:
+    check_tensors({"q": q})
+    if q.dim() != 4 or q.shape[3] != d_qk or q.dtype != torch.bfloat16 or q.shape[2] == 0:
+        raise InputError(f"q must be a bfloat16 tensor [b, s_q, h_q >= 1, {d_qk}] (the width kv_cache's layout "
+                         f"takes), got {q.dtype} {tuple(q.shape)}")
     b, s_q, h_q, _ = q.shape
-    if indices.dim() != 3 or indices.dtype != torch.int32 or tuple(indices.shape[:2]) != (b, s_q):
-        raise InputError(f"indices must be an int32 tensor [b={b}, s_q={s_q}, topk], got "
-                         f"{indices.dtype} {tuple(indices.shape)}")
+    _check_indices("indices", indices, b, s_q)
     if isinstance(d_v, bool) or d_v != D_V:
-        raise InputError(f"d_v must be {D_V} (the latent width), got {d_v!r}")
+        raise InputError(f"d_v must be {D_V}, got {d_v!r}")
     tensors = {"q": q, "kv_cache": kv_cache, "indices": indices}
     check_tensor(tensors, "attn_sink", attn_sink, torch.float32, (h_q,), optional=True)
     check_tensor(tensors, "topk_length", topk_length, torch.int32, (b,), optional=True)
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise InputError("extra_kv_cache and extra_indices must be given together")
+    if extra_kv_cache is not None:
+        _check_indices("extra_indices", extra_indices, b, s_q)
+        tensors.update(extra_kv_cache=extra_kv_cache, extra_indices=extra_indices)
+    elif extra_topk_length is not None:
+        raise InputError("extra_topk_length needs extra_kv_cache and extra_indices")
+    check_tensor(tensors, "extra_topk_length", extra_topk_length, torch.int32, (b,), optional=True)
     check_tensor(tensors, "out", out, torch.bfloat16, (b, s_q, h_q, D_V), optional=True)
     check_tensor(tensors, "lse", lse, torch.float32, (b, h_q, s_q), optional=True)
     if out is not None and out.stride(3) != 1:
@@ -322,14 +469,25 @@ def _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out,
     check_device(tensors)
 
 
-def _launch(grid, args, split: bool, split_len: int, config: DecodeConfig) -> None:
-    """Run the portable kernel on the runtime arguments sparse_mla_decode_fp8 builds for both decode
-    kernels; split: write partial results (fp32 out, base-2 lse) for the merge kernel."""
-    _sparse_decode_kernel[grid](
+def _launch(kernel, grid, args, split: bool, split_len: int, config: DecodeConfig) -> None:
+    """Run a portable kernel (_sparse_decode_kernel or _sparse_decode_model1_kernel) on the runtime
+    arguments sparse_mla_decode_fp8 builds for its layout; split: write partial results (fp32 out,
+    base-2 lse) for the merge kernel."""
+    kernel[grid](
         *args, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split, UPCAST=INTERPRET,
         INTERPRETED_ITERS=triton.cdiv(split_len, config.block_n) if INTERPRET else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _used_widths(topk_length: Optional[torch.Tensor], topk: int, extra_topk_length: Optional[torch.Tensor],
+                 extra_topk: int) -> torch.Tensor:
+    """Per sequence, the entries used over both top-k lists ([b] int32, contiguous): the key the
+    programs are ordered by (longest_first); only called when a length tensor is given."""
+    lengths = [t.clamp(0, width) for t, width in ((topk_length, topk), (extra_topk_length, extra_topk))
+               if t is not None]
+    fixed = (topk if topk_length is None else 0) + (extra_topk if extra_topk_length is None else 0)
+    return (sum(lengths) + fixed).to(torch.int32).contiguous()
 
 
 def sparse_mla_decode_fp8(
@@ -340,6 +498,9 @@ def sparse_mla_decode_fp8(
     d_v: int = 512,
     attn_sink: Optional[torch.Tensor] = None,
     topk_length: Optional[torch.Tensor] = None,
+    extra_kv_cache: Optional[torch.Tensor] = None,
+    extra_indices: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
     *,
     num_splits: Optional[int] = None,
     config: Optional[DecodeConfig] = None,
@@ -347,72 +508,96 @@ def sparse_mla_decode_fp8(
     lse: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """
-    Sparse MLA decode attention over the fp8 paged latent cache; the semantics of FlashMLA's
-    flash_mla_with_kvcache in sparse fp8 mode (is_fp8_kvcache=True, indices given).
+    Sparse MLA decode attention over an fp8 paged cache; the semantics of FlashMLA's
+    flash_mla_with_kvcache in sparse fp8 mode (is_fp8_kvcache=True, indices given), for both of its
+    layouts: the cache's last dim picks V32 (656) or MODEL1 (584).
 
-    Query token (b, i) attends, in every head h, to the cache slots indices[b, i, :]:
-        K_j = V_j ⊕ rope_j = dequantize(kv_cache.view(-1, 656)[indices[b, i, j]])   (576 values)
+    Query token (b, i) attends, in every head h, to the cache slots indices[b, i, :] and, with an extra
+    cache, to the slots extra_indices[b, i, :] of extra_kv_cache, all in one softmax:
+        K_j            = dequantised entry j (V32: latent 512 | rope 64, 576 values; MODEL1: 512 values)
+        V_j            = K_j[:512]                                        (V32: the latent; MODEL1: K_j)
         P[b, i, h, j]  = sm_scale * q[b, i, h, :] . K_j                   (valid j only)
         lse[b, h, i]   = log(sum_j exp(P[b, i, h, j]))                    (natural log)
-        out[b, i, h]   = sum_j exp(P[b, i, h, j] - lse[b, h, i]) * V_j    (V_j: the 512 latent values)
+        out[b, i, h]   = sum_j exp(P[b, i, h, j] - lse[b, h, i]) * V_j
 
     Args:
-        q: [b, s_q, h_q, 576], bfloat16: the absorbed query (latent 512 | rope 64). s_q > 1 for
-            speculative steps (each query token has its own indices); any h_q.
-        kv_cache: [num_blocks, block_size, 1, 656] uint8, V32 fp8 layout (kv_cache_fp8); the block
-            stride may be larger than block_size * 656 (multiple of 16 bytes).
+        q: [b, s_q, h_q, d_qk], bfloat16, any h_q >= 1 (no padding needed): d_qk 576 (V32: the absorbed
+            query, latent 512 | rope 64) or 512 (MODEL1: nope 448 | rope 64). s_q > 1 for speculative
+            steps (each query token has its own indices).
+        kv_cache: [num_blocks, block_size, 1, 656] uint8 in the V32 layout (kv_cache_fp8; the block stride
+            may exceed block_size * 656, a multiple of 16 bytes), or the [num_blocks, block_size, 1, 584]
+            uint8 view of a MODEL1 cache (kv_cache_model1; V4: the sliding-window cache).
         indices: [b, s_q, topk], int32 slot ids (block * block_size + offset). A slot is valid iff
             0 <= slot < num_blocks * block_size; anything else (-1, ±2^31, ...) is skipped and never
             dereferenced. Duplicates count twice.
         sm_scale: float, the softmax scale applied to q.k.
         d_v: must be 512.
         attn_sink: optional [h_q] float32. out[b, i, h] is multiplied by
-            exp(lse) / (exp(lse) + exp(attn_sink[h])); lse is unchanged. -inf: no effect.
+            exp(lse) / (exp(lse) + exp(attn_sink[h])); lse is unchanged. -inf: no effect; +inf: out 0.
         topk_length: optional [b] int32. Batch b uses only indices[b, :, :topk_length[b]]
             (clamped to [0, topk]); later entries are never read.
-        num_splits: keyword-only, optional: split each row's top-k over this many programs (merged
-            by lse). Default: default_num_splits(q, topk, config) (enough programs to fill the GPU; 1 on
-            the CPU).
+        extra_kv_cache, extra_indices: optional, together, MODEL1 only: a second MODEL1 cache (its own
+            block_size; V4: the compressed entries) and its [b, s_q, extra_topk] int32 slot ids, valid
+            as indices' are.
+        extra_topk_length: optional [b] int32, with the extra cache: as topk_length for extra_indices.
+        num_splits: keyword-only, optional: split each row's top-k (both lists end to end) over this many
+            programs (merged by lse). Default: default_num_splits(q, topk + extra_topk, config) (enough
+            programs to fill the GPU; 1 on the CPU).
         config: keyword-only, optional DecodeConfig: run the portable Triton kernel with this launch
-            shape. Default: a Gluon kernel on sm_90 GPUs (uses_sm90_kernel; sparse_mla_decode_sm90, or
-            sparse_mla_decode_sm90_few_heads for h_q <= 32), else the portable kernel with
-            default_config(h_q).
+            shape. Default: for V32 a Gluon kernel on sm_90 GPUs (uses_sm90_kernel;
+            sparse_mla_decode_sm90, or sparse_mla_decode_sm90_few_heads for h_q <= 32), else the
+            portable kernel with default_config(h_q).
         out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
 
     Returns:
         out: [b, s_q, h_q, 512] bfloat16.
         lse: [b, h_q, s_q] float32, natural log, without the sink.
-        A row with no valid index gets out = 0 and lse = +inf. Bytes of slots that no valid index
-        points to (NaN, 0xFF, anything) never affect a result.
+        A row with no valid index (in either list) gets out = 0 and lse = +inf. Bytes of slots that no
+        used valid index points to (NaN, 0xFF, anything) never affect a result.
 
     Raises:
-        minirt.errors.InputError: wrong type, dtype, shape (last dims 576 / 656), d_v != 512, num_splits
-            not a positive int, config not a DecodeConfig, mismatched devices, or CPU tensors without
-            TRITON_INTERPRET=1.
+        minirt.errors.InputError: wrong type, dtype or shape (a cache of neither layout, q not as wide as
+            the layout takes, h_q 0, indices or lengths not int32 of their shapes, an extra cache with a
+            V32 cache or without its indices), d_v != 512, num_splits not a positive int, config not a
+            DecodeConfig, mismatched devices, or CPU tensors without TRITON_INTERPRET=1.
     """
-    geometry = cache_geometry(kv_cache)
-    _check_decode_inputs(q, kv_cache, indices, d_v, attn_sink, topk_length, out, lse, num_splits, config)
+    d_qk = _cache_layout(kv_cache)
+    model1 = d_qk == D_QK_MODEL1
+    if model1:
+        geometry = model1_cache_geometry(kv_cache)
+        extra = None if extra_kv_cache is None else model1_cache_geometry(extra_kv_cache, "extra_kv_cache")
+    else:
+        geometry = cache_geometry(kv_cache)
+        if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
+            raise InputError(f"extra_kv_cache, extra_indices and extra_topk_length need a MODEL1 kv_cache "
+                             f"(last dim {formats.MODEL1_ENTRY_BYTES}), got a V32 one")
+    _check_decode_inputs(q, d_qk, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
+                         extra_topk_length, out, lse, num_splits, config)
     b, s_q, h_q, _ = q.shape
     topk = indices.shape[2]
+    extra_topk = extra_indices.shape[2] if extra_indices is not None else 0
     device = q.device
     if out is None:
         out = torch.empty((b, s_q, h_q, D_V), dtype=torch.bfloat16, device=device)
     if lse is None:
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=device)
-    if b * s_q * h_q == 0:
+    if b * s_q == 0:
         return out, lse
     if q.stride(3) != 1:
         q = q.contiguous()
     if indices.stride(2) != 1:
         indices = indices.contiguous()
+    if extra_indices is not None and extra_indices.stride(2) != 1:
+        extra_indices = extra_indices.contiguous()
     use_sm90, block_h, block_n = _tiling(q, config)
     n_head_blocks = triton.cdiv(h_q, block_h)
     n_rows = b * s_q
+    width = topk + extra_topk
     if num_splits is None:
-        num_splits = default_num_splits(q, topk, config)
-    # Splits cover whole BLOCK_N chunks; drop splits that would start past topk.
-    split_len = max(block_n, triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n)
-    num_splits = max(1, triton.cdiv(topk, split_len))
+        num_splits = default_num_splits(q, width, config)
+    # Splits cover whole BLOCK_N chunks; drop splits that would start past the row's entries.
+    split_len = max(block_n, triton.cdiv(triton.cdiv(width, num_splits), block_n) * block_n)
+    num_splits = max(1, triton.cdiv(width, split_len))
 
     if num_splits == 1:
         dst_out, dst_lse = out, lse
@@ -427,15 +612,36 @@ def sparse_mla_decode_fp8(
     # kernels read sink and lengths with unit stride.
     sink = attn_sink.contiguous() if attn_sink is not None else lse
     lengths = topk_length.contiguous() if topk_length is not None else indices
-    batch_order = lengths if topk_length is None else longest_first(lengths, topk)
-    # The runtime arguments of both decode kernels, in their parameter order.
-    args = (q, kv_cache, indices, lengths, batch_order, sink, dst_out, dst_lse,
-            s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
-            geometry.block_stride // 16, float(sm_scale) * formats.LOG2E,
-            int(topk_length is not None), int(attn_sink is not None),
-            q.stride(0), q.stride(1), q.stride(2),
-            indices.stride(0), indices.stride(1),
-            *o_strides, *l_strides)
+    scale_log2 = float(sm_scale) * formats.LOG2E
+    if model1:
+        extra_lengths = extra_topk_length.contiguous() if extra_topk_length is not None else indices
+        batch_order = indices if topk_length is None and extra_topk_length is None else \
+            longest_first(_used_widths(topk_length, topk, extra_topk_length, extra_topk), width)
+        if extra is None:   # an empty second list: extra_topk 0, its pointers never read
+            extra_cache, extra_idx, extra_geometry = kv_cache, indices, (1, 0, 0)
+        else:
+            extra_cache, extra_idx = extra_kv_cache, extra_indices
+            extra_geometry = (extra.block_size, extra.num_slots, extra.block_stride // 16)
+        # The runtime arguments of the MODEL1 kernel, in its parameter order.
+        args = (q, kv_cache, indices, lengths, extra_cache, extra_idx, extra_lengths, batch_order, sink,
+                dst_out, dst_lse,
+                s_q, h_q, n_head_blocks, topk, extra_topk, split_len,
+                geometry.block_size, geometry.num_slots, geometry.block_stride // 16, *extra_geometry,
+                scale_log2, int(topk_length is not None), int(extra_topk_length is not None),
+                int(attn_sink is not None),
+                q.stride(0), q.stride(1), q.stride(2),
+                indices.stride(0), indices.stride(1), extra_idx.stride(0), extra_idx.stride(1),
+                *o_strides, *l_strides)
+    else:
+        batch_order = lengths if topk_length is None else longest_first(lengths, topk)
+        # The runtime arguments of both V32 decode kernels, in their parameter order.
+        args = (q, kv_cache, indices, lengths, batch_order, sink, dst_out, dst_lse,
+                s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
+                geometry.block_stride // 16, scale_log2,
+                int(topk_length is not None), int(attn_sink is not None),
+                q.stride(0), q.stride(1), q.stride(2),
+                indices.stride(0), indices.stride(1),
+                *o_strides, *l_strides)
     grid = (n_rows * n_head_blocks, num_splits)
     if use_sm90:
         padded_blocks = geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES
@@ -444,7 +650,8 @@ def sparse_mla_decode_fp8(
         else:
             sm90.launch(grid, args, num_splits > 1, padded_blocks)
     else:
-        _launch(grid, args, num_splits > 1, split_len, config or default_config(h_q))
+        _launch(_sparse_decode_model1_kernel if model1 else _sparse_decode_kernel, grid, args, num_splits > 1,
+                split_len, config or default_config(h_q))
     if num_splits > 1:
         n_merge_blocks = triton.cdiv(h_q, _MERGE_BLOCK_H)
         _merge_splits_kernel[(n_rows * n_merge_blocks,)](

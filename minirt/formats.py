@@ -9,7 +9,7 @@ finite (never 0/0); it differs by format, as in the formats minirt matches:
 
 - activations and indexer q/k (DeepSeek ``act_quant``, vLLM's indexer cache): amax clamped at 1e-4,
   i.e. ``ACT_MIN_SCALE = 1e-4 / 448``;
-- the V32 latent cache (FlashMLA): ``KV_MIN_SCALE = 1e-4`` (smallest scale 2^-13);
+- the V32 latent cache and the MODEL1 cache (FlashMLA): ``KV_MIN_SCALE = 1e-4`` (smallest scale 2^-13);
 - checkpoint weights (``blockfp8``): the smallest normal float32.
 """
 from __future__ import annotations
@@ -36,6 +36,24 @@ KV_MIN_SCALE_EXPONENT = -13            # ceil(log2(KV_MIN_SCALE))
 
 CACHE_BLOCK_SIZE = 64                  # tokens per page of every paged cache
 
+# FlashMLA's MODEL1 (DeepSeek-V4) cache entry: one 512-value K = V vector in 584 logical bytes,
+#   data record (576 bytes): [0, 448) 448 e4m3 nope values (7 tiles of 64) | [448, 576) 64 bf16 rope
+#   scale record (8 bytes):  7 ue8m0 tile scales (value 2^(byte - 127)) | 1 pad byte (0)
+# Scale rule: KV_MIN_SCALE, as the V32 cache, per 64-value tile. A page of B entries holds the B data
+# records first, then the B scale records, its stride rounded up to a multiple of 576 bytes; callers
+# pass the [num_blocks, B, 1, 584] view of it (stride(0) the padded page, stride(1) 584), which names
+# the logical entry size, not where the bytes are.
+MODEL1_DIM = 512
+MODEL1_NOPE_DIM = 448
+MODEL1_ROPE_DIM = MODEL1_DIM - MODEL1_NOPE_DIM
+MODEL1_TILE = 64
+MODEL1_NUM_TILES = MODEL1_NOPE_DIM // MODEL1_TILE
+MODEL1_DATA_BYTES = MODEL1_NOPE_DIM + 2 * MODEL1_ROPE_DIM
+MODEL1_SCALE_BYTES = MODEL1_NUM_TILES + 1
+MODEL1_ENTRY_BYTES = MODEL1_DATA_BYTES + MODEL1_SCALE_BYTES
+MODEL1_PAGE_ALIGN = 576
+UE8M0_BIAS = 127                       # ue8m0 byte = log2(scale) + 127
+
 # The indexer key cache in fp8 mode (DeepSeek's inference code, vLLM): per token 128 e4m3 values and
 # one fp32 power-of-two scale (ACT_MIN_SCALE rule), 132 bytes.
 INDEX_KEY_DIM = 128
@@ -43,6 +61,11 @@ INDEX_KEY_BYTES = INDEX_KEY_DIM + 4
 
 LOG2E = math.log2(math.e)              # exp(x) = exp2(x · LOG2E): the kernels' softmax runs in base 2
 LN2 = math.log(2.0)                    # natural-log lse = base-2 lse · LN2
+
+
+def model1_page_bytes(block_size: int) -> int:
+    """Bytes of one MODEL1 page of block_size entries: block_size * 584, rounded up to a multiple of 576."""
+    return -(-block_size * MODEL1_ENTRY_BYTES // MODEL1_PAGE_ALIGN) * MODEL1_PAGE_ALIGN
 
 
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:
