@@ -11,10 +11,11 @@ The kernels gather each query row's top-k cache slots straight from the cache by
 scale in registers (exact in bf16), and run a base-2 online softmax over chunks of BLOCK_N slots; there
 is no bf16 copy of the cache. When the batch is too small to fill the GPU, each row's top-k (both
 sources', as one list) is split across programs and the partial (out, lse) are merged by lse in a
-second kernel. On sm_90 GPUs the default V32 launch runs a Gluon kernel instead:
-sparse_mla_decode_sm90's (64 heads a program) or, up to 32 heads, sparse_mla_decode_sm90_few_heads's
-(same semantics, same split/merge; uses_sm90_kernel decides); elsewhere, and for an explicit
-DecodeConfig, the portable Triton kernels here run. The kernels of one layout take the same runtime
+second kernel. On sm_90 GPUs the default launch runs a Gluon kernel instead: for V32
+sparse_mla_decode_sm90's (64 heads a program) or, up to 32 heads, sparse_mla_decode_sm90_few_heads's,
+for MODEL1 sparse_mla_decode_model1_sm90's (both head counts; same semantics, same split/merge;
+uses_sm90_kernel decides); elsewhere, and for an explicit DecodeConfig, the portable Triton kernels
+here run. The kernels of one layout take the same runtime
 arguments, built once by sparse_mla_decode_fp8.
 
 Public entry points: ``mla_decode_fp8`` (what the runtime calls per layer and step: block table +
@@ -32,6 +33,7 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
+from . import sparse_mla_decode_model1_sm90 as model1_sm90
 from . import sparse_mla_decode_sm90 as sm90
 from . import sparse_mla_decode_sm90_few_heads as sm90_few_heads
 from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, check_tensors, softmax_rows,
@@ -243,15 +245,7 @@ def _attend_model1(q, cache_ptr, idx_row, lo, hi, num_slots, block_size, block_s
     return m_i, l_i, acc
 
 
-# MODEL1 kernel parameters left unspecialised (as sparse_mla_decode_sm90.RUNTIME_ARGS for V32).
-MODEL1_RUNTIME_ARGS = [
-    "s_q", "h_q", "n_head_blocks", "topk", "extra_topk", "split_len", "block_size", "num_slots", "block_stride_16",
-    "extra_block_size", "extra_num_slots", "extra_block_stride_16", "has_topk_length", "has_extra_topk_length",
-    "has_sink", "stride_i_b", "stride_i_s", "stride_ei_b", "stride_ei_s", "stride_l_split", "stride_l_b",
-    "stride_l_s", "stride_l_h"]
-
-
-@triton.jit(do_not_specialize=MODEL1_RUNTIME_ARGS)
+@triton.jit(do_not_specialize=model1_sm90.RUNTIME_ARGS)
 def _sparse_decode_model1_kernel(
     q_ptr, cache_ptr, indices_ptr, topk_length_ptr, extra_cache_ptr, extra_indices_ptr, extra_topk_length_ptr,
     batch_order_ptr, sink_ptr, out_ptr, lse_ptr,
@@ -380,10 +374,10 @@ def _merge_splits_kernel(
 
 
 def uses_sm90_kernel(q: torch.Tensor, config: Optional[DecodeConfig] = None) -> bool:
-    """Whether sparse_mla_decode_fp8 runs a Gluon kernel (sparse_mla_decode_sm90 or, up to 32 heads,
-    sparse_mla_decode_sm90_few_heads) for this q and config: a V32 query (576 wide; MODEL1 queries run
-    the portable kernel), compiled (not interpreted), no explicit config, on an sm_90 GPU."""
-    return config is None and not INTERPRET and q.shape[-1] == D_QK and sm90.supported(q)
+    """Whether sparse_mla_decode_fp8 runs a Gluon kernel (V32: sparse_mla_decode_sm90 or, up to 32 heads,
+    sparse_mla_decode_sm90_few_heads; MODEL1: sparse_mla_decode_model1_sm90) for this q and config:
+    compiled (not interpreted), no explicit config, on an sm_90 GPU."""
+    return config is None and not INTERPRET and sm90.supported(q)
 
 
 def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int, int]:
@@ -544,9 +538,9 @@ def sparse_mla_decode_fp8(
             programs (merged by lse). Default: default_num_splits(q, topk + extra_topk, config) (enough
             programs to fill the GPU; 1 on the CPU).
         config: keyword-only, optional DecodeConfig: run the portable Triton kernel with this launch
-            shape. Default: for V32 a Gluon kernel on sm_90 GPUs (uses_sm90_kernel;
-            sparse_mla_decode_sm90, or sparse_mla_decode_sm90_few_heads for h_q <= 32), else the
-            portable kernel with default_config(h_q).
+            shape. Default: a Gluon kernel on sm_90 GPUs (uses_sm90_kernel; V32: sparse_mla_decode_sm90,
+            or sparse_mla_decode_sm90_few_heads for h_q <= 32; MODEL1: sparse_mla_decode_model1_sm90),
+            else the portable kernel with default_config(h_q).
         out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
 
     Returns:
@@ -643,7 +637,9 @@ def sparse_mla_decode_fp8(
                 indices.stride(0), indices.stride(1),
                 *o_strides, *l_strides)
     grid = (n_rows * n_head_blocks, num_splits)
-    if use_sm90:
+    if use_sm90 and model1:
+        model1_sm90.launch(grid, args, num_splits > 1, block_h)
+    elif use_sm90:
         padded_blocks = geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES
         if block_h in sm90_few_heads.HEADS:
             sm90_few_heads.launch(grid, args, num_splits > 1, padded_blocks, block_h)

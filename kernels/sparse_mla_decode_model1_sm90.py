@@ -13,11 +13,13 @@ left tile (columns 0..255); tiles 4..6 and the rope the right one (256..511). A 
 as words in 16-byte vectors (tile 6 alone, 64 bytes a key, in 8-byte ones) and dequantised with the V32
 integer dequantisation (an ue8m0 byte shifted into a bf16 exponent is the tile's scale exactly).
 
-Two key sources feed one online softmax: a program's keys are the blocks of 64 of the main cache's used
-indices (topk_length[b] of them, clamped to [0, topk]), then those of the extra cache (extra_topk_length),
-each source's last block padded with invalid ids; top-k splits cut this list of blocks. The producer
-replaces every invalid id (negative, past its cache, past its length) by -1 before the consumers see it,
-and never dereferences one (its words come from the source's slot 0, with scales and rope 0).
+Two key sources feed one online softmax. A top-k split covers entries lo..hi of the row's two index
+lists end to end (the main cache's topk, then the extra cache's extra_topk, as in the portable kernel);
+its keys are blocks of 64 of the main list's used entries in that range (topk_length[b], clamped to [0,
+topk]), then of the extra list's (extra_topk_length), each source's last block padded with invalid ids.
+The producer replaces every invalid id (negative, past its cache, past its length) by -1 before the
+consumers see it, and never dereferences one (its words come from the source's slot 0, with scales and
+rope 0).
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs (sparse_mla_decode_fp8 dispatches to it
 for MODEL1 caches there, uses_sm90_kernel); the portable kernel runs everywhere else.
@@ -28,18 +30,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from minirt import formats
+
 from .sparse_mla_decode_sm90 import (PIECE, ROPE_W, allocate_blocks, allocate_q, consumer_0, consumer_1,
                                      piece_words, produce_blocks, store_dequantised)
 from .sparse_mla_decode_sm90_few_heads import consumer_t
 from .sparse_mla_prefill_sm90 import BLOCK_H, BLOCK_N, D_ROPE, VEC_L, VEC_SMEM
 
 NUM_WARPS = 4   # warps of the default partition; the others have 4 as well
-DATA_BYTES = gl.constexpr(576)     # an entry's data record: 448 e4m3 | 64 bf16
-SCALE_BYTES = gl.constexpr(8)      # its scale record: 7 ue8m0 | pad
-TILE_WORDS = gl.constexpr(16)      # 32-bit words of a 64-value e4m3 tile
-MID_AT = gl.constexpr(64)          # word of tile 4 in the data record
-TAIL_AT = gl.constexpr(96)         # word of tile 6
-ROPE_AT = gl.constexpr(112)        # word of the rope
+DATA_BYTES = gl.constexpr(formats.MODEL1_DATA_BYTES)     # an entry's data record: 448 e4m3 | 64 bf16
+SCALE_BYTES = gl.constexpr(formats.MODEL1_SCALE_BYTES)   # its scale record: 7 ue8m0 | pad
+TILE_WORDS = gl.constexpr(formats.MODEL1_TILE // 4)      # 32-bit words of a 64-value e4m3 tile
+MID_AT = gl.constexpr(4 * TILE_WORDS.value)              # word of tile 4 in the data record
+TAIL_AT = gl.constexpr(6 * TILE_WORDS.value)             # word of tile 6
+ROPE_AT = gl.constexpr(formats.MODEL1_NOPE_DIM // 4)     # word of the rope
 # Tiles 0..3 of a piece as words [keys, 4, 16]: 16 threads read a key's 256 bytes in 16-byte vectors.
 LEFT_L = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 4, 4], [4, 1, 1], [2, 1, 0]))
 # Tiles 4, 5 as words [keys, 2, 16]: 8 threads read a key's 128 bytes in 16-byte vectors.
@@ -51,13 +55,14 @@ KEYS_LEFT = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, LEFT_L)))
 KEYS_MID = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, MID_L)))
 KEYS_TAIL = gl.constexpr(gl.SliceLayout(1, TAIL_L))
 KEYS_ROPE = gl.constexpr(gl.SliceLayout(1, ROPE_W))
-# Runtime integers of this kernel: only compared or multiplied (see sparse_mla_decode_sm90.RUNTIME_ARGS;
-# q's and out's row strides stay specialised for their 16-byte alignment).
+# Runtime integers of the MODEL1 decode kernels (this one, sparse_mla_decode's portable one): only compared
+# or multiplied (see sparse_mla_decode_sm90.RUNTIME_ARGS; q's and out's row strides stay specialised for
+# their 16-byte alignment).
 RUNTIME_ARGS = [
-    "s_q", "h_q", "n_head_blocks", "topk", "extra_topk", "split_blocks", "block_size", "num_slots",
-    "page_stride_16", "extra_block_size", "extra_num_slots", "extra_page_stride_16", "has_topk_length",
-    "has_extra_topk_length", "has_sink", "stride_i_b", "stride_i_s", "stride_e_b", "stride_e_s",
-    "stride_l_split", "stride_l_b", "stride_l_s", "stride_l_h"]
+    "s_q", "h_q", "n_head_blocks", "topk", "extra_topk", "split_len", "block_size", "num_slots", "block_stride_16",
+    "extra_block_size", "extra_num_slots", "extra_block_stride_16", "has_topk_length", "has_extra_topk_length",
+    "has_sink", "stride_i_b", "stride_i_s", "stride_ei_b", "stride_ei_s", "stride_l_split", "stride_l_b",
+    "stride_l_s", "stride_l_h"]
 NO_SLOT_LIMIT = gl.constexpr(2 ** 31 - 1)   # the consumers' slot bound: the producer has masked the ids
 
 
@@ -65,23 +70,22 @@ NO_SLOT_LIMIT = gl.constexpr(2 ** 31 - 1)   # the consumers' slot bound: the pro
 def _sparse_decode_model1_kernel(
     q_ptr, cache_ptr, indices_ptr, topk_length_ptr, extra_cache_ptr, extra_indices_ptr, extra_topk_length_ptr,
     batch_order_ptr, sink_ptr, out_ptr, lse_ptr,
-    s_q, h_q, n_head_blocks, topk, extra_topk, split_blocks, block_size, num_slots, page_stride_16,
-    extra_block_size, extra_num_slots, extra_page_stride_16, sm_scale_log2,
-    has_topk_length, has_extra_topk_length, has_sink,
+    s_q, h_q, n_head_blocks, topk, extra_topk, split_len,
+    block_size, num_slots, block_stride_16, extra_block_size, extra_num_slots, extra_block_stride_16,
+    sm_scale_log2, has_topk_length, has_extra_topk_length, has_sink,
     stride_q_b, stride_q_s, stride_q_h,
-    stride_i_b, stride_i_s,
-    stride_e_b, stride_e_s,
+    stride_i_b, stride_i_s, stride_ei_b, stride_ei_s,
     stride_o_split, stride_o_b, stride_o_s, stride_o_h,
     stride_l_split, stride_l_b, stride_l_s, stride_l_h,
     SPLIT: gl.constexpr, H: gl.constexpr,
 ):
     b, s, head0, span, n_steps = _program_span(
-        n_head_blocks, s_q, topk, extra_topk, split_blocks, num_slots, extra_num_slots, has_topk_length,
+        n_head_blocks, s_q, topk, extra_topk, split_len, num_slots, extra_num_slots, has_topk_length,
         has_extra_topk_length, topk_length_ptr, extra_topk_length_ptr, batch_order_ptr, H)
-    n_main, main_used, extra_used, lo, hi = span
-    source = (cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, block_size, num_slots, page_stride_16,
-              extra_cache_ptr, extra_indices_ptr + b * stride_e_b + s * stride_e_s, extra_block_size,
-              extra_num_slots, extra_page_stride_16, n_main, main_used, extra_used, lo, hi)
+    main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra = span
+    source = (cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, block_size, num_slots, block_stride_16,
+              extra_cache_ptr, extra_indices_ptr + b * stride_ei_b + s * stride_ei_s, extra_block_size,
+              extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra)
     q_row = q_ptr + b * stride_q_b + s * stride_q_s
     out_row = out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s
     lse_row = lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s
@@ -133,13 +137,14 @@ def _used(topk, has_length, length_ptr, num_slots):
 
 
 @gluon.jit
-def _program_span(n_head_blocks, s_q, topk, extra_topk, split_blocks, num_slots, extra_num_slots, has_topk_length,
+def _program_span(n_head_blocks, s_q, topk, extra_topk, split_len, num_slots, extra_num_slots, has_topk_length,
                   has_extra_topk_length, topk_length_ptr, extra_topk_length_ptr, batch_order_ptr,
                   heads: gl.constexpr):
     """(sequence b, query row s, first head, span, n_steps) of this program (axis 0: query rows x head
-    blocks of `heads`, axis 1: top-k splits of split_blocks blocks). span: (main blocks, main and extra
-    indices used, this split's blocks lo..hi of the row's list: main blocks, then extra ones); n_steps
-    = hi - lo. With a length, programs take the sequences longest first (batch_order)."""
+    blocks of `heads`, axis 1: top-k splits of split_len entries of both lists end to end). span: the
+    split's used entries main_lo..main_hi of the main list and extra_lo..extra_hi of the extra one, and
+    their blocks of 64, n_main and n_extra; n_steps = n_main + n_extra. With a length, programs take the
+    sequences longest first (batch_order)."""
     pid = gl.program_id(0)
     row = pid // n_head_blocks
     b = row // s_q
@@ -150,36 +155,39 @@ def _program_span(n_head_blocks, s_q, topk, extra_topk, split_blocks, num_slots,
     head0 = (pid % n_head_blocks) * heads
     main_used = _used(topk, has_topk_length, topk_length_ptr + b, num_slots)
     extra_used = _used(extra_topk, has_extra_topk_length, extra_topk_length_ptr + b, extra_num_slots)
-    n_main = gl.cdiv(main_used, BLOCK_N)
-    lo = gl.program_id(1) * split_blocks
-    hi = gl.minimum(lo + split_blocks, n_main + gl.cdiv(extra_used, BLOCK_N))
-    return b, s, head0, (n_main, main_used, extra_used, lo, hi), gl.maximum(hi - lo, 0)
+    lo = gl.program_id(1) * split_len
+    main_hi = gl.minimum(lo + split_len, main_used)
+    extra_lo = gl.maximum(lo - topk, 0)
+    extra_hi = gl.minimum(lo + split_len - topk, extra_used)
+    n_main = gl.cdiv(gl.maximum(main_hi - lo, 0), BLOCK_N)
+    n_extra = gl.cdiv(gl.maximum(extra_hi - extra_lo, 0), BLOCK_N)
+    return b, s, head0, (lo, main_hi, extra_lo, extra_hi, n_main, n_extra), n_main + n_extra
 
 
 @gluon.jit
 def _is_extra(source, step):
-    """Whether block `step` of the program comes from the extra cache. Blocks past the row's list (the
-    producer's loads run ahead) take a source that has slots: the extra cache if the row uses it."""
-    (cache_ptr, idx_row, block_size, num_slots, page_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
-     extra_num_slots, extra_page_stride_16, n_main, main_used, extra_used, lo, hi) = source
-    return (lo + step >= n_main) & (extra_used > 0)
+    """Whether block `step` of the program comes from the extra cache. Blocks past the program's (the
+    producer's loads run ahead) take a source that has slots: the extra cache if the program uses it."""
+    (cache_ptr, idx_row, block_size, num_slots, block_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
+     extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra) = source
+    return (step >= n_main) & (n_extra > 0)
 
 
 @gluon.jit
 def step_ids(source, step):
     """The 64 slot ids of block `step` (VEC_L), -1 for every invalid one: negative, past its cache's
-    slots, past its source's used indices, past the split. source: see the kernel."""
-    (cache_ptr, idx_row, block_size, num_slots, page_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
-     extra_num_slots, extra_page_stride_16, n_main, main_used, extra_used, lo, hi) = source
-    block = lo + step
+    slots, past its list's used entries or the split (so past the program's blocks). source: see the
+    kernel."""
+    (cache_ptr, idx_row, block_size, num_slots, block_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
+     extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra) = source
     offs = gl.arange(0, BLOCK_N, VEC_L)
     if _is_extra(source, step):
-        offs += (block - n_main) * BLOCK_N
-        ids = gl.load(extra_idx_row + offs, mask=(offs < extra_used) & (block < hi), other=-1)
+        offs += extra_lo + (step - n_main) * BLOCK_N
+        ids = gl.load(extra_idx_row + offs, mask=offs < extra_hi, other=-1)
         valid = (ids >= 0) & (ids < extra_num_slots)
     else:
-        offs += block * BLOCK_N
-        ids = gl.load(idx_row + offs, mask=(offs < main_used) & (block < hi), other=-1)
+        offs += main_lo + step * BLOCK_N
+        ids = gl.load(idx_row + offs, mask=offs < main_hi, other=-1)
         valid = (ids >= 0) & (ids < num_slots)
     return gl.where(valid, ids, -1)
 
@@ -195,13 +203,14 @@ def piece_ids(load_ids, mine, part: gl.constexpr):
 @gluon.jit
 def _entry_addresses(ids, geometry):
     """(address of each slot's data record, of its scale record, validity) for ids from step_ids
-    (-1 invalid: it points at slot 0). geometry: (cache_ptr, block_size, page_stride_16)."""
-    cache_ptr, block_size, page_stride_16 = geometry
+    (-1 invalid: it points at slot 0). geometry: (cache_ptr, block_size, block_stride_16: the page stride
+    / 16)."""
+    cache_ptr, block_size, block_stride_16 = geometry
     valid = ids >= 0
     ids = gl.where(valid, ids, 0).to(gl.uint32)   # (unsigned division: fewer instructions)
     page = ids // block_size.to(gl.uint32)
     entry = (ids - page * block_size.to(gl.uint32)).to(gl.int64)
-    page_base = cache_ptr + page.to(gl.int64) * page_stride_16 * 16
+    page_base = cache_ptr + page.to(gl.int64) * block_stride_16 * 16
     return (page_base + entry * DATA_BYTES, page_base + block_size.to(gl.int64) * DATA_BYTES + entry * SCALE_BYTES,
             valid)
 
@@ -213,13 +222,13 @@ def load_piece(source, step, ids):
     [16, 16], scale word 1 (tiles 4..6) [16], rope (bf16 pairs) [16, 32]. An invalid slot's id is never
     dereferenced: its tiles come from slot 0 unmasked (as in the V32 producer), its scales and rope
     read as 0, so it dequantises to 0."""
-    (cache_ptr, idx_row, block_size, num_slots, page_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
-     extra_num_slots, extra_page_stride_16, n_main, main_used, extra_used, lo, hi) = source
+    (cache_ptr, idx_row, block_size, num_slots, block_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
+     extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra) = source
     left_ids, mid_ids, rope_ids = ids
     if _is_extra(source, step):
-        geometry = (extra_cache_ptr, extra_block_size, extra_page_stride_16)
+        geometry = (extra_cache_ptr, extra_block_size, extra_block_stride_16)
     else:
-        geometry = (cache_ptr, block_size, page_stride_16)
+        geometry = (cache_ptr, block_size, block_stride_16)
     data, scales, valid = _entry_addresses(left_ids, geometry)
     tile = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, LEFT_L)))
     word = gl.arange(0, TILE_WORDS, gl.SliceLayout(0, gl.SliceLayout(1, LEFT_L)))
@@ -274,7 +283,7 @@ def producer(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr):
 
 def launch(grid, args, split: bool, heads: int) -> None:
     """Run the kernel on the runtime arguments (its parameters before SPLIT, in order) over grid (query
-    rows x head blocks of `heads`, top-k splits of split_blocks blocks); split: write partial results
+    rows x head blocks of `heads`, top-k splits); split: write partial results
     (fp32 out, base-2 lse) for sparse_mla_decode's merge kernel; heads: 64, or h_q <= 32 rounded up to 16
     or 32 (sparse_mla_decode_sm90_few_heads.program_heads)."""
     # maxnreg as in the V32 kernels (12 warps x 168 registers fit the register file at launch).
