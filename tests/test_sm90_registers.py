@@ -1,8 +1,8 @@
-"""The warp-specialised Gluon kernels (sparse prefill, fp8 sparse decode for 64 and for few heads over V32
-caches and over MODEL1 caches), compiled
-for sm_90a on any machine (the wheel's ptxas), must not spill: spills cost the prefill kernel half its
-speed on the H200 (docs/perf/prefill.md), and this is caught without a GPU. Nor may they, or the decode's
-split merge, move q or out 2 bytes at a time (decode at h_q 128: 15% of its time, docs/perf/decode.md)."""
+"""The warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode for 64 and for few heads over V32
+caches, and over MODEL1 caches), compiled for sm_90a on any machine (the wheel's ptxas), must not spill:
+spills cost the prefill kernel half its speed on the H200 (docs/perf/prefill.md), and this is caught
+without a GPU. Nor may they, or the decode's split merge, move q or out 2 bytes at a time (decode at h_q
+128: 15% of its time, docs/perf/decode.md)."""
 import subprocess
 import sys
 from pathlib import Path
