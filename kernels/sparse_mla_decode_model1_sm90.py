@@ -83,9 +83,13 @@ def _sparse_decode_model1_kernel(
         n_head_blocks, s_q, topk, extra_topk, split_len, num_slots, extra_num_slots, has_topk_length,
         has_extra_topk_length, topk_length_ptr, extra_topk_length_ptr, batch_order_ptr, H)
     main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra = span
-    source = (cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, block_size, num_slots, block_stride_16,
-              extra_cache_ptr, extra_indices_ptr + b * stride_ei_b + s * stride_ei_s, extra_block_size,
-              extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra)
+    # What the producer's format functions read: per list (its row of slot ids, its cache's slot count,
+    # the split's used entries lo..hi, the cache's geometry for _entry_addresses), and the blocks of each.
+    source = ((indices_ptr + b * stride_i_b + s * stride_i_s, num_slots, main_lo, main_hi,
+               (cache_ptr, block_size, block_stride_16)),
+              (extra_indices_ptr + b * stride_ei_b + s * stride_ei_s, extra_num_slots, extra_lo, extra_hi,
+               (extra_cache_ptr, extra_block_size, extra_block_stride_16)),
+              n_main, n_extra)
     q_row = q_ptr + b * stride_q_b + s * stride_q_s
     out_row = out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s
     lse_row = lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s
@@ -167,10 +171,18 @@ def _program_span(n_head_blocks, s_q, topk, extra_topk, split_len, num_slots, ex
 @gluon.jit
 def _is_extra(source, step):
     """Whether block `step` of the program comes from the extra cache. Blocks past the program's (the
-    producer's loads run ahead) take a source that has slots: the extra cache if the program uses it."""
-    (cache_ptr, idx_row, block_size, num_slots, block_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
-     extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra) = source
+    producer's loads run ahead) take a list whose cache has slots: the extra one if the program uses it."""
+    main, extra, n_main, n_extra = source
     return (step >= n_main) & (n_extra > 0)
+
+
+@gluon.jit
+def _list_ids(index_list, block):
+    """The 64 slot ids of block `block` of one list's entries lo..hi, -1 for every invalid one."""
+    idx_row, num_slots, lo, hi, geometry = index_list
+    offs = lo + block * BLOCK_N + gl.arange(0, BLOCK_N, VEC_L)
+    ids = gl.load(idx_row + offs, mask=offs < hi, other=-1)
+    return gl.where((ids >= 0) & (ids < num_slots), ids, -1)
 
 
 @gluon.jit
@@ -178,18 +190,12 @@ def step_ids(source, step):
     """The 64 slot ids of block `step` (VEC_L), -1 for every invalid one: negative, past its cache's
     slots, past its list's used entries or the split (so past the program's blocks). source: see the
     kernel."""
-    (cache_ptr, idx_row, block_size, num_slots, block_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
-     extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra) = source
-    offs = gl.arange(0, BLOCK_N, VEC_L)
+    main, extra, n_main, n_extra = source
     if _is_extra(source, step):
-        offs += extra_lo + (step - n_main) * BLOCK_N
-        ids = gl.load(extra_idx_row + offs, mask=offs < extra_hi, other=-1)
-        valid = (ids >= 0) & (ids < extra_num_slots)
+        ids = _list_ids(extra, step - n_main)
     else:
-        offs += main_lo + step * BLOCK_N
-        ids = gl.load(idx_row + offs, mask=offs < main_hi, other=-1)
-        valid = (ids >= 0) & (ids < num_slots)
-    return gl.where(valid, ids, -1)
+        ids = _list_ids(main, step)
+    return ids
 
 
 @gluon.jit
@@ -222,13 +228,12 @@ def load_piece(source, step, ids):
     [16, 16], scale word 1 (tiles 4..6) [16], rope (bf16 pairs) [16, 32]. An invalid slot's id is never
     dereferenced: its tiles come from slot 0 unmasked (as in the V32 producer), its scales and rope
     read as 0, so it dequantises to 0."""
-    (cache_ptr, idx_row, block_size, num_slots, block_stride_16, extra_cache_ptr, extra_idx_row, extra_block_size,
-     extra_num_slots, extra_block_stride_16, main_lo, main_hi, extra_lo, extra_hi, n_main, n_extra) = source
+    main, extra, n_main, n_extra = source
     left_ids, mid_ids, rope_ids = ids
     if _is_extra(source, step):
-        geometry = (extra_cache_ptr, extra_block_size, extra_block_stride_16)
+        idx_row, num_slots, lo, hi, geometry = extra
     else:
-        geometry = (cache_ptr, block_size, block_stride_16)
+        idx_row, num_slots, lo, hi, geometry = main
     data, scales, valid = _entry_addresses(left_ids, geometry)
     tile = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, LEFT_L)))
     word = gl.arange(0, TILE_WORDS, gl.SliceLayout(0, gl.SliceLayout(1, LEFT_L)))
