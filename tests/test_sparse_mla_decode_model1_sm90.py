@@ -85,3 +85,23 @@ def test_sm90_launch_matches_portable_arguments(monkeypatch, num_splits, h_q):
     def described(v):
         return (v.dtype, v.shape, v.stride()) if isinstance(v, torch.Tensor) else v
     assert [described(v) for v in portable.values()] == [described(v) for v in gluon.values()]
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernel is sm_90 only")
+def test_sm90_kernel_taken_on_hopper(kernel_path, monkeypatch):
+    """On sm_90 the default MODEL1 call runs the Gluon kernel (the portable path: not)."""
+    launched = []
+
+    class Spy:   # stands in for the Gluon kernel object: records the launch, then runs it
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+    kernel = model1_sm90._sparse_decode_model1_kernel
+    monkeypatch.setattr(model1_sm90, "_sparse_decode_model1_kernel", Spy())
+    g = torch.Generator().manual_seed(11)
+    cache = cache_of(quantize_kv_model1(torch.randn(128, 512, generator=g).to(torch.bfloat16)), 64)
+    indices = random_indices(2, 1, 64, 128, 11).to(DEVICE)
+    out, lse = decode(random_q(2, 1, 16, 11), cache, indices, SM_SCALE)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert len(launched) == (0 if kernel_path == "portable" else 1)
