@@ -199,13 +199,35 @@ def model1_cache_from_entries(entries: torch.Tensor) -> torch.Tensor:
     return cache
 
 
-def model1_cache_entries(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The [num_blocks, B, 584] uint8 logical entries of a MODEL1 cache view (a copy; the inverse of
-    model1_cache_from_entries). Raises minirt.errors.InputError for a malformed cache."""
+def model1_cache_entries(kv_cache: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """
+    The logical entries of a MODEL1 cache view (a copy; the inverse of model1_cache_from_entries).
+
+    Args:
+        kv_cache: [num_blocks, B, 1, 584] uint8 MODEL1 cache view.
+        slots: optional int32/int64 tensor (any shape) of slot ids, each in [0, num_blocks * B).
+
+    Returns:
+        uint8 [num_blocks, B, 584] (every entry), or [*slots.shape, 584] (the entries at slots; with
+        dequantize_kv_model1, the gather of a bf16 K = V buffer).
+
+    Raises:
+        minirt.errors.InputError: a malformed cache, slots not an integer tensor on its device or out of range.
+    """
     geometry = model1_cache_geometry(kv_cache)
     pages = _pages(kv_cache, geometry)
     n, b, data = geometry.num_blocks, geometry.block_size, formats.MODEL1_DATA_BYTES
-    return torch.cat([pages[:, :b * data].reshape(n, b, data), pages[:, b * data:].reshape(n, b, -1)], dim=-1)
+    records = pages[:, :b * data].view(n, b, data), pages[:, b * data:].view(n, b, formats.MODEL1_SCALE_BYTES)
+    if slots is None:
+        return torch.cat(records, dim=-1)
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
+            or slots.device != kv_cache.device:
+        raise InputError(f"slots must be an int32/int64 tensor on {kv_cache.device}, got "
+                         f"{getattr(slots, 'dtype', type(slots).__name__)} on {getattr(slots, 'device', None)}")
+    if slots.numel() and (slots.min() < 0 or slots.max() >= geometry.num_slots):   # a host sync: a reference tool
+        raise InputError(f"slots must lie in [0, {geometry.num_slots}), got [{slots.min()}, {slots.max()}]")
+    page, offset = slots.long() // b, slots.long() % b
+    return torch.cat([records[0][page, offset], records[1][page, offset]], dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------

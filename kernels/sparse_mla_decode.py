@@ -69,13 +69,16 @@ class DecodeConfig:
     num_stages: int = 2
 
 
-def default_config(h_q: int) -> DecodeConfig:
-    """The launch shape sparse_mla_decode_fp8 uses: 64 heads per program, h_q rounded up to a
-    power of two >= 16 (the smallest tl.dot width) when fewer; chunk sizes that compile without
-    (or with few) register spills on sm_90."""
+def default_config(h_q: int, d_qk: int = D_QK) -> DecodeConfig:
+    """The launch shape sparse_mla_decode_fp8 uses for h_q heads of width d_qk (576: V32, 512: MODEL1):
+    64 heads per program, h_q rounded up to a power of two >= 16 (the smallest tl.dot width) when
+    fewer; chunk sizes that compile without (or with few) register spills on sm_90. (MODEL1 at 32 heads
+    a program spills in every shape tried, 231-385 spill instructions: it takes 16-head programs.)"""
     block_h = min(64, max(16, triton.next_power_of_2(h_q)))
     if block_h == 64:
         return DecodeConfig(block_h=64, block_n=64, num_warps=8)
+    if d_qk == D_QK_MODEL1:
+        block_h = 16
     return DecodeConfig(block_h=block_h, block_n=64 if block_h == 16 else 32, num_warps=4)
 
 
@@ -208,15 +211,20 @@ def _sparse_decode_kernel(
 
 
 @triton.jit
-def _gather_model1(cache_ptr, slot, num_slots, block_size, block_stride_16, dot_dtype: tl.constexpr):
-    """Load and dequantise the MODEL1 entries at slot [N]: (valid [N], K = V [N, 512] in dot_dtype).
+def _model1_addresses(cache_ptr, slot, valid, block_size, block_stride_16):
+    """(data record, scale record) addresses of MODEL1 slots (slot 0 stands in for invalid ones)."""
+    return model1_entry_addresses(cache_ptr, tl.where(valid, slot, 0), block_size, block_stride_16 * 16)
+
+
+@triton.jit
+def _gather_model1(data, scales, valid, dot_dtype: tl.constexpr):
+    """Load and dequantise the MODEL1 entries at the addresses data / scales [N] (their data and scale
+    records): K = V [N, 512] in dot_dtype.
 
     The entry is read as an [N, 8, 64] block: tiles 0..6 the e4m3 values times their tile's ue8m0 scale
     (2^(byte - 127), built from the byte as float32 exponent bits: exact for bytes 1..254, which the
-    writer's scales 2^-13.. take), tile 7 the bf16 rope. Invalid slots are never dereferenced (masked
+    writer's scales 2^-13.. take), tile 7 the bf16 rope. Invalid entries are never dereferenced (masked
     loads give exact zeros, so NaN bytes elsewhere cannot reach the dots)."""
-    valid = (slot >= 0) & (slot < num_slots)
-    data, scales = model1_entry_addresses(cache_ptr, tl.where(valid, slot, 0), block_size, block_stride_16 * 16)
     tiles = tl.arange(0, 8)
     nope_tile = tiles < M1_TILES
     cols = tl.arange(0, M1_TILE)
@@ -228,21 +236,7 @@ def _gather_model1(cache_ptr, slot, num_slots, block_size, block_stride_16, dot_
                    mask=valid[:, None], other=0.0)
     kv = tl.where(nope_tile[None, :, None], fp8.to(dot_dtype) * scale.to(dot_dtype)[:, :, None],
                   rope.to(dot_dtype)[:, None, :])
-    return valid, tl.reshape(kv, (slot.shape[0], M1_NOPE + M1_ROPE))
-
-
-@triton.jit
-def _attend_model1(q, cache_ptr, idx_row, lo, hi, num_slots, block_size, block_stride_16, sm_scale_log2,
-                   m_i, l_i, acc, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, INTERPRETED_ITERS: tl.constexpr):
-    """softmax_step over the entries idx_row[lo:hi] of one MODEL1 cache (nothing when hi <= lo)."""
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    # The interpreter runs the constexpr maximum (see _sparse_decode_kernel); chunks past hi are masked.
-    for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)):
-        valid, kv = _gather_model1(cache_ptr, tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1), num_slots,
-                                   block_size, block_stride_16, q.dtype)
-        offs_n += BLOCK_N
-        m_i, l_i, acc = softmax_step(tl.dot(q, tl.trans(kv)), valid, sm_scale_log2, kv, m_i, l_i, acc)
-    return m_i, l_i, acc
+    return tl.reshape(kv, (data.shape[0], M1_NOPE + M1_ROPE))
 
 
 @triton.jit(do_not_specialize=model1_sm90.RUNTIME_ARGS)
@@ -262,26 +256,41 @@ def _sparse_decode_model1_kernel(
     split = tl.program_id(1)
     b, s, offs_h, h_mask = _program_row(n_head_blocks, s_q, h_q, batch_order_ptr,
                                         has_topk_length + has_extra_topk_length > 0, BLOCK_H)
+    dot_dtype = tl.float32 if UPCAST else tl.bfloat16
     offs_d = tl.arange(0, M1_NOPE + M1_ROPE)
     q = tl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_h[:, None] * stride_q_h + offs_d[None, :],
-                mask=h_mask[:, None], other=0.0).to(tl.float32 if UPCAST else tl.bfloat16)
+                mask=h_mask[:, None], other=0.0).to(dot_dtype)
 
-    # The split covers [lo, lo + split_len) of the row's two top-k lists end to end: the main cache's
-    # topk entries, then the extra cache's extra_topk.
+    # The row's used entries as one list, the main cache's n_main first, then the extra cache's n_extra
+    # (positions n_main + j); the split takes [lo, lo + split_len) of it, so no chunk is spent on the
+    # unused tail of either list. A chunk across the boundary gathers from both caches.
+    n_main = _used_entries(topk, topk_length_ptr, b, has_topk_length)
+    n_used = n_main + _used_entries(extra_topk, extra_topk_length_ptr, b, has_extra_topk_length)
     lo = split * split_len
-    hi = lo + split_len
+    hi = tl.minimum(lo + split_len, n_used)
+    idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
+    extra_idx_row = extra_indices_ptr + b * stride_ei_b + s * stride_ei_s
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
-    m_i, l_i, acc = _attend_model1(
-        q, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo,
-        tl.minimum(hi, _used_entries(topk, topk_length_ptr, b, has_topk_length)),
-        num_slots, block_size, block_stride_16, sm_scale_log2, m_i, l_i, acc, BLOCK_N, UPCAST, INTERPRETED_ITERS)
-    m_i, l_i, acc = _attend_model1(
-        q, extra_cache_ptr, extra_indices_ptr + b * stride_ei_b + s * stride_ei_s, tl.maximum(lo - topk, 0),
-        tl.minimum(hi - topk, _used_entries(extra_topk, extra_topk_length_ptr, b, has_extra_topk_length)),
-        extra_num_slots, extra_block_size, extra_block_stride_16, sm_scale_log2, m_i, l_i, acc, BLOCK_N, UPCAST,
-        INTERPRETED_ITERS)
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    # The interpreter runs the split's full constexpr length (see _sparse_decode_kernel); chunks past hi
+    # are masked.
+    for it in range(0, INTERPRETED_ITERS if UPCAST else tl.cdiv(hi - lo, BLOCK_N)):
+        in_main = offs_n < n_main
+        slot = tl.load(idx_row + offs_n, mask=in_main & (offs_n < hi), other=-1)
+        extra_slot = tl.load(extra_idx_row + (offs_n - n_main), mask=~in_main & (offs_n < hi), other=-1)
+        main_valid = (slot >= 0) & (slot < num_slots)
+        extra_valid = (extra_slot >= 0) & (extra_slot < extra_num_slots)
+        data, scales = _model1_addresses(cache_ptr, slot, main_valid, block_size, block_stride_16)
+        extra_data, extra_scales = _model1_addresses(extra_cache_ptr, extra_slot, extra_valid, extra_block_size,
+                                                     extra_block_stride_16)
+        valid = tl.where(in_main, main_valid, extra_valid)
+        kv = _gather_model1(tl.where(in_main, data, extra_data), tl.where(in_main, scales, extra_scales), valid,
+                            dot_dtype)
+        offs_n += BLOCK_N
+        m_i, l_i, acc = softmax_step(tl.dot(q, tl.trans(kv)), valid, sm_scale_log2, kv, m_i, l_i, acc)
 
     out_rows = out_ptr + split * stride_o_split + b * stride_o_b + s * stride_o_s + offs_h * stride_o_h
     lse_ptrs = lse_ptr + split * stride_l_split + b * stride_l_b + s * stride_l_s + offs_h * stride_l_h
@@ -385,7 +394,7 @@ def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int,
     sm90 kernels: 64 heads, or h_q rounded up to 16 or 32 up to 32 heads)."""
     if uses_sm90_kernel(q, config):
         return True, sm90_few_heads.program_heads(q.shape[2]) or sm90.BLOCK_H.value, sm90.BLOCK_N.value
-    config = config or default_config(q.shape[2])
+    config = config or default_config(q.shape[2], q.shape[3])
     return False, config.block_h, config.block_n
 
 
@@ -540,7 +549,7 @@ def sparse_mla_decode_fp8(
         config: keyword-only, optional DecodeConfig: run the portable Triton kernel with this launch
             shape. Default: a Gluon kernel on sm_90 GPUs (uses_sm90_kernel; V32: sparse_mla_decode_sm90,
             or sparse_mla_decode_sm90_few_heads for h_q <= 32; MODEL1: sparse_mla_decode_model1_sm90),
-            else the portable kernel with default_config(h_q).
+            else the portable kernel with default_config(h_q, d_qk).
         out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
 
     Returns:
@@ -647,7 +656,7 @@ def sparse_mla_decode_fp8(
             sm90.launch(grid, args, num_splits > 1, padded_blocks)
     else:
         _launch(_sparse_decode_model1_kernel if model1 else _sparse_decode_kernel, grid, args, num_splits > 1,
-                split_len, config or default_config(h_q))
+                split_len, config or default_config(h_q, d_qk))
     if num_splits > 1:
         n_merge_blocks = triton.cdiv(h_q, _MERGE_BLOCK_H)
         _merge_splits_kernel[(n_rows * n_merge_blocks,)](

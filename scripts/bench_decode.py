@@ -26,6 +26,17 @@ attention over the dequantised selected tokens (relative Frobenius error and max
 is not below 1e-2). One CUDA-graph check on the default path (h_q 128, s_q 2): the call captured with
 preallocated out/lse, replayed into NaN-poisoned outputs, compared with the eager output and timed
 (replay, L2 cleared as above); the table's notes give the result.
+
+DeepSeek-V4 rows (--cases v4), a second table over MODEL1 caches (584-byte entries), FlashMLA's
+production configs: b = 128 sequences, s_q 2, a window cache of 16384 tokens per sequence in 256-entry
+pages (window topk 128) and an extra (compressed) cache of 16384 entries per sequence in 64-entry pages
+(CSA: extra topk 512 at h_q 64, V4-Flash; 1024 at h_q 128, V4-Pro; 512 at h_q 32 and 16, tensor
+parallelism) or 2-entry pages with extra_topk_length uniform in [0, 1024] (HCA); one window-only row
+(SWA layers); attn_sink on every row; positions distinct and random, pages shuffled. Counting: attended
+= window + extra entries used; TFLOP/s = 2 * attended * h_q * (512 + 512) / t; effective GB/s =
+(attended * 584 + q + out) / t, q and out b s_q h_q 512 bfloat16 values. Peak memory: the most the call
+allocated beyond its inputs (torch.cuda.max_memory_allocated; split partials). Correctness as above,
+against fp32 attention over both caches' dequantised entries with the sink.
 """
 from __future__ import annotations
 
@@ -39,10 +50,12 @@ import triton.language as tl
 import triton.testing
 from ceilings import measure_ceilings, plot_roofline, write_report
 
+from minirt import formats
 from minirt.formats import KV_ROPE_AT, KV_SCALES_AT, KV_TOKEN_BYTES
 from minirt.kernels import sparse_mla_decode_sm90 as sm90
 from minirt.kernels import sparse_mla_decode_sm90_few_heads as sm90_few_heads
 from minirt.kernels.kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache
+from minirt.kernels.kv_cache_model1 import dequantize_kv_model1, model1_cache_entries, new_model1_cache
 from minirt.kernels.sparse_mla_decode import (D_QK, D_V, default_config, default_num_splits, mla_decode_fp8,
                                               sparse_mla_decode_fp8, uses_sm90_kernel)
 
@@ -222,10 +235,10 @@ def gather_ceiling(cache, slots) -> float:
 def kernel_label(q, kind) -> str:
     if kind == WRAPPER:
         return "mla_decode_fp8 (positions→slots + decode)"
-    config = default_config(q.shape[2]) if kind == PORTABLE else None
+    config = default_config(q.shape[2], q.shape[3]) if kind == PORTABLE else None
     few = sm90_few_heads.program_heads(q.shape[2])
     if not uses_sm90_kernel(q, config):
-        shown = default_config(q.shape[2])
+        shown = default_config(q.shape[2], q.shape[3])
         label = f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}"
     elif few:
         label = f"sm90 Gluon few-heads, h{few} n{sm90.BLOCK_N.value}, keys on M, 2 producers"
@@ -234,32 +247,153 @@ def kernel_label(q, kind) -> str:
     return label + (" (default)" if kind == DEFAULT else "")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="write the results as a markdown table here")
-    parser.add_argument("--budget-s", type=float, default=180.0,
-                        help="stop starting new rows after this many seconds")
-    parser.add_argument("--batch", type=int, default=128, help="sequences (b)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--variants", default=None,
-                        help="comma-separated indices into VARIANTS (default: all)")
-    parser.add_argument("--plot", help="write a roofline PNG of the default rows here")
-    args = parser.parse_args()
-    t_start = time.time()
-    device = torch.device(args.device)
-    props = torch.cuda.get_device_properties(device)
-    peak_tflops, copy_gbps = measure_ceilings(device)
+V4_TOKENS, V4_WINDOW_PAGE, V4_WINDOW_TOPK, V4_S_Q = 16384, 256, 128, 2
+# (h_q, extra_topk, extra page (None: no extra cache), extra_topk_length, kind)
+V4_VARIANTS = [
+    (64, 512, 64, False, DEFAULT),      # V4-Flash CSA layer
+    (128, 1024, 64, False, DEFAULT),    # V4-Pro CSA layer
+    (64, 1024, 2, True, DEFAULT),       # HCA layer: 2-entry pages, per-sequence count
+    (128, 1024, 2, True, DEFAULT),
+    (32, 512, 64, False, DEFAULT),      # tensor parallelism: 2 and 4 ranks of V4-Flash
+    (16, 512, 64, False, DEFAULT),
+    (64, 0, None, False, DEFAULT),      # SWA-only layer: the window alone
+    (64, 512, 64, False, PORTABLE),
+]
+
+
+def build_model1_cache(b: int, entries_per_seq: int, block_size: int, device, seed: int):
+    """(cache: the [pages, block_size, 1, 584] view of b * entries_per_seq / block_size MODEL1 pages, block
+    table [b, pages per sequence] int32, pages shuffled): random valid entries drawn on `device`: e4m3 codes
+    without NaN (|v| <= 416), tile scales 2^-8..2^-6, random bf16 rope, pad bytes 0."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_pages = b * entries_per_seq // block_size
+    table = torch.randperm(n_pages, generator=g, device=device).to(torch.int32).view(b, -1)
+    cache = new_model1_cache(n_pages, block_size, device)
+    data_bytes, n = formats.MODEL1_DATA_BYTES, block_size
+    pages = cache.as_strided((n_pages, n * formats.MODEL1_ENTRY_BYTES), (cache.stride(0), 1))
+    data = pages[:, :n * data_bytes].view(n_pages, n, data_bytes)
+    nope = formats.MODEL1_NOPE_DIM
+    codes = torch.randint(0, 0x7E, (n_pages, n, nope), generator=g, device=device, dtype=torch.uint8)
+    data[..., :nope] = codes | (torch.randint(0, 2, codes.shape, generator=g, device=device, dtype=torch.uint8) << 7)
+    rope = torch.randn(n_pages, n, formats.MODEL1_ROPE_DIM, generator=g, device=device).to(torch.bfloat16)
+    data[..., nope:] = rope.view(torch.uint8)
+    scales = pages[:, n * data_bytes:].view(n_pages, n, formats.MODEL1_SCALE_BYTES)
+    exponents = torch.randint(-8, -5, (n_pages, n, formats.MODEL1_NUM_TILES), generator=g, device=device)
+    scales[..., :formats.MODEL1_NUM_TILES] = (exponents + formats.UE8M0_BIAS).to(torch.uint8)
+    return cache, table
+
+
+def model1_slots(table: torch.Tensor, block_size: int, entries_per_seq: int, s_q: int, topk: int, seed: int):
+    """[b, s_q, topk] int32: topk distinct random entries of each sequence per query token, as slots."""
+    g = torch.Generator(device=table.device).manual_seed(seed)
+    b = table.shape[0]
+    positions = torch.rand(b, s_q, entries_per_seq, generator=g, device=table.device).topk(topk, dim=-1).indices
+    pages = table.long().gather(1, (positions // block_size).view(b, -1)).view(positions.shape)
+    return (pages * block_size + positions % block_size).to(torch.int32)
+
+
+def reference_model1(q, sources, sm_scale, attn_sink):
+    """fp32 attention of q [n, s_q, h_q, 512] over the dequantised entries of sources, a list of (cache,
+    slots [n, s_q, topk], lengths [n] or None), in one softmax with the sink -> out [n, s_q, h_q, 512],
+    lse [n, h_q, s_q] (without the sink; +inf for a row with nothing)."""
+    ks, used = [], []
+    for cache, slots, lengths in sources:
+        ks.append(dequantize_kv_model1(model1_cache_entries(cache, slots), torch.float32))
+        mask = torch.ones(slots.shape, dtype=torch.bool, device=slots.device)
+        if lengths is not None:
+            mask &= torch.arange(slots.shape[-1], device=slots.device) < lengths.long()[:, None, None]
+        used.append(mask)
+    kv, used = torch.cat(ks, 2), torch.cat(used, 2)
+    logits = torch.einsum("nshd,nstd->nsht", q.float(), kv) * sm_scale
+    logits = logits.masked_fill(~used[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    finite = torch.where(lse.isinf(), 0.0, lse)
+    out = torch.einsum("nsht,nstd->nshd", torch.exp(logits - finite[..., None]), kv)
+    out = out / (1.0 + torch.exp(attn_sink[None, None, :] - finite))[..., None]
+    return out, torch.where(lse.isinf(), float("inf"), lse).transpose(1, 2)
+
+
+def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: float) -> str:
+    """The DeepSeek-V4 table (see the module docstring)."""
+    t_cache = time.time()
+    window, window_table = build_model1_cache(b, V4_TOKENS, V4_WINDOW_PAGE, device, seed=40)
+    extras = {page: build_model1_cache(b, V4_TOKENS, page, device, seed=41 + page) for page in (64, 2)}
+    torch.cuda.synchronize()
+    t_cache = time.time() - t_cache
+    s_q, sm_scale = V4_S_Q, formats.MODEL1_DIM ** -0.5
+    slots = model1_slots(window_table, V4_WINDOW_PAGE, V4_TOKENS, s_q, V4_WINDOW_TOPK, seed=50)
+    rows = []
+    for h_q, extra_topk, extra_page, with_length, kind in V4_VARIANTS:
+        shape = (f"| {h_q} | {V4_WINDOW_TOPK} | " + (f"{extra_topk} (page {extra_page})" if extra_page else "none")
+                 + f" | {'[0, extra_topk]' if with_length else 'full'} ")
+        if time.time() > deadline:
+            rows.append(f"{shape}| {kind} | | skipped: time budget | | | | | | |")
+            continue
+        g = torch.Generator(device=device).manual_seed(h_q)
+        q = (torch.randn(b, s_q, h_q, formats.MODEL1_DIM, generator=g, device=device) * 0.5).to(torch.bfloat16)
+        sink = torch.randn(h_q, generator=g, device=device)
+        extra = {}
+        sources = [(window, slots, None)]
+        if extra_page:
+            e_cache, e_table = extras[extra_page]
+            e_slots = model1_slots(e_table, extra_page, V4_TOKENS, s_q, extra_topk, seed=60 + extra_topk)
+            e_length = draw_topk_length(b, extra_topk, device, seed=8) if with_length else None
+            extra = dict(extra_kv_cache=e_cache, extra_indices=e_slots, extra_topk_length=e_length)
+            sources.append((e_cache, e_slots, e_length))
+        config = default_config(h_q, formats.MODEL1_DIM) if kind == PORTABLE else None
+        width = V4_WINDOW_TOPK + extra_topk
+        splits = default_num_splits(q, width, config)
+        label = kernel_label(q, kind)
+        run = lambda: sparse_mla_decode_fp8(q, window, slots, sm_scale, attn_sink=sink, config=config,  # noqa: E731
+                                            **extra)
+        try:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            out, lse = run()
+            torch.cuda.synchronize()
+            peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+            seqs = torch.linspace(0, b - 1, min(REF_SEQUENCES, b), device=device).long()
+            r_out, r_lse = reference_model1(q[seqs], [(c, sl[seqs], None if ln is None else ln[seqs])
+                                                      for c, sl, ln in sources], sm_scale, sink)
+            diff = out[seqs].float() - r_out
+            rel = (diff.norm() / r_out.norm().clamp_min(1e-30)).item()
+            lse_diff = torch.where(r_lse.isinf() & (lse[seqs] == r_lse), 0.0, lse[seqs] - r_lse).abs().max().item()
+            ms = bench_ms(run)
+        except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
+            rows.append(f"{shape}| {label} | {splits} | error: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:80] if str(exc) else ''} | | | | | | |")
+            print(rows[-1], flush=True)
+            continue
+        used_extra = 0 if not extra_page else (b * s_q * extra_topk if not with_length
+                                               else int(extra["extra_topk_length"].long().sum()) * s_q)
+        attended = b * s_q * V4_WINDOW_TOPK + used_extra
+        flops = 2 * attended * h_q * (formats.MODEL1_DIM + D_V)
+        bytes_ = attended * formats.MODEL1_ENTRY_BYTES + b * s_q * h_q * (formats.MODEL1_DIM + D_V) * 2
+        tflops, gbps = flops / ms / 1e9, bytes_ / ms / 1e6
+        wrong = "" if rel < WRONG_REL and lse_diff < WRONG_REL else " **WRONG**"
+        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {tflops:.1f} ({100 * tflops / peak_tflops:.0f}%) | "
+                    f"{gbps:.0f} ({100 * gbps / copy_gbps:.0f}%) | {peak_mib:.1f} | {rel:.2e}{wrong} | {lse_diff:.2e} |")
+        print(rows[-1], flush=True)
+        del out, lse
+    return (f"DeepSeek-V4 (MODEL1 cache): b = {b}, s_q = {s_q}, window {V4_TOKENS} tokens per sequence in pages of "
+            f"{V4_WINDOW_PAGE}, extra cache {V4_TOKENS} entries per sequence; attn_sink on; caches "
+            f"{(window.stride(0) * window.shape[0] + sum(c.stride(0) * c.shape[0] for c, _ in extras.values())) / 1e9:.2f}"
+            f" GB (built in {t_cache:.1f} s)\n\n"
+            "| h_q | window topk (page 256) | extra topk | extra_topk_length | kernel | splits | time µs | "
+            "TFLOP/s (% of matmul) | eff. GB/s (% of copy) | peak extra MiB | out rel err vs fp32 ref | "
+            "lse max abs diff |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
+def v32_report(args, device, peak_tflops: float, copy_gbps: float, t_start: float) -> str:
+    """The V3.2 table (see the module docstring), with its header and notes."""
     b = args.batch
     t_cache = time.time()
     cache, table = build_cache(b, SEQLEN, device)
     torch.cuda.synchronize()
     t_cache = time.time() - t_cache
     gather_gbps = gather_ceiling(cache, build_queries(b, 1, 16, SEQLEN, TOPK, table, seed=1016)[2])
-    header = (f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-              f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
-              f"Ceilings (same run): bf16 matmul 8192^3 {peak_tflops:.0f} TFLOP/s; "
-              f"device copy {copy_gbps:.0f} GB/s (read + write); gather of the attended tokens alone "
-              f"{gather_gbps:.0f} GB/s\n"
+    header = (f"Gather of the attended tokens alone (same run): {gather_gbps:.0f} GB/s\n"
               f"b = {b} sequences of {SEQLEN} tokens, topk = {TOPK}, block_size = {BLOCK_SIZE} (pages shuffled); "
               f"cache {cache.numel() / 1e9:.2f} GB (built in {t_cache:.1f} s)\n")
     print(header, flush=True)
@@ -332,11 +466,42 @@ def main() -> None:
                 "out rel err vs fp32 ref | out max abs diff | lse max abs diff |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     notes_md = "".join(f"- {note}\n" for note in notes)
-    print(table_md + "\n" + notes_md, flush=True)
     if args.plot:
         plot_roofline(args.plot, f"sparse_mla_decode_fp8, b {b}, topk {TOPK}", points, peak_tflops, copy_gbps)
+    return f"{header}\n{table_md}\n{notes_md}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="write the results as a markdown table here")
+    parser.add_argument("--budget-s", type=float, default=180.0,
+                        help="stop starting new rows after this many seconds")
+    parser.add_argument("--batch", type=int, default=128, help="sequences (b)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated indices into VARIANTS (default: all)")
+    parser.add_argument("--plot", help="write a roofline PNG of the default rows here")
+    parser.add_argument("--cases", choices=("v32", "v4", "all"), default="all",
+                        help="the V3.2 table (656-byte cache), the DeepSeek-V4 table (MODEL1 cache), or both")
+    args = parser.parse_args()
+    t_start = time.time()
+    device = torch.device(args.device)
+    props = torch.cuda.get_device_properties(device)
+    peak_tflops, copy_gbps = measure_ceilings(device)
+    header = (f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+              f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
+              f"Ceilings (same run): bf16 matmul 8192^3 {peak_tflops:.0f} TFLOP/s; "
+              f"device copy {copy_gbps:.0f} GB/s (read + write)\n")
+    print(header, flush=True)
+    reports = [header]
+    if args.cases in ("v32", "all"):
+        reports.append(v32_report(args, device, peak_tflops, copy_gbps, t_start))
+        print(reports[-1], flush=True)
+    if args.cases in ("v4", "all"):
+        reports.append(v4_rows(args.batch, device, peak_tflops, copy_gbps, t_start + args.budget_s))
+        print(reports[-1], flush=True)
     if args.out:
-        write_report(f"{header}\n{table_md}\n{notes_md}", args.out)
+        write_report("\n".join(reports), args.out)
 
 
 if __name__ == "__main__":

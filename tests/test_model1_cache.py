@@ -125,6 +125,11 @@ def test_entries_round_trip_through_pages_and_geometry():
     entries = torch.randint(0, 256, (3, 5, 584), dtype=torch.uint8)
     cache = model1_cache_from_entries(entries)
     assert torch.equal(model1_cache_entries(cache), entries)
+    slots = torch.tensor([[14, 0], [3, 9]])
+    assert torch.equal(model1_cache_entries(cache, slots), entries.view(15, 584)[slots])
+    for bad in (torch.tensor([15]), torch.tensor([-1]), torch.tensor([1.0])):
+        with pytest.raises(InputError, match="slots"):
+            model1_cache_entries(cache, bad)
     g = model1_cache_geometry(cache)
     assert (g.num_blocks, g.block_size, g.block_stride) == (3, 5, formats.model1_page_bytes(5)) == (3, 5, 3456)
     # Slot n * B + o: its data record at page n + o * 576, its scale record at page n + B * 576 + o * 8.
