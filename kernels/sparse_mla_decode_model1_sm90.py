@@ -13,10 +13,11 @@ left tile (columns 0..255); tiles 4..6 and the rope the right one (256..511). A 
 as words in 16-byte vectors (tile 6 alone, 64 bytes a key, in 8-byte ones) and dequantised with the V32
 integer dequantisation (an ue8m0 byte shifted into a bf16 exponent is the tile's scale exactly).
 
-Two key sources feed one online softmax. A top-k split covers entries lo..hi of the row's two index
-lists end to end (the main cache's topk, then the extra cache's extra_topk, as in the portable kernel);
-its keys are blocks of 64 of the main list's used entries in that range (topk_length[b], clamped to [0,
-topk]), then of the extra list's (extra_topk_length), each source's last block padded with invalid ids.
+Two key sources feed one online softmax. A row's keys are the used entries of the main list
+(topk_length[b], clamped to [0, topk]) then those of the extra list (extra_topk_length), as one list; a
+top-k split takes entries lo..hi of it, as in the portable kernel. Its keys are blocks of 64 of the main
+list's entries in that range, then of the extra list's, each list's last block padded with invalid ids
+(a block holds keys of one cache).
 The producer replaces every invalid id (negative, past its cache, past its length) by -1 before the
 consumers see it, and never dereferences one (its words come from the source's slot 0, with scales and
 rope 0).
@@ -145,10 +146,10 @@ def _program_span(n_head_blocks, s_q, topk, extra_topk, split_len, num_slots, ex
                   has_extra_topk_length, topk_length_ptr, extra_topk_length_ptr, batch_order_ptr,
                   heads: gl.constexpr):
     """(sequence b, query row s, first head, span, n_steps) of this program (axis 0: query rows x head
-    blocks of `heads`, axis 1: top-k splits of split_len entries of both lists end to end). span: the
-    split's used entries main_lo..main_hi of the main list and extra_lo..extra_hi of the extra one, and
-    their blocks of 64, n_main and n_extra; n_steps = n_main + n_extra. With a length, programs take the
-    sequences longest first (batch_order)."""
+    blocks of `heads`, axis 1: top-k splits of split_len entries of the row's used entries, main then
+    extra, as one list). span: the split's entries main_lo..main_hi of the main list and
+    extra_lo..extra_hi of the extra one, and their blocks of 64, n_main and n_extra; n_steps = n_main +
+    n_extra. With a length, programs take the sequences longest first (batch_order)."""
     pid = gl.program_id(0)
     row = pid // n_head_blocks
     b = row // s_q
@@ -161,8 +162,8 @@ def _program_span(n_head_blocks, s_q, topk, extra_topk, split_len, num_slots, ex
     extra_used = _used(extra_topk, has_extra_topk_length, extra_topk_length_ptr + b, extra_num_slots)
     lo = gl.program_id(1) * split_len
     main_hi = gl.minimum(lo + split_len, main_used)
-    extra_lo = gl.maximum(lo - topk, 0)
-    extra_hi = gl.minimum(lo + split_len - topk, extra_used)
+    extra_lo = gl.maximum(lo - main_used, 0)
+    extra_hi = gl.minimum(lo + split_len - main_used, extra_used)
     n_main = gl.cdiv(gl.maximum(main_hi - lo, 0), BLOCK_N)
     n_extra = gl.cdiv(gl.maximum(extra_hi - extra_lo, 0), BLOCK_N)
     return b, s, head0, (lo, main_hi, extra_lo, extra_hi, n_main, n_extra), n_main + n_extra
