@@ -240,10 +240,10 @@ def kernel_label(q, kind) -> str:
     if not uses_sm90_kernel(q, config):
         shown = default_config(q.shape[2], q.shape[3])
         label = f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}"
-    elif few:
-        label = f"sm90 Gluon few-heads, h{few} n{sm90.BLOCK_N.value}, keys on M, 2 producers"
     else:
-        label = f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised"
+        kernel = "sm90 Gluon MODEL1" if q.shape[3] == formats.MODEL1_DIM else "sm90 Gluon"
+        label = (f"{kernel} few-heads, h{few} n{sm90.BLOCK_N.value}, keys on M, 2 producers" if few
+                 else f"{kernel}, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised")
     return label + (" (default)" if kind == DEFAULT else "")
 
 
