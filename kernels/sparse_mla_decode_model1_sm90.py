@@ -17,10 +17,9 @@ Two key sources feed one online softmax. A row's keys are the used entries of th
 (topk_length[b], clamped to [0, topk]) then those of the extra list (extra_topk_length), as one list; a
 top-k split takes entries lo..hi of it, as in the portable kernel. Its keys are blocks of 64 of the main
 list's entries in that range, then of the extra list's, each list's last block padded with invalid ids
-(a block holds keys of one cache).
-The producer replaces every invalid id (negative, past its cache, past its length) by -1 before the
-consumers see it, and never dereferences one (its words come from the source's slot 0, with scales and
-rope 0).
+(a block holds keys of one cache). The producer replaces every invalid id (negative, past its cache,
+past its length) by -1 before the consumers see it, and never dereferences one (its words come from its
+cache's slot 0, with scales and rope 0).
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs (sparse_mla_decode_fp8 dispatches to it
 for MODEL1 caches there, uses_sm90_kernel); the portable kernel runs everywhere else.
@@ -42,6 +41,7 @@ NUM_WARPS = 4   # warps of the default partition; the others have 4 as well
 DATA_BYTES = gl.constexpr(formats.MODEL1_DATA_BYTES)     # an entry's data record: 448 e4m3 | 64 bf16
 SCALE_BYTES = gl.constexpr(formats.MODEL1_SCALE_BYTES)   # its scale record: 7 ue8m0 | pad
 TILE_WORDS = gl.constexpr(formats.MODEL1_TILE // 4)      # 32-bit words of a 64-value e4m3 tile
+BLOCK_WORDS = gl.constexpr(formats.MODEL1_TILE // 2)     # of a 64-column bf16 block (a tile dequantised)
 MID_AT = gl.constexpr(4 * TILE_WORDS.value)              # word of tile 4 in the data record
 TAIL_AT = gl.constexpr(6 * TILE_WORDS.value)             # word of tile 6
 ROPE_AT = gl.constexpr(formats.MODEL1_NOPE_DIM // 4)     # word of the rope
@@ -275,10 +275,10 @@ def fill(piece, blocks, buf, part: gl.constexpr):
     right = piece_words(k_right.index(buf), part)
     shifts = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(2, MID_L))) * 8
     store_dequantised(mid, _scale_pairs((right_scales[:, None] >> shifts[None, :]) & 0xFF),
-                      right.slice(0, 2 * TILE_WORDS * 2, 1))
+                      right.slice(0, 2 * BLOCK_WORDS, 1))
     store_dequantised(tail, _scale_pairs((gl.convert_layout(right_scales, KEYS_TAIL) >> 16) & 0xFF),
-                      right.slice(2 * TILE_WORDS * 2, TILE_WORDS * 2, 1))
-    right.slice(3 * TILE_WORDS * 2, D_ROPE // 2, 1).store(rope)
+                      right.slice(2 * BLOCK_WORDS, BLOCK_WORDS, 1))
+    right.slice(3 * BLOCK_WORDS, BLOCK_WORDS, 1).store(rope)
 
 
 @gluon.jit
@@ -288,9 +288,9 @@ def producer(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr):
 
 
 def launch(grid, args, split: bool, heads: int) -> None:
-    """Run the kernel on the runtime arguments (its parameters before SPLIT, in order) over grid (query
-    rows x head blocks of `heads`, top-k splits); split: write partial results
-    (fp32 out, base-2 lse) for sparse_mla_decode's merge kernel; heads: 64, or h_q <= 32 rounded up to 16
-    or 32 (sparse_mla_decode_sm90_few_heads.program_heads)."""
+    """Run the kernel on the runtime arguments that sparse_mla_decode_fp8 builds for both MODEL1 decode
+    kernels (this one's parameters before SPLIT, in order) over grid (query rows x head blocks of `heads`,
+    top-k splits); split: write partial results (fp32 out, base-2 lse) for sparse_mla_decode's merge
+    kernel; heads: 64, or h_q <= 32 rounded up to 16 or 32 (sparse_mla_decode_sm90_few_heads.program_heads)."""
     # maxnreg as in the V32 kernels (12 warps x 168 registers fit the register file at launch).
     _sparse_decode_model1_kernel[grid](*args, SPLIT=split, H=heads, num_warps=NUM_WARPS, maxnreg=168)
