@@ -291,8 +291,8 @@ def _token_addresses(cache_ptr, ids, geometry):
 
 @gluon.jit
 def piece_ids(load_ids, mine, part: gl.constexpr):
-    """The slot ids of a quarter block (keys part*16..part*16+15 of the producer's block `mine`) in the layouts of its
-    latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
+    """The slot ids of a quarter block (keys part*16..part*16+15 of the producer's block `mine`) in the
+    layouts of its latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
     reads, this load's latency would stall the producer (ncu: ~12% of its cycles)."""
     ids = load_ids.index(mine & 1).slice(part * PIECE, PIECE)
     return ids.load(KEYS_W), ids.load(gl.SliceLayout(1, ROPE_W))
