@@ -302,9 +302,9 @@ def piece_ids(load_ids, mine, part: gl.constexpr):
 def load_piece(source, step, ids):
     """Registers of a quarter block of block `step` (ids: from piece_ids): the latent's e4m3 bytes as
     words [16, 2, 32] of tiles 0, 1 and of tiles 2, 3, their float32 scales' bits [16, 2] (int32), the
-    rope's bf16 pairs [16, 32] (int32). An invalid slot's id is never dereferenced: its latent words come from slot 0 unmasked
-    (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its scales and rope read
-    as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
+    rope's bf16 pairs [16, 32] (int32). An invalid slot's id is never dereferenced: its latent words come
+    from slot 0 unmasked (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its
+    scales and rope read as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
     cache_ptr, idx_row, lo, hi, geometry = source
     ids, rope_ids = ids
     token, valid = _token_addresses(cache_ptr, ids, geometry)
