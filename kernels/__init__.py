@@ -1,6 +1,8 @@
 """Triton (and Gluon, on Hopper) kernels of minirt, imported as ``minirt.kernels``.
 
-- ``sparse_mla_prefill``: NaN-safe sparse MLA prefill, FlashMLA ``flash_mla_sparse_fwd`` semantics.
+- ``sparse_mla_prefill``: NaN-safe sparse MLA prefill, FlashMLA ``flash_mla_sparse_fwd`` semantics;
+  ``sparse_mla_prefill_two_sources``: the same over two key sources in one softmax (DeepSeek-V4's
+  window keys and compressed entries).
 - ``quantize_kv_fp8`` / ``dequantize_kv_fp8`` / ``write_kv_fp8`` / ``new_kv_cache``: the fp8 paged
   latent cache in FlashMLA's 656-byte V32 layout.
 - ``quantize_kv_model1`` / ``dequantize_kv_model1`` / ``write_kv_model1`` / ``new_model1_cache`` /
@@ -37,6 +39,7 @@ from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, q
 from .kv_cache_model1 import (dequantize_kv_model1, model1_cache_entries, model1_cache_from_entries,  # noqa: E402
                               new_model1_cache, quantize_kv_model1, write_kv_model1)
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
+from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources  # noqa: E402
 from .lightning_indexer import indexer_topk, lightning_indexer_scores  # noqa: E402
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
 from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_indexer_scores,  # noqa: E402

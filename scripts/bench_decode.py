@@ -232,6 +232,12 @@ def gather_ceiling(cache, slots) -> float:
     return best
 
 
+def error_row(shape: str, label: str, splits: int, exc: Exception) -> str:
+    """The table row of a variant that failed to compile or launch."""
+    return (f"{shape}| {label} | {splits} | error: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:80] if str(exc) else ''} | | | | | | |")
+
+
 def kernel_label(q, kind) -> str:
     if kind == WRAPPER:
         return "mla_decode_fp8 (positions→slots + decode)"
@@ -361,8 +367,7 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
             lse_diff = torch.where(r_lse.isinf() & (lse[seqs] == r_lse), 0.0, lse[seqs] - r_lse).abs().max().item()
             ms = bench_ms(run)
         except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
-            rows.append(f"{shape}| {label} | {splits} | error: {type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:80] if str(exc) else ''} | | | | | | |")
+            rows.append(error_row(shape, label, splits, exc))
             print(rows[-1], flush=True)
             continue
         used_extra = 0 if not extra_page else (b * s_q * extra_topk if not with_length
@@ -425,8 +430,7 @@ def v32_report(args, device, peak_tflops: float, copy_gbps: float, t_start: floa
             rel, out_diff, lse_diff = check_rows(out, lse, q, cache, slots, SM_SCALE, topk_length)
             ms = bench_ms(run)
         except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
-            rows.append(f"{shape}| {label} | {splits} | error: {type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:80] if str(exc) else ''} | | | | | | |")
+            rows.append(error_row(shape, label, splits, exc))
             print(rows[-1], flush=True)
             continue
         attended = b * s_q * TOPK if topk_length is None else int(topk_length.long().sum()) * s_q

@@ -186,3 +186,11 @@ def test_bad_inputs_raise_input_error():
         dequantize_kv_model1(torch.zeros(3, 576, dtype=torch.uint8))
     with pytest.raises(InputError, match="kv"):
         quantize_kv_model1(torch.zeros(3, 512))
+
+
+def test_writer_custom_op_writes_the_same_bytes():
+    import minirt.kernels  # noqa: F401  (registers torch.ops.minirt.*)
+    kv = random_kv(4, seed=5).view(2, 2, 512)
+    cache = new_model1_cache(2, 2, DEVICE)
+    torch.ops.minirt.write_kv_model1(cache, kv.view(4, 512).to(DEVICE), torch.arange(4, device=DEVICE))
+    assert torch.equal(pages_of(cache), flashmla_rule(kv))
