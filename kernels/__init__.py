@@ -22,8 +22,8 @@
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8, write_kv_model1}``: the
   same as torch custom ops, for torch.compile (see ``ops``).
 
-On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``,
-``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two consumers meeting
+On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``;
+for the V32 cache ``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two consumers meeting
 at mbarriers; the decode producer dequantises the fp8 cache; ``sparse_mla_decode_sm90_few_heads`` for up
 to 32 heads: keys on the MMAs' M side, one consumer, two producers) with the same semantics; everywhere
 else the portable Triton kernels run.

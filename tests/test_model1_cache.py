@@ -67,13 +67,19 @@ def test_reference_and_writer_match_flashmla_rule(num_blocks, block_size):
     expected = flashmla_rule(kv)
     assert model1_cache_from_entries(quantize_kv_model1(kv)).stride() == (expected.shape[1], 584, 584, 1)
     assert torch.equal(pages_of(model1_cache_from_entries(quantize_kv_model1(kv))), expected)
-    # The writer, slots in a random order, into pages first filled with noise where entries go.
+    # The writer, at up to 24 slots in a random order, into pages of noise: those entries' data and scale
+    # records (at page + o * 576 and page + B * 576 + o * 8) become FlashMLA's, no other byte changes.
     cache = new_model1_cache(num_blocks, block_size, DEVICE)
     pages = cache.as_strided((num_blocks, expected.shape[1]), (cache.stride(0), 1))
-    pages[:, :block_size * 584] = torch.randint(0, 256, (num_blocks, block_size * 584), dtype=torch.uint8).to(DEVICE)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(n))
+    pages.copy_(torch.randint(0, 256, pages.shape, dtype=torch.uint8).to(DEVICE))
+    want = pages_of(cache).clone()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(n))[:24]
+    for slot in order.tolist():
+        page, o = divmod(slot, block_size)
+        for at in (slice(o * 576, (o + 1) * 576), slice(block_size * 576 + o * 8, block_size * 576 + (o + 1) * 8)):
+            want[page, at] = expected[page, at]
     write_kv_model1(cache, kv.view(n, 512)[order].to(DEVICE), order.int().to(DEVICE))
-    assert torch.equal(pages_of(cache), expected)
+    assert torch.equal(pages_of(cache), want)
 
 
 def test_scale_bytes_and_edge_tiles():
