@@ -19,8 +19,8 @@
 - ``quantize_act_fp8`` / ``fp8_gemm``: block-scaled fp8 linear layers on the checkpoint's e4m3 weights;
   ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
   weight, the value projection writing o_proj's fp8 input directly.
-- ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_decode_fp8, write_kv_fp8, write_kv_model1}``: the
-  same as torch custom ops, for torch.compile (see ``ops``).
+- ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_prefill_two_sources, sparse_mla_decode_fp8,
+  write_kv_fp8, write_kv_model1}``: the same as torch custom ops, for torch.compile (see ``ops``).
 
 On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``;
 for the V32 cache ``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two

@@ -12,6 +12,7 @@ from .kv_cache_fp8 import write_kv_fp8
 from .kv_cache_model1 import write_kv_model1
 from .sparse_mla_decode import sparse_mla_decode_fp8
 from .sparse_mla_prefill import sparse_mla_prefill
+from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources
 
 
 @torch.library.custom_op("minirt::sparse_mla_prefill", mutates_args=())
@@ -67,3 +68,23 @@ def write_kv_model1_op(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Te
 @write_kv_model1_op.register_fake
 def _(kv_cache, kv, slots):
     return None
+
+
+@torch.library.custom_op("minirt::sparse_mla_prefill_two_sources", mutates_args=())
+def sparse_mla_prefill_two_sources_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                                      extra_kv: torch.Tensor, extra_indices: torch.Tensor, sm_scale: float,
+                                      d_v: int = 512, attn_sink: Optional[torch.Tensor] = None,
+                                      topk_length: Optional[torch.Tensor] = None,
+                                      extra_topk_length: Optional[torch.Tensor] = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.sparse_mla_prefill_two_sources`` as a custom op: (out, max_logits, lse)."""
+    return sparse_mla_prefill_two_sources(q, kv, indices, extra_kv, extra_indices, sm_scale, d_v, attn_sink,
+                                          topk_length, extra_topk_length)
+
+
+@sparse_mla_prefill_two_sources_op.register_fake
+def _(q, kv, indices, extra_kv, extra_indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+      extra_topk_length=None):
+    s_q, h_q, _ = q.shape
+    stats = q.new_empty(s_q, h_q, dtype=torch.float32)
+    return q.new_empty(s_q, h_q, d_v), stats, torch.empty_like(stats)

@@ -94,3 +94,15 @@ def test_bad_inputs_raise_input_error():
                       (dict(d_v=1024), "d_v")):
         with pytest.raises(InputError, match=name):
             sparse_mla_prefill_two_sources(**{**base, **bad})
+
+
+def test_custom_op_matches_the_function():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kv, extra_kv = (torch.randn(n, 1, 512, generator=gen).to(torch.bfloat16).to(DEVICE) for n in (12, 6))
+    indices, extra_indices = random_list(3, 8, 12, gen).to(DEVICE), random_list(3, 4, 6, gen).to(DEVICE)
+    lengths = torch.tensor([8, 3, 0], dtype=torch.int32, device=DEVICE)
+    args = (q, kv, indices, extra_kv, extra_indices, 0.05, 512, None, None, lengths)
+    torch.library.opcheck(torch.ops.minirt.sparse_mla_prefill_two_sources, args, test_utils=("test_faketensor",))
+    for got, want in zip(torch.ops.minirt.sparse_mla_prefill_two_sources(*args), sparse_mla_prefill_two_sources(*args)):
+        assert torch.equal(got, want)
