@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from minirt import formats
 
+from ._launch import launch as launch_compiled
 from .sparse_mla_decode_sm90 import (PIECE, ROPE_W, allocate_blocks, allocate_q, consumer_0, consumer_1,
                                      piece_words, produce_blocks, store_dequantised)
 from .sparse_mla_decode_sm90_few_heads import consumer_t
@@ -287,10 +288,12 @@ def producer(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr):
     produce_blocks(blocks, load_ids, source, n_steps, first, STRIDE, step_ids, piece_ids, load_piece, fill)
 
 
-def launch(grid, args, split: bool, heads: int) -> None:
+def launch(grid, args, split: bool, heads: int, compiled: dict) -> None:
     """Run the kernel on the runtime arguments that sparse_mla_decode_fp8 builds for both MODEL1 decode
     kernels (this one's parameters before SPLIT, in order) over grid (query rows x head blocks of `heads`,
     top-k splits); split: write partial results (fp32 out, base-2 lse) for sparse_mla_decode's merge
-    kernel; heads: 64, or h_q <= 32 rounded up to 16 or 32 (sparse_mla_decode_sm90_few_heads.program_heads)."""
+    kernel; heads: 64, or h_q <= 32 rounded up to 16 or 32 (sparse_mla_decode_sm90_few_heads.program_heads);
+    compiled: the call signature's compiled kernels (minirt.kernels._launch.launch)."""
     # maxnreg as in the V32 kernels (12 warps x 168 registers fit the register file at launch).
-    _sparse_decode_model1_kernel[grid](*args, SPLIT=split, H=heads, num_warps=NUM_WARPS, maxnreg=168)
+    launch_compiled(_sparse_decode_model1_kernel, grid, args, dict(SPLIT=split, H=heads, num_warps=NUM_WARPS, maxnreg=168),
+                    compiled)

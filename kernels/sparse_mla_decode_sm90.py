@@ -29,6 +29,8 @@ the producer, produce_blocks) and to the portable kernel everywhere else.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -37,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from minirt import formats
 
+from ._launch import launch as launch_compiled
 from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, NO_MAX, O_L, P_L, ROW_O, ROW_S,
                                       S_L, VEC_L, VEC_SMEM, load_q, opaque_zero, publish, publish_done, score_piece,
                                       store_lse, store_out, wait_piece)
@@ -419,14 +422,21 @@ def producer(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr):
 
 def supported(q: torch.Tensor) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU (the cache layout is already checked)."""
-    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return q.is_cuda and _is_sm90(q.device)
 
 
-def launch(grid, args, split: bool, padded_blocks: bool) -> None:
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9   # (a device query: µs per call)
+
+
+def launch(grid, args, split: bool, padded_blocks: bool, compiled: dict) -> None:
     """Run the kernel on the runtime arguments that sparse_mla_decode_fp8 builds for both decode kernels
     (the kernel's parameters before SPLIT, in order) over grid (query rows x head blocks, top-k splits);
     split: write partial results (fp32 out, base-2 lse) for the merge kernel; padded_blocks: the cache's
-    block stride is larger than block_size tokens (slot addresses then need a division)."""
+    block stride is larger than block_size tokens (slot addresses then need a division); compiled: the
+    call signature's compiled kernels (minirt.kernels._launch.launch)."""
     # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
     # 208 / 160 / 136 (consumer 0 / 1 / producer: scripts/sm90_registers.py shows them, without spills).
-    _sparse_decode_sm90_kernel[grid](*args, SPLIT=split, PADDED_BLOCKS=padded_blocks, num_warps=NUM_WARPS, maxnreg=168)
+    launch_compiled(_sparse_decode_sm90_kernel, grid, args,
+                    dict(SPLIT=split, PADDED_BLOCKS=padded_blocks, num_warps=NUM_WARPS, maxnreg=168), compiled)

@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
+from ._launch import launch as launch_compiled
 from .sparse_mla_decode_sm90 import RUNTIME_ARGS, allocate_blocks, allocate_q, producer, program_span
 from .sparse_mla_prefill_sm90 import (BLOCK_N, HALF, HALF_L, NO_MAX, VEC_SMEM, inverse_denominators, load_q,
                                       opaque_zero, score_piece, store_lse, wait_piece)
@@ -144,9 +145,9 @@ def program_heads(h_q: int):
     return next((heads for heads in HEADS if h_q <= heads), None)
 
 
-def launch(grid, args, split: bool, padded_blocks: bool, heads: int) -> None:
+def launch(grid, args, split: bool, padded_blocks: bool, heads: int, compiled: dict) -> None:
     """As sparse_mla_decode_sm90.launch, for h_q <= 32; heads: program_heads(h_q)."""
     # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
     # 232 / 136 / 136 (consumer / producers: scripts/sm90_registers.py shows them, without spills).
-    _sparse_decode_few_heads_kernel[grid](*args, SPLIT=split, PADDED_BLOCKS=padded_blocks, H=heads, num_warps=4,
-                                          maxnreg=168)
+    launch_compiled(_sparse_decode_few_heads_kernel, grid, args,
+                    dict(SPLIT=split, PADDED_BLOCKS=padded_blocks, H=heads, num_warps=4, maxnreg=168), compiled)

@@ -89,7 +89,7 @@ def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: in
         lengths = torch.zeros(2, dtype=torch.int32)
         options = dict(attn_sink=torch.zeros(h_q), topk_length=lengths, extra_kv_cache=extra,
                        extra_indices=extra_indices, extra_topk_length=lengths)
-        decode.longest_first = lambda lengths, topk: lengths   # (a Triton launch on the CPU)
+        decode.longest_first = lambda topk_length, *widths: topk_length   # (a Triton launch on the CPU)
     else:
         q = torch.randn((2, 2, h_q, 576)).to(torch.bfloat16)
         cache = torch.zeros((64, 64 + padded_blocks, 1, 656), dtype=torch.uint8)[:, :64]

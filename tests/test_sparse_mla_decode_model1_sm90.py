@@ -66,7 +66,7 @@ def test_sm90_launch_matches_portable_arguments(monkeypatch, num_splits, h_q):
                     for n, page in ((128, 64), (8, 2)))
     indices = random_indices(1, 2, 128, 128, 9)
     record_launches(monkeypatch, decode_module, "_merge_splits_kernel")
-    monkeypatch.setattr(decode_module, "longest_first", lambda lengths, topk: lengths)   # no launch recorded
+    monkeypatch.setattr(decode_module, "longest_first", lambda topk_length, *widths: topk_length)   # no launch recorded
     launches = []
     for use_sm90, module, name in ((False, decode_module, "_sparse_decode_model1_kernel"),
                                    (True, model1_sm90, "_sparse_decode_model1_kernel")):

@@ -1,0 +1,42 @@
+"""Launching a compiled Triton or Gluon kernel again without Triton's per-call dispatch.
+
+``kernel[grid](*args, **kwargs)`` binds every argument, specialises each (a tensor's dtype and 16-byte
+alignment, an integer's being 1 or a multiple of 16), turns the result into a cache key, looks the
+compiled kernel up and builds its launch metadata: tens of µs of host time for the decode kernels' 32-42
+arguments, as long as some of the kernels take on the GPU. A launch site whose own cache key already
+decides all of that (dtypes, shapes, strides, alignment, constexprs) keeps the compiled kernel of its
+first launch and calls its launcher directly.
+"""
+from __future__ import annotations
+
+from triton import knobs
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+_current = []   # [get_current_device, get_current_stream] of the active driver, bound at the first direct launch
+
+
+def launch(kernel, grid: tuple, args: tuple, kwargs: dict, compiled: dict) -> None:
+    """Run kernel[grid](*args, **kwargs).
+
+    compiled: the caller's dict for one specialisation of its launches (the same dtypes, shapes, strides,
+    alignment and kwargs each time); it keeps each kernel's compiled form after its first launch, and
+    later launches of that kernel go straight to the compiled kernel's launcher. A kernel object that is
+    not a JITFunction (the interpreter's, a test's stand-in) always takes kernel[grid], and so does any
+    launch while Triton's launch hooks (a profiler's) are set."""
+    entry = compiled.get(id(kernel))
+    runtime = knobs.runtime
+    if entry is not None and entry[0] is kernel and not (runtime.launch_enter_hook.calls
+                                                         or runtime.launch_exit_hook.calls):
+        handle, constexprs = entry[1], entry[2]
+        device, stream = _current
+        handle.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream(device()),
+                   handle.function, handle.packed_metadata, None, None, None, *args, *constexprs)
+        return
+    handle = kernel[grid](*args, **kwargs)
+    if isinstance(kernel, JITFunction) and handle is not None:
+        if not _current:
+            _current.extend((driver.active.get_current_device, driver.active.get_current_stream))
+        # The launcher takes every parameter in order, the constexprs included (it skips their values).
+        constexprs = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
+        compiled[id(kernel)] = (kernel, handle, constexprs)
