@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call (the device tool runs this from the repo root):
 #   DEADLINE=560 scripts/gpu_check.sh STAGE...
-#   stages: tests kernel-tests v4-decode bench gemm-bench v32 v32-generate runtime-bench (RUNTIME_BENCH_ARGS:
+#   stages: tests kernel-tests v4-decode host-cost bench gemm-bench v32 v32-generate runtime-bench (RUNTIME_BENCH_ARGS:
 #   more flags)
 # tests:        runtime, CLI, README and embedding tests with CUDA tensors (tiny preset)
 # kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels)
 # v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
 #               through the Gluon and the portable kernel), then bench_decode.py's V4 table
+# host-cost:    scripts/bench_host_cost.py (host µs per call of each public kernel function, eager beside
+#               CUDA-graph replay), then the decode launch tests with CUDA tensors (the per-signature plans
+#               and the compiled-kernel launches every later decode call takes)
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
@@ -50,6 +53,9 @@ for stage in "$@"; do
       run v4-decode-tests python3 -m pytest -q tests/test_model1_cache.py tests/test_sparse_mla_decode_model1.py \
                             tests/test_sparse_mla_decode_model1_sm90.py
       run bench-decode-v4 python3 scripts/bench_decode.py --cases v4 --out "$OUT/decode_v4.md" ;;
+    host-cost)
+      run host-cost python3 scripts/bench_host_cost.py --out "$OUT/host_cost.md"
+      run decode-launch-tests python3 -m pytest -q tests/test_decode_launch.py tests/test_sparse_mla_decode.py ;;
     bench)
       run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md" --plot "$OUT/prefill.png"
       run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"
