@@ -13,6 +13,39 @@ from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+def described(t):
+    """A tensor argument's part of a launch site's call signature: all that input checks and Triton's
+    specialisation read (class, dtype, shape, strides, device, 16-byte alignment); None for None."""
+    return None if t is None else (t.__class__, t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
+
+
+MAX_SIGNATURES = 1024   # signatures a launch site keeps (then it starts over)
+
+
+def per_signature(kept: dict, signature, derive):
+    """What a launch site keeps for a call signature: kept[signature()], or, for a signature not seen
+    before, derive() (the site's input checks, raising on bad input, and whatever it derives from them),
+    kept under it. signature: a callable giving the call's signature (described() of its tensors, its other
+    arguments); an argument that is not a tensor or not hashable makes it raise, and then derive() runs
+    and nothing is kept (the checks say what is wrong)."""
+    try:
+        key = signature()
+        value = kept.get(key)
+    except (AttributeError, TypeError, RuntimeError):
+        key = value = None
+    if value is None:
+        value = derive()
+        if key is not None:
+            if len(kept) >= MAX_SIGNATURES:
+                kept.clear()
+            kept[key] = value
+    return value
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)   # (triton.cdiv is a constexpr function: ~2 µs a call from the host)
+
+
 _current = []   # [get_current_device, get_current_stream] of the active driver, bound at the first direct launch
 
 

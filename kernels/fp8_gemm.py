@@ -42,6 +42,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
+from ._launch import cdiv, described, launch, per_signature
 
 # One k block of the product = one activation group = one weight block column (all 128 wide).
 BLOCK_K = FP8_GROUP
@@ -83,13 +84,7 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         minirt.errors.InputError: wrong rank, dtype, K, or a device the kernels cannot use.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise InputError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise InputError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.shape[1] % FP8_GROUP:
-        raise InputError(f"K = {x.shape[1]} must be a multiple of {FP8_GROUP} (one scale per {FP8_GROUP} values)")
-    check_device({"x": x})
+    compiled = per_signature(_QUANTISATIONS, lambda: described(x), lambda: _check_act(x) or {})
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -97,10 +92,24 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
     if x.numel() > 0:
-        _quantize_act_kernel[(m, triton.cdiv(n_groups, _QUANT_GROUPS))](
-            x, x_fp8.view(torch.uint8), scales, n_groups, x.stride(0), k, n_groups,
-            GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT)
+        launch(_quantize_act_kernel, (m, cdiv(n_groups, _QUANT_GROUPS)),
+               (x, x_fp8.view(torch.uint8), scales, n_groups, x.stride(0), k, n_groups),
+               dict(GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT), compiled)
     return x_fp8, scales
+
+
+# Call signature of quantize_act_fp8 (x's class, dtype, shape, strides, device, alignment) -> its compiled kernel.
+_QUANTISATIONS: dict = {}
+
+
+def _check_act(x) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise InputError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.shape[1] % FP8_GROUP:
+        raise InputError(f"K = {x.shape[1]} must be a multiple of {FP8_GROUP} (one scale per {FP8_GROUP} values)")
+    check_device({"x": x})
 
 
 @dataclass(frozen=True)

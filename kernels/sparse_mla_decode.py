@@ -38,7 +38,7 @@ from . import sparse_mla_decode_sm90 as sm90
 from . import sparse_mla_decode_sm90_few_heads as sm90_few_heads
 from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, check_tensors, softmax_rows,
                       softmax_step)
-from ._launch import launch
+from ._launch import cdiv, described, launch, per_signature
 from .kv_cache_fp8 import (D_LAT, D_ROPE, ROPE_AT, SCALES_AT, TILE, TILES, TOKEN_BYTES, cache_geometry,
                            positions_to_slots)
 from .kv_cache_model1 import M1_NOPE, M1_ROPE, M1_TILE, M1_TILES, model1_cache_geometry, model1_entry_addresses
@@ -357,7 +357,7 @@ def longest_first(topk_length: Optional[torch.Tensor], topk: int, extra_topk_len
     extra_lengths = extra_topk_length if extra_topk_length is not None else lengths
     n = lengths.shape[0]
     order = torch.empty(n, dtype=torch.int32, device=lengths.device)
-    n_blocks = _cdiv(n, _ORDER_BLOCK)
+    n_blocks = cdiv(n, _ORDER_BLOCK)
     key = (lengths.device, n_blocks, lengths.data_ptr() % 16, extra_lengths.data_ptr() % 16)
     launch(_longest_first_kernel, (n_blocks,),
            (lengths, extra_lengths, order, n, topk, extra_topk, int(topk_length is not None),
@@ -506,16 +506,16 @@ def _launch_portable(kernel, grid, args, split: bool, plan: "_DecodePlan") -> No
     config = plan.config
     launch(kernel, grid, args, dict(
         BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split, UPCAST=INTERPRET,
-        INTERPRETED_ITERS=_cdiv(plan.split_len, config.block_n) if INTERPRET else 0,
+        INTERPRETED_ITERS=cdiv(plan.split_len, config.block_n) if INTERPRET else 0,
         num_warps=config.num_warps, num_stages=config.num_stages), plan.compiled)
 
 
 @dataclass(slots=True)
 class _DecodePlan:
-    """What sparse_mla_decode_fp8 derives from one call signature (_call_signature: its tensors' classes,
-    dtypes, shapes, strides, devices and alignment, and its options), once: that the inputs pass the
-    checks, the kernel and its tiling, the grid and split, the launches' runtime integers, and the
-    compiled kernels (launch's cache)."""
+    """What sparse_mla_decode_fp8 derives from one call signature (its tensors' classes, dtypes, shapes,
+    strides, devices and alignment, its options, the kernel and tiling _tiling picks), once: that the
+    inputs pass the checks, the grid and split, the launches' runtime integers, and the compiled kernels
+    (launch's cache)."""
 
     model1: bool
     use_sm90: bool
@@ -535,16 +535,6 @@ class _DecodePlan:
 
 
 _PLANS: dict = {}   # call signature -> _DecodePlan
-_MAX_PLANS = 1024
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)   # (triton.cdiv is a constexpr function: ~2 µs a call from the host)
-
-
-def _described(t) -> Optional[tuple]:
-    """A tensor argument's part of a call signature: all that the checks and Triton's specialisation read."""
-    return None if t is None else (t.__class__, t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
 
 
 def _strides(shape: tuple) -> tuple:
@@ -581,14 +571,14 @@ def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, ext
     else:
         ei_strides = extra_indices.stride() if extra_indices.stride(2) == 1 else _strides(extra_indices.shape)
     use_sm90, block_h, block_n = _tiling(q, config)
-    n_head_blocks = _cdiv(h_q, block_h)
+    n_head_blocks = cdiv(h_q, block_h)
     n_rows = b * s_q
     width = topk + extra_topk
     if num_splits is None:
         num_splits = default_num_splits(q, width, config)
     # Splits cover whole BLOCK_N chunks; drop splits that would start past the row's entries.
-    split_len = max(block_n, _cdiv(_cdiv(width, num_splits), block_n) * block_n)
-    num_splits = max(1, _cdiv(width, split_len))
+    split_len = max(block_n, cdiv(cdiv(width, num_splits), block_n) * block_n)
+    num_splits = max(1, cdiv(width, split_len))
     if num_splits == 1:
         partials = None
         o_strides = (0, *out_strides[:3])
@@ -609,7 +599,7 @@ def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, ext
                  geometry.block_stride // 16)
         flags_strides = (int(topk_length is not None), has_sink, *q_strides[:3], *i_strides[:2], *o_strides,
                          *l_strides)
-    n_merge_blocks = _cdiv(h_q, _MERGE_BLOCK_H)
+    n_merge_blocks = cdiv(h_q, _MERGE_BLOCK_H)
     merge = ((n_rows * n_merge_blocks,), (
         num_splits, s_q, h_q, n_merge_blocks, has_sink, *o_strides[:1], *o_strides[2:4], *l_strides[:1],
         *l_strides[2:3], *out_strides[:3], lse_strides[0], lse_strides[2], lse_strides[1]))
@@ -692,21 +682,12 @@ def sparse_mla_decode_fp8(
             V32 cache or without its indices), d_v != 512, num_splits not a positive int, config not a
             DecodeConfig, mismatched devices, or CPU tensors without TRITON_INTERPRET=1.
     """
-    try:
-        key = (_described(q), _described(kv_cache), _described(indices), _described(attn_sink),
-               _described(topk_length), _described(extra_kv_cache), _described(extra_indices),
-               _described(extra_topk_length), _described(out), _described(lse), d_v, num_splits.__class__,
-               num_splits, config, uses_sm90_kernel(q, config))
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError, RuntimeError):   # not tensors, not hashable: the checks say what
-        key = plan = None
-    if plan is None:
-        plan = _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
-                     extra_topk_length, out, lse, num_splits, config)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+    plan = per_signature(_PLANS, lambda: (
+        described(q), described(kv_cache), described(indices), described(attn_sink), described(topk_length),
+        described(extra_kv_cache), described(extra_indices), described(extra_topk_length), described(out),
+        described(lse), d_v, num_splits.__class__, num_splits, config, _tiling(q, config)),
+        lambda: _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
+                      extra_topk_length, out, lse, num_splits, config))
     device = q.device
     if out is None:
         out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=device)

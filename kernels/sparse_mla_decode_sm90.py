@@ -29,8 +29,6 @@ the producer, produce_blocks) and to the portable kernel everywhere else.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from minirt import formats
 
+from ._common import is_sm90
 from ._launch import launch as launch_compiled
 from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, NO_MAX, O_L, P_L, ROW_O, ROW_S,
                                       S_L, VEC_L, VEC_SMEM, load_q, opaque_zero, publish, publish_done, score_piece,
@@ -422,12 +421,7 @@ def producer(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr):
 
 def supported(q: torch.Tensor) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU (the cache layout is already checked)."""
-    return q.is_cuda and _is_sm90(q.device)
-
-
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9   # (a device query: µs per call)
+    return q.is_cuda and is_sm90(q.device)
 
 
 def launch(grid, args, split: bool, padded_blocks: bool, compiled: dict) -> None:

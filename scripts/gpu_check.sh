@@ -8,8 +8,8 @@
 # v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
 #               through the Gluon and the portable kernel), then bench_decode.py's V4 table
 # host-cost:    scripts/bench_host_cost.py (host µs per call of each public kernel function, eager beside
-#               CUDA-graph replay), then the decode launch tests with CUDA tensors (the per-signature plans
-#               and the compiled-kernel launches every later decode call takes)
+#               CUDA-graph replay), then with CUDA tensors the tests of the functions whose later calls
+#               launch compiled kernels directly (decode, prefill, the V32 cache writer)
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
@@ -55,7 +55,8 @@ for stage in "$@"; do
       run bench-decode-v4 python3 scripts/bench_decode.py --cases v4 --out "$OUT/decode_v4.md" ;;
     host-cost)
       run host-cost python3 scripts/bench_host_cost.py --out "$OUT/host_cost.md"
-      run decode-launch-tests python3 -m pytest -q tests/test_decode_launch.py tests/test_sparse_mla_decode.py ;;
+      run launch-tests python3 -m pytest -q tests/test_decode_launch.py tests/test_sparse_mla_decode.py \
+                       tests/test_sparse_mla_prefill.py tests/test_kv_cache_fp8.py ;;
     bench)
       run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md" --plot "$OUT/prefill.png"
       run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"
