@@ -46,6 +46,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)   # (triton.cdiv is a constexpr function: ~2 µs a call from the host)
 
 
+def _hooked(runtime) -> bool:
+    """Whether launch hooks are set (a HookChain with calls, or anything else assigned in its place)."""
+    return bool(getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True))
+
+
 _current = []   # [get_current_device, get_current_stream] of the active driver, bound at the first direct launch
 
 
@@ -58,9 +63,7 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict, compiled: dict) -> No
     not a JITFunction (the interpreter's, a test's stand-in) always takes kernel[grid], and so does any
     launch while Triton's launch hooks (a profiler's) are set."""
     entry = compiled.get(id(kernel))
-    runtime = knobs.runtime
-    if entry is not None and entry[0] is kernel and not (runtime.launch_enter_hook.calls
-                                                         or runtime.launch_exit_hook.calls):
+    if entry is not None and entry[0] is kernel and not _hooked(knobs.runtime):
         handle, constexprs = entry[1], entry[2]
         device, stream = _current
         handle.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream(device()),

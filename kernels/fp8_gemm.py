@@ -358,12 +358,12 @@ def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, devi
 def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int, device: torch.device) -> int:
     """k blocks per stream program: config.split_k splits, or (None) enough for STREAM_PROGRAMS_PER_SM
     programs per SM within the limits set out at STREAM_PROGRAMS_PER_SM."""
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
+    n_k_blocks = cdiv(k, BLOCK_K)
     split = config.split_k
     if split is None:
-        split = min(triton.cdiv(STREAM_PROGRAMS_PER_SM * _num_sms(device), tiles),
+        split = min(cdiv(STREAM_PROGRAMS_PER_SM * _num_sms(device), tiles),
                     n_k_blocks // _STREAM_MIN_K_BLOCKS, k // (_STREAM_PARTIAL_SHARE * 8 * m))
-    return triton.cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+    return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 
 # Split-K arrival counters per (device, stream): zero between launches (the last program of a row
@@ -380,26 +380,27 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-def _stream(a, a_scales, b, b_scales, out, config: StreamConfig) -> None:
-    """out = the product by the stream kernel; a [M <= STREAM_MAX_M, K] and b with unit stride along K."""
+def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, compiled: dict) -> None:
+    """out = the product by the stream kernel; a [M <= STREAM_MAX_M, K] and b with unit stride along K;
+    compiled: the call signature's compiled kernel (minirt.kernels._launch.launch)."""
     (m, k), n = a.shape, b.shape[0]
-    tiles = triton.cdiv(n, config.block_n)
+    tiles = cdiv(n, config.block_n)
     per_split = _stream_k_blocks_per_split(config, m, k, tiles, a.device)
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
-    splits = triton.cdiv(n_k_blocks, per_split)
+    n_k_blocks = cdiv(k, BLOCK_K)
+    splits = cdiv(n_k_blocks, per_split)
     partials = arrivals = out      # unread placeholders without split-K
     if splits > 1:
         partials = torch.empty((splits, tiles * config.block_n, m), dtype=torch.float32, device=a.device)
         arrivals = _arrival_counters(a.device, tiles)
-    _fp8_stream_kernel[(tiles, splits)](
+    launch(_fp8_stream_kernel, (tiles, splits), (
         a, a_scales, b, b_scales, out, partials, arrivals,
         m, n, k, n_k_blocks, per_split,
         a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
-        b_scales.stride(1), out.stride(0), out.stride(1),
+        b_scales.stride(1), out.stride(0), out.stride(1)), dict(
         BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
         INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
         INTERPRETED_SPLITS=splits if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages), compiled)
 
 
 def _tiles(a, a_scales, b, b_scales, out, config: Fp8GemmConfig) -> None:
@@ -564,6 +565,40 @@ def fp8_gemm(
             shapes, a bad ``out`` or ``config`` (a StreamConfig with M > 16), or tensors on a device
             the kernels cannot use (CPU without TRITON_INTERPRET=1; CUDA GPUs before sm_90).
     """
+    compiled = per_signature(_GEMMS, lambda: (
+        described(a), described(a_scales), described(b), described(b_scales), described(out), out_dtype,
+        config.__class__, config), lambda: _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out) or {})
+    (m, k), n = a.shape, b.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+
+    a, b = _aligned_rows(a), _aligned_rows(b)
+    if config is None:
+        path = default_path(m, n, k, a.device, out_dtype)
+        config = {"stream": STREAM_CONFIG, "tiles": default_config(m)}.get(path)
+    if isinstance(config, StreamConfig):
+        _stream(a, a_scales, b, b_scales, out, config, compiled)
+    elif isinstance(config, Fp8GemmConfig):
+        _tiles(a, a_scales, b, b_scales, out, config)
+    else:
+        rows = m - m % SCALED_MM_ROWS
+        scaled_mm_blockwise(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
+        if rows < m:
+            _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG, compiled)
+    return out
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; out_dtype; config)
+# -> the compiled stream kernel: a signature seen before passed the checks and launches it directly.
+_GEMMS: dict = {}
+
+
+def _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out) -> None:
+    """fp8_gemm's input checks (InputError)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 2 or b.dim() != 2:
         raise InputError("a and b must be 2-D tensors [M, K] and [N, K]")
     (m, k), (n, k_b) = a.shape, b.shape
@@ -591,24 +626,4 @@ def fp8_gemm(
     check_device(tensors)
     if a.device.type == "cuda" and _capability(a.device) < (9, 0):
         raise InputError("fp8_gemm needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")
-    if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
 
-    a, b = _aligned_rows(a), _aligned_rows(b)
-    if config is None:
-        path = default_path(m, n, k, a.device, out_dtype)
-        config = {"stream": STREAM_CONFIG, "tiles": default_config(m)}.get(path)
-    if isinstance(config, StreamConfig):
-        _stream(a, a_scales, b, b_scales, out, config)
-    elif isinstance(config, Fp8GemmConfig):
-        _tiles(a, a_scales, b, b_scales, out, config)
-    else:
-        rows = m - m % SCALED_MM_ROWS
-        scaled_mm_blockwise(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
-        if rows < m:
-            _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG)
-    return out
