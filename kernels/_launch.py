@@ -26,12 +26,12 @@ def per_signature(kept: dict, signature, derive):
     """What a launch site keeps for a call signature: kept[signature()], or, for a signature not seen
     before, derive() (the site's input checks, raising on bad input, and whatever it derives from them),
     kept under it. signature: a callable giving the call's signature (described() of its tensors, its other
-    arguments); an argument that is not a tensor or not hashable makes it raise, and then derive() runs
-    and nothing is kept (the checks say what is wrong)."""
+    arguments); bad arguments (not tensors, not hashable, of the wrong rank) may make it raise anything,
+    and then derive() runs and nothing is kept (the checks say what is wrong)."""
     try:
         key = signature()
         value = kept.get(key)
-    except (AttributeError, TypeError, RuntimeError):
+    except Exception:   # noqa: BLE001 (whatever it is, the checks name it)
         key = value = None
     if value is None:
         value = derive()
