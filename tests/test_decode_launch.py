@@ -1,15 +1,20 @@
 """sparse_mla_decode_fp8's launch path: the plan it keeps per call signature (checks, tiling, split and launch
 integers derived once) must give every later call with that signature its own results, and must not let
 through an input that the checks refuse; the ordering kernel ranks sequences by both lists' used entries;
-on a GPU later calls launch the compiled kernels directly, with the JIT path's results bit for bit.
+launch (kernels/_launch.py) passes a compiled kernel's launcher every parameter in order; on a GPU later
+calls launch the compiled kernels directly, with the JIT path's results bit for bit.
 """
 import importlib
 
 import pytest
 import torch
+import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction
 
 from conftest import DEVICE
 from minirt.errors import InputError
+from minirt.kernels import _launch
 from minirt.kernels.sparse_mla_decode import longest_first, sparse_mla_decode_fp8
 from test_sparse_mla_decode import SM_SCALE, check, decode, make_cache, random_indices, random_q, reference
 
@@ -68,3 +73,47 @@ def test_compiled_launches_match_the_jit_launch(num_splits):
     again = sparse_mla_decode_fp8(q, cache, indices, SM_SCALE, topk_length=lengths, num_splits=num_splits)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+def _toy_kernel(x_ptr, n, A: tl.constexpr, B: tl.constexpr = 7):
+    pass
+
+
+def test_launch_reuses_the_compiled_kernel_with_every_parameter_in_order(monkeypatch):
+    """launch's direct path, with Triton's JIT dispatch and the compiled kernel stood in for: the first launch
+    goes through kernel[grid] and keeps the compiled kernel; later ones call its launcher with the grid, the
+    stream, its handles and every parameter in the kernel's order (constexprs included, defaults filled in);
+    launch hooks (a profiler's) and kernels that are not JITFunctions always take kernel[grid]."""
+    launched = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            launched.append(("direct", args))
+
+    class ToyJIT(JITFunction):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(("jit", grid, args, kwargs)) or Compiled()
+
+    monkeypatch.setattr(_launch, "_current", [lambda: 3, lambda device: f"stream of {device}"])
+    kernel, compiled = ToyJIT(_toy_kernel), {}
+    options = dict(A=1, num_warps=4)
+    _launch.launch(kernel, (5, 2), ("x0", 16), options, compiled)
+    _launch.launch(kernel, (6,), ("x1", 16), options, compiled)
+    assert launched == [("jit", (5, 2), ("x0", 16), options),
+                        ("direct", (6, 1, 1, "stream of 3", "function", "metadata", None, None, None, "x1", 16, 1, 7))]
+    hook = lambda metadata: None   # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _launch.launch(kernel, (7,), ("x2", 16), options, compiled)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert launched[-1] == ("jit", (7,), ("x2", 16), options)
+
+    class StandIn:   # a test's recorder: not compiled, so never kept
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(("stand-in", grid))
+    for _ in range(2):
+        _launch.launch(StandIn(), (1,), (), {}, compiled)
+    assert launched[-2:] == [("stand-in", (1,))] * 2 and len(compiled) == 1
