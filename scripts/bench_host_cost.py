@@ -53,6 +53,8 @@ def decode_cases():
            lambda: sparse_mla_decode_fp8(q64, cache, idx, 0.1, attn_sink=sink, topk_length=lengths))
     yield ("sparse_mla_decode_fp8", "V32 h_q 64, 2 splits (+ merge)",
            lambda: sparse_mla_decode_fp8(q64, cache, idx, 0.1, num_splits=2))
+    yield ("torch.ops.minirt.sparse_mla_decode_fp8", "V32 h_q 64 (the custom op's dispatch on top)",
+           lambda: torch.ops.minirt.sparse_mla_decode_fp8(q64, cache, idx, 0.1))
     table = torch.arange(32, dtype=torch.int32, device=DEVICE).view(2, 16) % 16
     positions = slots(2, 1, 256, 1024, 2)
     yield "mla_decode_fp8", "V32 h_q 64 (+ positions_to_slots)", lambda: mla_decode_fp8(q64, cache, table, positions, 0.1)
