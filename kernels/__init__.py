@@ -19,8 +19,14 @@
 - ``quantize_act_fp8`` / ``fp8_gemm``: block-scaled fp8 linear layers on the checkpoint's e4m3 weights;
   ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
   weight, the value projection writing o_proj's fp8 input directly.
+- ``route_topk`` / ``route_hash`` (and ``check_tid2eid``): MoE routing (V3.2's grouped sigmoid top-k,
+  V4's sqrt-softplus top-k and hash layers), one sync-free launch each, ties to the lower expert.
+- ``moe_experts`` on ``ExpertWeights`` (``expert_weights_fp8`` / ``expert_weights_fp4`` stack a
+  checkpoint's experts): the routed experts' weighted sum, grouped fp8 GEMMs (fp8 or fp4 weights)
+  with the permutation by expert on the device and SwiGLU fused; CUDA-graph capturable.
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_prefill_two_sources, sparse_mla_decode_fp8,
-  write_kv_fp8, write_kv_model1}``: the same as torch custom ops, for torch.compile (see ``ops``).
+  write_kv_fp8, write_kv_model1, route_topk, route_hash, moe_experts}``: the same as torch custom ops,
+  for torch.compile (see ``ops``).
 
 On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``;
 for the V32 cache ``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two
@@ -47,4 +53,6 @@ from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_index
                             quantize_index_keys, write_index_keys)
 from .fp8_gemm import fp8_gemm, quantize_act_fp8  # noqa: E402
 from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8  # noqa: E402
+from .moe_routing import check_tid2eid, route_hash, route_topk  # noqa: E402
+from .moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.minirt.*)

@@ -10,6 +10,8 @@ import torch
 
 from .kv_cache_fp8 import write_kv_fp8
 from .kv_cache_model1 import write_kv_model1
+from .moe_experts import ExpertWeights, moe_experts
+from .moe_routing import route_hash, route_topk
 from .sparse_mla_decode import sparse_mla_decode_fp8
 from .sparse_mla_prefill import sparse_mla_prefill
 from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources
@@ -88,3 +90,46 @@ def _(q, kv, indices, extra_kv, extra_indices, sm_scale, d_v=512, attn_sink=None
     s_q, h_q, _ = q.shape
     stats = q.new_empty(s_q, h_q, dtype=torch.float32)
     return q.new_empty(s_q, h_q, d_v), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("minirt::route_topk", mutates_args=())
+def route_topk_op(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, scoring: str, n_group: int = 1,
+                  topk_group: int = 1, normalize: bool = True, scaling: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.route_topk`` as a custom op: (weights, expert_ids)."""
+    return route_topk(logits, bias, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                      normalize=normalize, scaling=scaling)
+
+
+@route_topk_op.register_fake
+def _(logits, bias, top_k, scoring, n_group=1, topk_group=1, normalize=True, scaling=1.0):
+    return (logits.new_empty(logits.shape[0], top_k),
+            logits.new_empty(logits.shape[0], top_k, dtype=torch.int32))
+
+
+@torch.library.custom_op("minirt::route_hash", mutates_args=())
+def route_hash_op(logits: torch.Tensor, tid2eid: torch.Tensor, token_ids: torch.Tensor, scoring: str,
+                  normalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.route_hash`` as a custom op: (weights, expert_ids)."""
+    return route_hash(logits, tid2eid, token_ids, scoring=scoring, normalize=normalize, scaling=scaling)
+
+
+@route_hash_op.register_fake
+def _(logits, tid2eid, token_ids, scoring, normalize=True, scaling=1.0):
+    return (logits.new_empty(logits.shape[0], tid2eid.shape[1]),
+            logits.new_empty(logits.shape[0], tid2eid.shape[1], dtype=torch.int32))
+
+
+@torch.library.custom_op("minirt::moe_experts", mutates_args=())
+def moe_experts_op(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                   w13_scales: torch.Tensor, w2: torch.Tensor, w2_scales: torch.Tensor, format: str,
+                   swiglu_limit: Optional[float] = None) -> torch.Tensor:
+    """``minirt.kernels.moe_experts`` as a custom op, the ExpertWeights passed as its format and four
+    tensors."""
+    experts = ExpertWeights(format, w13, w13_scales, w2, w2_scales)
+    return moe_experts(x, expert_ids, weights, experts, swiglu_limit=swiglu_limit)
+
+
+@moe_experts_op.register_fake
+def _(x, expert_ids, weights, w13, w13_scales, w2, w2_scales, format, swiglu_limit=None):
+    return x.new_empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16)

@@ -25,7 +25,9 @@ def default_weights_dir() -> Path:
     """Where the embedded default checkpoint lives: $MINIRT_WEIGHTS, else the checkout's ``weights/``
     (an editable install), else ``~/.cache/minirt``."""
     if "MINIRT_WEIGHTS" in os.environ:
-        return Path(os.environ["MINIRT_WEIGHTS"])
+        from .files import as_path
+
+        return as_path(os.environ["MINIRT_WEIGHTS"], "MINIRT_WEIGHTS")  # empty: an error, not the current directory
     repo_weights = Path(__file__).resolve().parent.parent / "weights"
     return repo_weights if repo_weights.is_dir() else Path.home() / ".cache" / "minirt"
 
@@ -52,7 +54,8 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     path: HF checkpoint directory; None uses the tiny synthetic default (created once).
     device: "cuda" or "cpu"; None picks cuda when available. On the CPU the Triton kernels run under
     the interpreter (TRITON_INTERPRET=1, set automatically when torch sees no GPU).
-    backend: "triton" (kernels, fp8 paged cache) or "reference" (the eager fp32 oracle).
+    backend: "triton" (kernels, fp8 paged cache) or "reference" (the eager fp32 oracle). DeepSeek-V4
+    checkpoints (``minirt.models.deepseek_v4``) run on "reference" only: no V4 kernel runtime yet.
     dtype: weights/activations of the triton backend; default bf16 on cuda, fp32 on cpu.
     indexer_precision: "exact" (fp32 scores, default: what the reference computes, so verify can
     compare top-k sets) or "fp8" (the official Hadamard + fp8 path; near-ties may flip).
@@ -67,6 +70,8 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     """
     from .checkpoint import load_checkpoint, resolve_device
     from .engine import DEFAULT_PREFILL_CHUNK, build_engine, check_prefill_chunk
+    from .config import load_config
+    from .models import family_of
     from .reference import ReferenceEngine, ReferenceModel
 
     if backend not in ("triton", "reference"):
@@ -76,7 +81,12 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     if weights not in (None, "fp8", "bf16"):
         raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    path = Path(path) if path is not None else default_checkpoint(progress)
+    from .files import as_path
+
+    path = as_path(path, "checkpoint path") if path is not None else default_checkpoint(progress)
+    family = family_of(load_config(path))
+    if family is not None:  # another model family (DeepSeek-V4): its own loader
+        return family.load(path, layers, dev, backend, progress)
     if backend == "reference":
         cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModel(cfg, tensors, layers, torch.float32, dev))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,9 @@ from safetensors import safe_open
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
 from .config import ModelConfig
-from .errors import CheckpointError, DeviceError, InputError
+from .errors import CheckpointError, DeviceError, InputError, excerpt
+from .files import (MAX_HEADER_BYTES, MAX_INDEX_BYTES, as_path, is_present, member, open_regular, os_reason, read_json,
+                    shown, stat_regular)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -33,6 +37,9 @@ SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's ue8m0 weight scales
+    "I8": torch.int8,                 # DeepSeek-V4's packed fp4 experts
+    "I64": torch.int64,               # DeepSeek-V4's tid2eid routing table
 }
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -133,8 +140,9 @@ def _is_size(value) -> bool:
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """Parse and validate a safetensors file's header without reading tensor data.
 
-    Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing or
-    truncated file, a header length beyond the file, a header that is not a JSON object, an entry
+    Returns tensor name → StoredTensor. Raises CheckpointError naming the file for a missing, not
+    regular (a FIFO, a device) or truncated file, a header length beyond the file or beyond
+    ``files.MAX_HEADER_BYTES`` (100 MB, the safetensors library's own cap), a header that is not a JSON object, an entry
     that is not ``{"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}``, a
     ``__metadata__`` that is not an object of strings, an unsupported dtype, a byte range that
     disagrees with dtype × shape, tensor data past the end of the file, or byte ranges that overlap,
@@ -142,13 +150,17 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     the safetensors library refuses such files when they are opened).
     """
     path = Path(path)
+    f, st = open_regular(path, "safetensors file", CheckpointError)
+    size = st.st_size
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+        with f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
             (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: corrupt safetensors file: header length {header_len:,} exceeds the "
+                                      f"{MAX_HEADER_BYTES:,} bytes safetensors allows")
             if header_len > size - 8:
                 raise CheckpointError(
                     f"{path}: truncated or corrupt safetensors file: header length {header_len} exceeds the "
@@ -179,22 +191,22 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if not (isinstance(dtype_str, str) and isinstance(shape, list) and all(_is_size(d) for d in shape)
                 and isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}: {entry!r:.200}")
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {shown(name)}: {entry!r:.200}")
         dtype = SAFETENSORS_DTYPES.get(dtype_str)
         if dtype is None:
             raise CheckpointError(
-                f"{path}: tensor {name} has dtype {dtype_str:.40}, not one of {', '.join(SAFETENSORS_DTYPES)}"
+                f"{path}: tensor {shown(name)} has dtype {dtype_str:.40}, not one of {', '.join(SAFETENSORS_DTYPES)}"
             )
         begin, end = offsets
         nbytes = math.prod(shape) * dtype.itemsize
         if begin > end or end - begin != nbytes:
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {name} byte range {[begin, end]} does not hold "
+                f"{path}: corrupt safetensors header: tensor {shown(name)} byte range {[begin, end]} does not hold "
                 f"{dtype_str} {shape} ({nbytes} bytes)"
             )
         if end > data_size:
             raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name} ends at data byte {end}, "
+                f"{path}: truncated safetensors file: tensor {shown(name)} ends at data byte {end}, "
                 f"but the file holds only {data_size} data bytes"
             )
         tensors[name] = StoredTensor(path, dtype, tuple(shape), nbytes)
@@ -203,7 +215,7 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     for begin, end, name in sorted(ranges):
         if begin != covered:
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {name} starts at data byte {begin}, but the "
+                f"{path}: corrupt safetensors header: tensor {shown(name)} starts at data byte {begin}, but the "
                 f"tensors before it end at byte {covered} ({'overlap' if begin < covered else 'hole'})"
             )
         covered = end
@@ -239,23 +251,39 @@ class LoadPlan:
 
 
 def read_weight_map(path: Path) -> tuple[str, dict[str, str]]:
-    """(file the map comes from, tensor name → shard file name): the index, else the single file's header."""
+    """(file the map comes from, tensor name → shard file name): the index, else the single file's header.
+
+    The index is a regular file of at most ``files.MAX_INDEX_BYTES``; every shard name in it must name
+    a file inside ``path`` (no absolute name, no ``..``): CheckpointError otherwise."""
     index_path = path / INDEX_FILE
-    if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index_path}: cannot parse ({e})") from None
-        except RecursionError:  # json's decoder recurses once per nesting level
-            raise CheckpointError(f"{index_path}: cannot parse (JSON nested too deeply)") from None
+    if is_present(index_path):
+        index = read_json(index_path, INDEX_FILE, MAX_INDEX_BYTES, CheckpointError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' of tensor name → shard file")
+        for shard in set(weight_map.values()):
+            member(path, shard, str(index_path), CheckpointError)
         return INDEX_FILE, weight_map
     single = path / SINGLE_FILE
-    if single.is_file():
+    if is_present(single):
         return SINGLE_FILE, {name: SINGLE_FILE for name in read_safetensors_header(single)}
     raise CheckpointError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE} found")
+
+
+def check_checkpoint_dir(path: Path) -> None:
+    """CheckpointError unless ``path`` is a directory (symlinks followed) with a regular config.json,
+    saying what is there instead (nothing, a file, a symlink loop, a FIFO as config.json, ...)."""
+    what = "(a checkpoint is a directory with config.json and safetensors shards)"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{shown(path)}: no such directory {what}") from None
+    except OSError as e:
+        raise CheckpointError(f"{os_reason(e, path, 'checkpoint directory')} {what}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{shown(path)}: not a checkpoint directory {what}")
+    stat_regular(path / "config.json", "config.json", CheckpointError,
+                 missing=f"{shown(path)}: not a checkpoint directory (no config.json)")
 
 
 def _check_stored(name: str, stored: StoredTensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
@@ -270,18 +298,48 @@ def _check_stored(name: str, stored: StoredTensor, dtypes: tuple[torch.dtype, ..
         )
 
 
+def locate_tensors(
+    path: Path, expected: dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]]
+) -> tuple[dict[str, StoredTensor], tuple[Path, ...]]:
+    """Find each tensor of ``expected`` (stored name → (accepted dtypes, shape)) in the checkpoint directory
+    ``path`` through its index (or single file), reading only the headers of the shards holding them.
+    Returns (stored name → StoredTensor, those shards sorted). CheckpointError naming the tensor: not in
+    the map, mapped to a missing shard, absent from its shard, or of another dtype or shape."""
+    map_file, weight_map = read_weight_map(path)
+    shard_of: dict[str, Path] = {}
+    for name in expected:
+        if name not in weight_map:
+            raise CheckpointError(f"{path}: tensor {name} is missing (not in {map_file})")
+        shard = path / weight_map[name]
+        stat_regular(shard, f"shard of tensor {name}", CheckpointError,
+                     missing=f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
+        shard_of[name] = shard
+
+    shard_files = tuple(sorted(set(shard_of.values())))
+    headers = {shard: read_safetensors_header(shard) for shard in shard_files}
+    stored: dict[str, StoredTensor] = {}
+    for name, (dtypes, shape) in expected.items():
+        shard = shard_of[name]
+        if name not in headers[shard]:
+            raise CheckpointError(f"tensor {name} is missing from shard {shard.name} (the index maps it there)")
+        stored[name] = headers[shard][name]
+        _check_stored(name, stored[name], dtypes, shape)
+    return stored, shard_files
+
+
 def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
     """Plan loading the first ``num_layers`` dense layers (None: all dense layers) of the checkpoint
     directory ``path``, reading only config.json, the index and the headers of the shards needed.
 
     Checks that every needed tensor is mapped to an existing shard and present in its header with the
     expected dtype and shape (fp8 weights float8_e4m3fn with a float32 ``_scale_inv`` of the block grid
-    shape; others bf16/fp16/fp32). Raises ConfigError for a bad config.json, CheckpointError (naming the
-    tensor and shard or file) for everything else, including MoE layers asked for.
+    shape; others bf16/fp16/fp32). Only regular files are read, and only files inside ``path`` (a
+    shard name in the index may not be absolute or hold ``..``; a symlink in ``path`` may point
+    anywhere). Raises InputError for an empty path, ConfigError for a bad config.json, CheckpointError
+    (naming the tensor and shard or file) for everything else, including MoE layers asked for.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint directory")
+    path = as_path(path, "checkpoint path")
+    check_checkpoint_dir(path)
     cfg = ModelConfig.from_file(path / "config.json")
     if num_layers is None:
         num_layers = cfg.num_dense_layers
@@ -298,26 +356,7 @@ def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
         else:
             expected[name] = (UNQUANTIZED_DTYPES, spec.shape)
 
-    map_file, weight_map = read_weight_map(path)
-    shard_of: dict[str, Path] = {}
-    for name in expected:
-        if name not in weight_map:
-            raise CheckpointError(f"{path}: tensor {name} is missing (not in {map_file})")
-        shard = path / weight_map[name]
-        if not shard.is_file():
-            raise CheckpointError(f"{path}: tensor {name} is mapped to shard {weight_map[name]}, which does not exist")
-        shard_of[name] = shard
-
-    shard_files = tuple(sorted(set(shard_of.values())))
-    headers = {shard: read_safetensors_header(shard) for shard in shard_files}
-    stored: dict[str, StoredTensor] = {}
-    for name, (dtypes, shape) in expected.items():
-        shard = shard_of[name]
-        if name not in headers[shard]:
-            raise CheckpointError(f"tensor {name} is missing from shard {shard.name} (the index maps it there)")
-        stored[name] = headers[shard][name]
-        _check_stored(name, stored[name], dtypes, shape)
-
+    stored, shard_files = locate_tensors(path, expected)
     return LoadPlan(
         path=path,
         config=cfg,
@@ -355,15 +394,50 @@ def _read_tensor(handle, stored: StoredTensor, name: str) -> torch.Tensor:
     return t
 
 
+DEVICE_TYPES = ("cpu", "cuda")
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
-    """torch.device(device), or InputError if unparsable, DeviceError if it is CUDA and none is available."""
+    """torch.device(device) of type cpu or cuda; InputError if unparsable or of another type (xpu, meta,
+    ...: minirt runs on neither), DeviceError if it is CUDA and none (or no such index) is available."""
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(f"not a torch device: {device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"device {device} requested but CUDA is not available")
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"not a torch device: {excerpt(device)}") from None
+    if device.type not in DEVICE_TYPES:
+        raise InputError(f"device {excerpt(str(device))}: minirt runs on {' or '.join(DEVICE_TYPES)} only")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {device} requested but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {device} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
     return device
+
+
+def available_memory(device) -> int:
+    """Bytes that can still be allocated on ``device``: CUDA's free memory, or the CPU's available RAM
+    (MemAvailable in /proc/meminfo; elsewhere free physical pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_ue8m0(scale: torch.Tensor, name: str, shard: Path) -> None:
+    """A ue8m0 block scale is a power of two (an 8-bit exponent): zero, negative or any other value
+    means the file is not what its config says."""
+    mantissa, _ = torch.frexp(scale)
+    bad = ~((scale > 0) & (mantissa == 0.5))
+    if bad.any():
+        index = int(bad.flatten().to(torch.uint8).argmax())
+        raise CheckpointError(f"tensor {name} in {shard.name}: block scale {scale.flatten()[index].item():g} at flat "
+                              f"index {index} is not a positive power of two, as config.json's scale_fmt 'ue8m0' says")
 
 
 def load_checkpoint(
@@ -379,8 +453,10 @@ def load_checkpoint(
 
     Opens only the shards holding those tensors (see ``plan_load`` for the layout checks). Every stored
     tensor, ``_scale_inv`` included, must be finite (NaN or ±Inf → CheckpointError naming the tensor,
-    shard and first bad flat index); fp8 weights are dequantised (``blockfp8.dequantize_block_fp8``) and
-    must stay finite in ``dtype``. Returns (config, {HF weight name: tensor}) with tensors of the
+    shard and first bad flat index), and a positive power of two where config.json's
+    ``scale_fmt`` is ``ue8m0``; fp8 weights are dequantised (``blockfp8.dequantize_block_fp8``) and
+    must stay finite in ``dtype``. Weights that would not fit in ``available_memory(device)`` are
+    refused (CheckpointError with both sizes) before any is read. Returns (config, {HF weight name: tensor}) with tensors of the
     TensorSpec shapes in ``dtype`` on ``device``; no ``_scale_inv`` entries. With ``fp8_as_stored``
     the fp8 weights are not dequantised: they come as stored (float8_e4m3fn) with their float32
     ``<name>_scale_inv`` entries beside them. ``progress(done, total, name)``, if given, is called
@@ -391,6 +467,12 @@ def load_checkpoint(
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
     block = plan.config.quantization.weight_block_size if plan.config.quantization else None
+    need = sum(sum(plan.stored[n].nbytes for n in (name, name + SCALE_SUFFIX)) if spec.quantized and fp8_as_stored
+               else math.prod(spec.shape) * dtype.itemsize for name, spec in plan.specs.items())
+    free = available_memory(device)
+    if need > free:
+        raise CheckpointError(f"{plan.path}: {plan.num_layers} layer(s) take {need:,} bytes as loaded on {device.type}, "
+                              f"{free:,} are available")
 
     weights: dict[str, torch.Tensor] = {}
     done = 0
@@ -403,7 +485,10 @@ def load_checkpoint(
                 raise CheckpointError(f"{shard}: cannot open safetensors file ({e})") from None
         for name, spec in plan.specs.items():
             names = (name, name + SCALE_SUFFIX) if spec.quantized else (name,)
-            raw = [_read_tensor(handles[plan.stored[n].shard], plan.stored[n], n).to(device) for n in names]
+            raw = [_read_tensor(handles[plan.stored[n].shard], plan.stored[n], n) for n in names]
+            if spec.quantized and plan.config.quantization.scale_fmt == "ue8m0":
+                _check_ue8m0(raw[1], names[1], plan.stored[names[1]].shard)
+            raw = [t.to(device) for t in raw]
             if spec.quantized and fp8_as_stored:
                 weights |= dict(zip(names, raw))
             else:

@@ -6,6 +6,7 @@ Arguments are checked before any weights are loaded.
 from __future__ import annotations
 
 import functools
+import io
 import math
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.filesize import decimal
 from rich.live import Live
@@ -25,12 +27,95 @@ from rich.spinner import Spinner
 from rich.table import Table
 
 from . import default_weights_dir
-from .errors import InputError, MinirtError
+from .checkpoint import available_memory
+from .download import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
+from .errors import InputError, MinirtError, excerpt
 
 DEFAULT_PROMPT = "The quick brown fox"
-TINY_DIR = default_weights_dir() / "tiny"
+
+
+def _weights_dir_text() -> str:
+    """default_weights_dir() for the help texts; an empty MINIRT_WEIGHTS is an error only where it is used."""
+    try:
+        return str(default_weights_dir())
+    except MinirtError:
+        return "$MINIRT_WEIGHTS"
+
+
+TINY_DIR = f"{_weights_dir_text()}/tiny"
+
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """Every error as one line ``minirt: error: ...`` on stderr, exit 2: click's usage errors (a value
+    that is not a number, an unknown option; typer would draw a box), MinirtErrors raised while the
+    arguments are parsed, and stdout refusing the output (a full disk: ENOSPC; see _GuardedStdout)."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        stdout, sys.stdout = sys.stdout, _GuardedStdout(sys.stdout)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+            sys.stdout.flush()
+        except typer.TyperException as e:  # click's usage errors, as typer ships them
+            if type(e).__name__ == "NoArgsIsHelpError":  # no arguments: the help is printed already
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{' '.join(['minirt', *ctx.command_path.split()[1:]])} --help`)" if ctx is not None else ""
+            sys.exit(_fail(" ".join(e.format_message().split())[:300] + hint))
+        except typer.Abort:
+            sys.exit(_fail("aborted"))
+        except MinirtError as e:
+            sys.exit(_fail(str(e)))
+        finally:
+            sys.stdout = stdout
+        sys.exit(code or 0)
+
+
+def _fail(message: str) -> int:
+    print(f"minirt: error: {message}", file=sys.stderr)
+    return 2
+
+
+class _GuardedStdout:
+    """sys.stdout while a command runs: a write the operating system refuses (a full disk, a closed
+    pipe) becomes a WriteError, and the stream is pointed at /dev/null so that the interpreter's last
+    flush at exit does not fail once more."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._guard(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def _guard(self, call, *args):
+        from .errors import WriteError
+
+        try:
+            return call(*args)
+        except OSError as e:
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            except (OSError, ValueError, io.UnsupportedOperation):  # a stdout without a file descriptor
+                pass
+            raise WriteError(f"cannot write the output to stdout ({e.strerror or e})") from None
+
+
+def _path(text: str) -> Path:
+    """A path argument: an empty one is an error (Path would read it as the current directory)."""
+    if text == "":
+        raise typer.BadParameter("the path is empty")
+    return Path(text)
+
 
 app = typer.Typer(
+    cls=_OneLineErrors,
     help="minirt: run the first dense layers of a DeepSeek-V3.2 checkpoint with sparse-MLA Triton kernels, "
     "and check them against an eager reference.\n\n"
     f"Start with `minirt generate` and `minirt verify`: without a checkpoint argument every command uses the "
@@ -45,7 +130,7 @@ _state = {"debug": False}
 
 WeightsArg = Annotated[Optional[Path], typer.Argument(
     help=f"Hugging Face checkpoint directory (config.json + safetensors). Default: the tiny synthetic one in {TINY_DIR}.",
-    show_default=False)]
+    show_default=False, parser=_path)]
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", "-l", help="Load the first N layers (default: all dense layers).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")]
 WeightsOpt = Annotated[Optional[str], typer.Option(
@@ -94,7 +179,7 @@ def _whole_number(text: str | None, option: str, minimum: int) -> int | None:
     if text is None:
         return None
     if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < minimum:
-        raise InputError(f"{option} must be a whole number >= {minimum}, got {text!r}")
+        raise InputError(f"{option} must be a whole number >= {minimum}, got {excerpt(text)}")
     return int(text)
 
 
@@ -140,32 +225,27 @@ def _checkpoint(weights: Path | None):
     """(directory, config) of the checkpoint argument, or the tiny default (written on first use); a
     path that is not a checkpoint directory is an error that says so, before anything else is read."""
     from . import default_checkpoint
-    from .config import ModelConfig
-    from .errors import CheckpointError
+    from .checkpoint import check_checkpoint_dir
+    from .config import load_config
 
     if weights is None:
         with _ProgressBar("writing the tiny default checkpoint") as bar:
             path = default_checkpoint(progress=bar)
     else:
         path = weights
-        if not path.exists():
-            raise CheckpointError(f"{path}: no such directory (a checkpoint is a directory with config.json and "
-                                  "safetensors shards)")
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: not a checkpoint directory (a checkpoint is a directory with config.json "
-                                  "and safetensors shards)")
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
-    return path, ModelConfig.from_file(path / "config.json")
+        check_checkpoint_dir(path)
+    return path, load_config(path / "config.json")
 
 
 @app.command()
 @_errors_to_exit_code
 def init(
     out: Annotated[Optional[Path], typer.Argument(
-        help=f"Directory to write (empty or absent; see --force). Default: {default_weights_dir()}/PRESET, the "
-        "tiny one being what every command uses without a checkpoint argument.", show_default=False)] = None,
-    preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB.")] = "tiny",
+        help=f"Directory to write (empty or absent; see --force). Default: {_weights_dir_text()}/PRESET, the "
+        "tiny one being what every command uses without a checkpoint argument.", show_default=False,
+        parser=_path)] = None,
+    preset: Annotated[str, typer.Option(help="tiny: seconds on CPU, real head dims (576/512). v32: real DeepSeek-V3.2 dims, several GB. "
+                                           "v4-tiny: 4 DeepSeek-V4 layers, seconds on CPU. v4-flash: V4-Flash's first 4 layers, about 16 GB.")] = "tiny",
     layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Number of (dense) layers to write (default: the preset's, tiny 2, v32 3).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every tensor's generator.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty directory.")] = False,
@@ -195,11 +275,16 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     from .cache import cache_bytes_per_token
     from .checkpoint import plan_load
     from .download import memory_text, plan_shards
+    from .files import is_present
+    from .models import family_of
 
     path, cfg = _checkpoint(weights)
+    family = family_of(cfg)
+    if family is not None:
+        return _print_rows(path, family.info_rows(path, cfg, layers))
     shards = plan_shards(path, layers)
     n = shards.num_layers
-    missing = [s for s in shards.shards if not (path / s).is_file()]
+    missing = [s for s in shards.shards if not is_present(path / s)]  # a FIFO is there: plan_load refuses it
     on_disk = sum((path / s).stat().st_size for s in shards.shards if s not in missing)
     rows = [
         ("model_type", cfg.model_type), ("layers (dense / total)", f"{cfg.num_dense_layers} / {cfg.num_hidden_layers}"),
@@ -228,6 +313,10 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
         ("cache per token", f"{cache_bytes_per_token(cfg, n, 'exact'):,} B (exact indexer) · "
                             f"{cache_bytes_per_token(cfg, n, 'fp8'):,} B (fp8 indexer)"),
     ]
+    _print_rows(path, rows)
+
+
+def _print_rows(path: Path, rows: list[tuple[str, str]]) -> None:
     out = Console(highlight=False, markup=False)
     out.print(str(path))
     t = Table(show_header=False)
@@ -240,23 +329,26 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
 @_errors_to_exit_code
 def download(
     repo_id: Annotated[str, typer.Argument(help="Hugging Face repository, e.g. deepseek-ai/DeepSeek-V3.2.", show_default=False)],
-    out: Annotated[Optional[Path], typer.Argument(help=f"Directory to fill. Default: {default_weights_dir()}/NAME (NAME: the repository's).",
-                                                  show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Argument(help=f"Directory to fill. Default: {_weights_dir_text()}/NAME (NAME: the repository's).",
+                                                  show_default=False, parser=_path)] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", "-l", help="Fetch what the first N layers need (default: all dense layers).")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit (default: main).")] = None,
     endpoint: Annotated[Optional[str], typer.Option(help="Hub URL (default: $HF_ENDPOINT, else https://huggingface.co).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Fetch config, index and tokenizer only; print the shards, disk and memory.")] = False,
+    timeout: Annotated[float, typer.Option(metavar="SECONDS", help="How long a connection or a read may wait.")] = DEFAULT_TIMEOUT_S,
+    retries: Annotated[int, typer.Option(help="Network failures (timeouts, dropped connections, HTTP 408/429/5xx) "
+                                              "tolerated per file before giving up.")] = DEFAULT_RETRIES,
 ):
     """Fetch config.json, the index, tokenizer.json and only the shards the first N layers need from the hub.
 
     Those shards hold layers 0..N-1, the embedding, the final norm and lm_head. It prints the shards, the disk
     and the memory first (--dry-run: only that); a rerun skips the files already complete."""
-    from .download import download_checkpoint
+    from .download import download_checkpoint, repo_name
 
-    out = out if out is not None else default_weights_dir() / repo_id.rstrip("/").split("/")[-1]
+    out = out if out is not None else default_weights_dir() / repo_name(repo_id)
     with _ProgressBar("downloading") as bar:
         plan = download_checkpoint(repo_id, out, layers, revision=revision, endpoint=endpoint, dry_run=dry_run,
-                                   progress=bar, report=console.print)
+                                   progress=bar, report=console.print, timeout_s=timeout, retries=retries)
     n = plan.shards.num_layers
     if dry_run:
         console.print(f"dry run: nothing more fetched; without --dry-run the shards go to {out}")
@@ -267,8 +359,11 @@ def download(
 def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
     from . import load
     from .checkpoint import plan_load
+    from .config import load_config
+    from .models import family_of
 
-    order = list(plan_load(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
+    family = family_of(load_config(path))
+    order = list((family.plan_load if family is not None else plan_load)(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
     with _ProgressBar(f"loading ({backend})", order) as bar:
         return load(path, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
                     prefill_chunk=prefill_chunk, weights=weights, progress=bar)
@@ -376,10 +471,7 @@ def generate(
         raise InputError(f"--batch must be >= 1, got {batch}")
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if tokens is not None:
-        try:
-            ids = [int(t) for t in tokens.split(",") if t.strip()]
-        except ValueError:
-            raise InputError(f"--tokens must be comma-separated integers, got {tokens!r}") from None
+        ids = _token_ids(tokens)
     path, cfg = _checkpoint(weights)
     tokenizer = load_tokenizer(path)
     if tokens is None:
@@ -390,8 +482,8 @@ def generate(
         ids = tokenizer.encode(prompt if prompt is not None else DEFAULT_PROMPT)
     check_prompts([ids], cfg.vocab_size)
     check_generation_length(cfg, len(ids), n)
-    if device is not None:
-        resolve_device(device)
+    dev = resolve_device(device if device is not None else ("cuda" if _cuda_available() else "cpu"))
+    _check_generate_fits(cfg, layers, batch, len(ids) + n, dev, indexer_precision)
     engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format)
 
     out = _TextOut()
@@ -420,21 +512,37 @@ def generate(
                   f"({engine.backend}, {engine.device})")
 
 
-def available_memory(device) -> int:
-    """Bytes that can still be allocated on ``device``: CUDA's free memory, or the CPU's available RAM
-    (MemAvailable in /proc/meminfo; elsewhere free physical pages)."""
+def _token_ids(text: str) -> list[int]:
+    """--tokens as ints; the error shows an excerpt of a long list and the first item that is no int."""
+    items = [t for t in text.split(",") if t.strip()]
+    for i, item in enumerate(items):
+        if not re.fullmatch(r"\s*[+-]?\d{1,30}\s*", item):
+            where = f"; item {i + 1} of {len(items)} is {excerpt(item)}" if len(text) > 60 else ""
+            raise InputError(f"--tokens must be comma-separated integers, got {excerpt(text)}{where}")
+    return [int(t) for t in items]
+
+
+def _cuda_available() -> bool:
     import torch
 
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return torch.cuda.is_available()
+
+
+def _check_generate_fits(cfg, layers: int | None, batch: int, seq_len: int, device, indexer_precision: str) -> None:
+    """InputError, with both numbers, when the cache for ``batch`` sequences of ``seq_len`` tokens and the
+    [batch, vocab] logits exceed the memory ``device`` has available: before anything is loaded."""
+    from .cache import cache_bytes_per_token
+    from .checkpoint import tensor_specs
+    from .formats import CACHE_BLOCK_SIZE
+
+    num_layers = layers if layers is not None else cfg.num_dense_layers
+    tensor_specs(cfg, num_layers)  # MoE layers or a count that is no count: the loader's error, now
+    tokens = batch * -(-seq_len // CACHE_BLOCK_SIZE) * CACHE_BLOCK_SIZE
+    need = cache_bytes_per_token(cfg, num_layers, indexer_precision) * tokens + 3 * batch * cfg.vocab_size * 4
+    free = available_memory(device)
+    if need > free:
+        raise InputError(f"--batch {batch} × {seq_len} tokens needs about {decimal(need)} of cache and logits on "
+                         f"{device.type}, {decimal(free)} is available")
 
 
 def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
@@ -494,10 +602,16 @@ def verify(
     import torch
 
     from .checkpoint import resolve_device, tensor_specs
+    from .models import family_of
+    from .sampling import check_seed
     from .verify import run_verify
 
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
     path, cfg = _checkpoint(weights)
+    family = family_of(cfg)
+    if family is not None and family.RUNTIME_MISSING:
+        raise InputError(f"verify compares the kernel runtime with the eager reference, and {family.RUNTIME_MISSING} "
+                         "(`minirt generate --backend reference` runs the reference)")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_dense_layers
     tensor_specs(cfg, num_layers)  # MoE layers asked for: the loader's error, now
@@ -505,6 +619,7 @@ def verify(
         prompt_len = 2 * (cfg.index_topk or 32) + 8
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need --prompt-len >= 1 and --decode-steps >= 0, got {prompt_len}, {decode_steps}")
+    check_seed(seed)
     _check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
 
     engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)

@@ -6,7 +6,6 @@ A config is V3.2 ("DSA", with the lightning indexer) when it has ``index_topk``.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -88,23 +87,9 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-        except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deep
-            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        try:
-            return _parse(raw)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        """Parse ``path`` (config.json, or a directory holding one): a regular file of at most
+        ``files.MAX_CONFIG_BYTES``; ConfigError naming the file otherwise."""
+        return _parse_file(path, _parse)
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json a checkpoint writer stores (legacy rope spelling, read by every version)."""
@@ -123,6 +108,48 @@ class ModelConfig:
 
 _MAY_BE_ZERO = ("first_k_dense_replace", "bos_token_id", "eos_token_id", "mscale", "mscale_all_dim")
 
+# What the model family allows: generous multiples of DeepSeek-V3.2's values (in the comments), so that
+# a hand-edited or hostile config.json cannot make minirt allocate without bound ([T, index_topk]
+# top-k tables, one entry per layer, rope tables) while every real config passes.
+INT_LIMITS = {
+    "vocab_size": 1 << 20,                         # 129,280
+    "hidden_size": 1 << 16,                        # 7,168
+    "intermediate_size": 1 << 18,                  # 18,432
+    "num_hidden_layers": 1024,                     # 61
+    "num_attention_heads": 1024,                   # 128
+    "q_lora_rank": 1 << 14,                        # 1,536
+    "kv_lora_rank": 1 << 14,                       # 512
+    "qk_nope_head_dim": 1024,                      # 128
+    "qk_rope_head_dim": 1024,                      # 64
+    "v_head_dim": 1024,                            # 128
+    "max_position_embeddings": 1 << 24,            # 163,840
+    "original_max_position_embeddings": 1 << 24,   # 4,096
+    "first_k_dense_replace": 1024,                 # 3
+    "index_n_heads": 1024,                         # 64
+    "index_head_dim": 1024,                        # 128
+    "index_topk": 1 << 14,                         # 2,048
+    "bos_token_id": 1 << 20,                       # the vocabulary bounds these further
+    "eos_token_id": 1 << 20,
+}
+# (lowest, highest, whether the lowest is allowed) of the float keys. rope_theta is a logarithm's base
+# (YaRN divides by ln theta); a YaRN factor below 1 is no extension; mscale enters as 0.1·mscale·ln(factor).
+FLOAT_RANGES = {
+    "rope_theta": (1.0, 1e12, False),      # 10,000
+    "rms_norm_eps": (0.0, 1.0, False),     # 1e-6
+    "factor": (1.0, 1e4, True),            # 40
+    "beta_fast": (0.0, 1e4, False),        # 32
+    "beta_slow": (0.0, 1e4, False),        # 1
+    "mscale": (0.0, 100.0, True),          # 1
+    "mscale_all_dim": (0.0, 100.0, True),  # 1
+}
+
+
+def _number(value: int | float) -> str:
+    """A number for a message: an int of thousands of digits as its power of two (str() refuses it)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}about 2^{value.bit_length()}"
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
 
 def _get(raw: dict, key: str, kind: type, default: Any = ...) -> Any:
     if key not in raw or raw[key] is None:
@@ -131,13 +158,21 @@ def _get(raw: dict, key: str, kind: type, default: Any = ...) -> Any:
         return default
     value = raw[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        value = float(value) if abs(value) < 1e300 else math.inf
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ConfigError(f"key '{key}' must be {kind.__name__}, got {value!r}")
+        raise ConfigError(f"key '{key}' must be {kind.__name__}, got {value!r:.80}")
     if kind is float and not math.isfinite(value):
         raise ConfigError(f"key '{key}' must be finite, got {value}")
-    if value <= 0 and key not in _MAY_BE_ZERO:
-        raise ConfigError(f"key '{key}' must be positive, got {value}")
+    if key in FLOAT_RANGES:
+        low, high, low_allowed = FLOAT_RANGES[key]
+        if not (low <= value if low_allowed else low < value) or value > high:
+            raise ConfigError(f"key '{key}' is {value:g}, outside the range {'[' if low_allowed else '('}{low:g}, "
+                              f"{high:g}] the DeepSeek-V3/V3.2 family allows")
+    elif value <= 0 and key not in _MAY_BE_ZERO:
+        raise ConfigError(f"key '{key}' must be positive, got {_number(value)}")
+    if key in INT_LIMITS and value > INT_LIMITS[key]:
+        raise ConfigError(f"key '{key}' is {_number(value)}, more than the {INT_LIMITS[key]:,} the DeepSeek-V3/V3.2 "
+                          "family allows")
     return value
 
 
@@ -151,12 +186,12 @@ def _parse_rope(raw: dict) -> tuple[float, YarnScaling | None]:
     if params is None:
         return theta, None
     if not isinstance(params, dict):
-        raise ConfigError(f"key '{key}' must be an object, got {params!r}")
+        raise ConfigError(f"key '{key}' must be an object, got {params!r:.80}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "yarn":
-        raise ConfigError(f"key '{key}.rope_type': unsupported rope type {rope_type!r} (expected 'yarn' or 'default')")
+        raise ConfigError(f"key '{key}.rope_type': unsupported rope type {rope_type!r:.80} (expected 'yarn' or 'default')")
     try:
         yarn = YarnScaling(
             factor=_get(params, "factor", float),
@@ -171,6 +206,10 @@ def _parse_rope(raw: dict) -> tuple[float, YarnScaling | None]:
     return theta, yarn
 
 
+MAX_BLOCK = 4096  # DeepSeek-V3.2: 128 x 128
+SCALE_FORMATS = (None, "ue8m0")  # ue8m0: every block scale is a power of two (an 8-bit exponent)
+
+
 def _parse_quantization(raw: dict) -> Fp8Quantization | None:
     q = raw.get("quantization_config")
     if q is None:
@@ -178,13 +217,18 @@ def _parse_quantization(raw: dict) -> Fp8Quantization | None:
     if not isinstance(q, dict):
         raise ConfigError("key 'quantization_config' must be an object")
     if q.get("quant_method") != "fp8":
-        raise ConfigError(f"key 'quantization_config.quant_method': only 'fp8' is supported, got {q.get('quant_method')!r}")
+        raise ConfigError(f"key 'quantization_config.quant_method': only 'fp8' is supported, got {q.get('quant_method')!r:.80}")
     if q.get("fmt", "e4m3") != "e4m3":
-        raise ConfigError(f"key 'quantization_config.fmt': only 'e4m3' is supported, got {q.get('fmt')!r}")
+        raise ConfigError(f"key 'quantization_config.fmt': only 'e4m3' is supported, got {q.get('fmt')!r:.80}")
     block = q.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ConfigError(f"key 'quantization_config.weight_block_size' must be two positive ints, got {block!r}")
-    return Fp8Quantization(weight_block_size=(block[0], block[1]), scale_fmt=q.get("scale_fmt"))
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_BLOCK for b in block)):
+        raise ConfigError(f"key 'quantization_config.weight_block_size' must be two ints in [1, {MAX_BLOCK}], "
+                          f"got {block!r:.80}")
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt not in SCALE_FORMATS:
+        raise ConfigError(f"key 'quantization_config.scale_fmt' must be absent or 'ue8m0', got {scale_fmt!r:.80}")
+    return Fp8Quantization(weight_block_size=(block[0], block[1]), scale_fmt=scale_fmt)
 
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
@@ -192,7 +236,8 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     if model_type is None:
         raise ConfigError("missing required key 'model_type'")
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"key 'model_type': unknown model type {model_type!r} (expected one of {', '.join(MODEL_TYPES)})")
+        raise ConfigError(f"key 'model_type': unknown model type {model_type!r:.80} (expected one of {', '.join(MODEL_TYPES)}; "
+                          "deepseek_v4 configs are read by minirt.config.load_config)")
     theta, yarn = _parse_rope(raw)
     has_indexer = raw.get("index_topk") is not None
     cfg = ModelConfig(
@@ -239,3 +284,35 @@ def _check_consistency(cfg: ModelConfig) -> None:
         tok = getattr(cfg, key)
         if tok is not None and not 0 <= tok < cfg.vocab_size:
             raise ConfigError(f"key '{key}' ({tok}) must be in [0, vocab_size={cfg.vocab_size})")
+
+
+def _parse_file(path: str | Path, parse):
+    """``parse(raw)`` of the JSON object in ``path`` (a config.json or its directory, a regular file of at
+    most ``files.MAX_CONFIG_BYTES``); ConfigErrors name the file."""
+    from .files import MAX_CONFIG_BYTES, read_json, shown
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    raw = read_json(path, "config.json", MAX_CONFIG_BYTES, ConfigError)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{shown(path)}: expected a JSON object")
+    try:
+        return parse(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{shown(path)}: {e}") from None
+
+
+def parse_config(raw: dict[str, Any]):
+    """The config of ``raw`` (a parsed config.json) in its model family's class: ``ModelConfig`` for
+    DeepSeek-V3 / V3.2, ``models.deepseek_v4.DeepseekV4Config`` for ``model_type: deepseek_v4``."""
+    if raw.get("model_type") == "deepseek_v4":
+        from .models.deepseek_v4.config import DeepseekV4Config
+
+        return DeepseekV4Config.from_dict(raw)
+    return _parse(raw)
+
+
+def load_config(path: str | Path):
+    """:func:`parse_config` of the config.json at ``path`` (the file or its checkpoint directory)."""
+    return _parse_file(path, parse_config)

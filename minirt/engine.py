@@ -10,7 +10,7 @@ from .backend import check_prompts, check_tokens
 from .cache import PagedCache
 from .config import ModelConfig
 from .context import KVStash, PrefillTrace, decode_context, prefill_context
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, NumericalError
 from .formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
 from .layers import Transformer
 from .rope import rope_cos_sin
@@ -51,7 +51,8 @@ class Engine:
     written so far and its attention reads the prompt's bf16 latents so far, so any chunk size gives
     the same numbers, and transient memory follows the chunk, not the prompt. On CUDA a decode step is
     captured once per batch size as a CUDA graph and replayed; ``use_cuda_graph = False`` runs every
-    step eagerly."""
+    step eagerly. A step whose logits hold a NaN or ±Inf raises NumericalError naming the first module
+    (embedding, layer i, final norm, lm_head) whose output was non-finite."""
 
     backend = "triton"
 
@@ -98,25 +99,31 @@ class Engine:
             self._allocate_cache(len(prompts), max(lens) + DECODE_HEADROOM)
         self.cache.check_room(lens)
         tokens = torch.tensor([t for p in prompts for t in p], device=self.device)
-        stash = KVStash(lens, self.device)
-        logits, first = [], 0
-        for step in plan_chunks(lens, self.prefill_chunk):
-            seqs, starts, counts = zip(*step)
-            last = first + sum(counts)
-            ctx = prefill_context(self.cfg, counts, starts=starts, seqs=seqs, cache=self.cache, stash=stash,
-                                  rope=self._rope, trace=trace, device=self.device,
-                                  topk_override=None if topk_override is None else
-                                  [t[first:last] for t in topk_override])
-            h = self.model(tokens[first:last], ctx)
-            if not all_logits:  # only the last token of each prompt that ends in this step
-                ends = [s.offset + s.length - 1 for s in ctx.segments if s.end == lens[s.seq]]
-                h = h[ends]
-            logits.append(self.model.logits(h))
-            first = last
+
+        def run(trace: PrefillTrace | None) -> torch.Tensor:
+            stash = KVStash(lens, self.device)
+            logits, first = [], 0
+            for step in plan_chunks(lens, self.prefill_chunk):
+                seqs, starts, counts = zip(*step)
+                last = first + sum(counts)
+                ctx = prefill_context(self.cfg, counts, starts=starts, seqs=seqs, cache=self.cache, stash=stash,
+                                      rope=self._rope, trace=trace, device=self.device,
+                                      topk_override=None if topk_override is None else
+                                      [t[first:last] for t in topk_override])
+                h = self.model(tokens[first:last], ctx)
+                if not all_logits:  # only the last token of each prompt that ends in this step
+                    ends = [s.offset + s.length - 1 for s in ctx.segments if s.end == lens[s.seq]]
+                    h = h[ends]
+                logits.append(self.model.logits(h))
+                first = last
+            return torch.cat(logits)
+
+        logits = run(trace)
+        self._check_finite(logits, "prefill", lambda: run(None))  # a rerun rewrites the same cache slots
         self.cache.seq_lens.zero_()
         self.cache.seq_lens[: len(lens)] = torch.tensor(lens, device=self.device)
         self._lens = lens
-        return torch.cat(logits)
+        return logits
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -131,8 +138,43 @@ class Engine:
         self.cache.check_room(lens)
         self._lens = lens
         if topk_override is not None or not self.use_cuda_graph:
+            logits, finite = self._decode_step(tokens, topk_override), None
+        else:
+            logits, finite = self._decode_graphed(tokens)
+
+        def rerun() -> torch.Tensor:  # the same step again: it rewrites the slot it wrote
+            self.cache.seq_lens[: tokens.shape[0]] -= 1
             return self._decode_step(tokens, topk_override)
-        return self._decode_graphed(tokens)
+
+        self._check_finite(logits, "decode", rerun, finite)
+        return logits
+
+    def _check_finite(self, logits: torch.Tensor, stage: str, rerun, finite: torch.Tensor | None = None) -> None:
+        """NumericalError when ``logits`` hold a NaN or ±Inf. On the normal path this costs one reduction
+        (``finite``, when the CUDA graph computed it already) and one host read, which the caller's
+        sampling needs anyway; only on failure ``rerun()`` repeats the step with a check after every
+        module, to name the first whose output was non-finite."""
+        if bool(torch.isfinite(logits).all() if finite is None else finite):
+            return
+        m = self.model
+        modules = [("the embedding (model.embed_tokens)", m.model.embed_tokens)]
+        modules += [(f"layer {i} (model.layers.{i})", layer) for i, layer in enumerate(m.model.layers)]
+        modules += [("the final norm (model.norm)", m.model.norm), ("lm_head", m.lm_head)]
+        flagged = set()
+
+        def check(name: str):
+            def hook(module, args, out):
+                if not bool(torch.isfinite(out).all()):
+                    flagged.add(name)
+            return hook
+
+        hooks = [module.register_forward_hook(check(name)) for name, module in modules]
+        try:
+            rerun()
+        finally:
+            for h in hooks:
+                h.remove()
+        raise NumericalError.in_logits(stage, next((name for name, _ in modules if name in flagged), None))
 
     def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The decode step proper: static shapes, no host sync (so it can be graph-captured)."""
@@ -141,7 +183,8 @@ class Engine:
         self.cache.seq_lens[: tokens.shape[0]] += 1
         return self.model.logits(h)
 
-    def _decode_graphed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _decode_graphed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, whether all are finite: a bool tensor the graph computes, None on the capturing call)."""
         b = tokens.shape[0]
         if b not in self._graphs:
             # The first step runs eagerly on a side stream (it compiles the kernels and warms cuBLAS),
@@ -154,12 +197,13 @@ class Engine:
             graph, static_tokens = torch.cuda.CUDAGraph(), tokens.clone()
             with torch.cuda.graph(graph):
                 static_logits = self._decode_step(static_tokens)
-            self._graphs[b] = (graph, static_tokens, static_logits)
-            return logits
-        graph, static_tokens, static_logits = self._graphs[b]
+                static_finite = torch.isfinite(static_logits).all()
+            self._graphs[b] = (graph, static_tokens, static_logits, static_finite)
+            return logits, None
+        graph, static_tokens, static_logits, static_finite = self._graphs[b]
         static_tokens.copy_(tokens)
         graph.replay()
-        return static_logits.clone()
+        return static_logits.clone(), static_finite
 
 
 def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,

@@ -28,7 +28,7 @@ from torch import Tensor
 from .backend import check_prompts, check_tokens
 from .checkpoint import tensor_specs
 from .config import ModelConfig
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, InputError, NumericalError
 from .rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
 
 # The official indexer builds its k LayerNorm with the default eps, not the config's rms_norm_eps.
@@ -301,9 +301,19 @@ class ReferenceEngine:
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         """No cache: kept so callers can treat both backends alike."""
 
+    def _forward(self, tokens: list[int], stage: str) -> ReferenceOutput:
+        """The model's forward; NumericalError naming the first layer whose output is non-finite when
+        the logits are."""
+        out = self.model.forward(torch.tensor(tokens))
+        if not bool(torch.isfinite(out.logits).all()):
+            bad = [i for i, h in enumerate(out.hidden_states) if not bool(torch.isfinite(h).all())]
+            raise NumericalError.in_logits(stage, f"layer {bad[0]} (model.layers.{bad[0]})" if bad
+                                           else "the final norm (model.norm) or lm_head")
+        return out
+
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False) -> Tensor:
         self.sequences = check_prompts(prompts, self.cfg.vocab_size)
-        outs = [self.model.forward(torch.tensor(p)).logits.float() for p in self.sequences]
+        outs = [self._forward(p, "prefill").logits.float() for p in self.sequences]
         return torch.cat(outs) if all_logits else torch.stack([o[-1] for o in outs])
 
     def decode(self, tokens: Tensor) -> Tensor:
@@ -312,7 +322,7 @@ class ReferenceEngine:
             raise InputError(f"decode needs one token per prefilled sequence ({len(self.sequences)}), got {len(tokens)}")
         for seq, t in zip(self.sequences, tokens):
             seq.append(t)
-        return torch.stack([self.model.forward(torch.tensor(s)).logits[-1].float() for s in self.sequences])
+        return torch.stack([self._forward(s, "decode").logits[-1].float() for s in self.sequences])
 
 
 def forward_peak_bytes(cfg: ModelConfig, num_layers: int, num_tokens: int, dtype: torch.dtype = torch.float32) -> int:

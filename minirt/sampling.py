@@ -1,6 +1,8 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, all from one seeded generator."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -8,9 +10,18 @@ import torch
 from .errors import InputError
 
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters; seed seeds the
+    sampling generator. temperature: a finite real >= 0; top_k: an int >= 0; top_p: in (0, 1]; seed:
+    an int in [0, 2^64). Anything else (NaN included) is an InputError."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -18,12 +29,20 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature!r:.40}")
+        if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise InputError(f"top_k must be a whole number >= 0, got {self.top_k!r:.40}")
+        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p!r:.40}")
+        check_seed(self.seed)
+
+
+def check_seed(seed) -> int:
+    """``seed`` if it can seed a torch.Generator (an int in [0, 2^64)), else InputError."""
+    if not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):
+        raise InputError(f"seed must be a whole number in [0, 2^64), got {seed!r:.40}")
+    return seed
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -29,15 +29,17 @@ import torch
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
 from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, plan_load, resolve_device, tensor_specs
-from .config import Fp8Quantization, ModelConfig, YarnScaling
+from .config import INT_LIMITS, Fp8Quantization, ModelConfig, YarnScaling
 from .errors import InputError, MinirtError, WriteError
+from .files import as_path
 from .tokenizer import TOKENIZER_FILE
 
 BOS_TOKEN, EOS_TOKEN = "<bos>", "<eos>"
 CHUNK_ELEMENTS = 1 << 24  # rows per generated chunk ≈ this / columns (64 MiB of float32)
 GENERATOR_KEY = "minirt_synthetic"  # in the index's metadata: what wrote the checkpoint (preset, seed, device)
 
-_SAFETENSORS_DTYPE_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
+_SAFETENSORS_DTYPE_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32",
+                            torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.int64: "I64"}
 
 
 @dataclass(frozen=True)
@@ -143,18 +145,31 @@ def _make_presets() -> dict[str, Preset]:
 
 
 PRESETS: dict[str, Preset] = _make_presets()
+# Presets of the other model families → the module writing them (``preset_config``, ``write_files``, ``plan_load``).
+FAMILY_PRESETS = {"v4-tiny": "minirt.models.deepseek_v4.synthetic", "v4-flash": "minirt.models.deepseek_v4.synthetic"}
+
+
+def _family(preset: str):
+    import importlib
+
+    return importlib.import_module(FAMILY_PRESETS[preset])
 
 
 def preset_config(preset: str = "tiny", num_layers: int | None = None) -> ModelConfig:
     """The ModelConfig ``write_synthetic_checkpoint`` writes: the preset's, with num_hidden_layers and
     first_k_dense_replace set to ``num_layers`` (all layers dense) when it is given."""
+    if preset in FAMILY_PRESETS:
+        return _family(preset).preset_config(preset, num_layers)
     if preset not in PRESETS:
-        raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise InputError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *FAMILY_PRESETS])}")
     cfg = PRESETS[preset].config
     if num_layers is None:
         return cfg
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise InputError(f"num_layers must be a positive int, got {num_layers!r}")
+        raise InputError(f"num_layers must be a positive int, got {num_layers!r:.40}")
+    if num_layers > INT_LIMITS["num_hidden_layers"]:
+        raise InputError(f"num_layers is {num_layers:,}, more than the {INT_LIMITS['num_hidden_layers']:,} layers the "
+                         "DeepSeek-V3/V3.2 family allows")
     return dataclasses.replace(cfg, num_hidden_layers=num_layers, first_k_dense_replace=num_layers)
 
 
@@ -179,11 +194,13 @@ def _init_mean_std(name: str, spec: TensorSpec) -> tuple[float, float]:
     return 0.0, spec.shape[1] ** -0.5
 
 
-def _row_chunks(name: str, spec: TensorSpec, seed: int, device: torch.device, row_align: int) -> Iterator[tuple[int, torch.Tensor]]:
+def _row_chunks(name: str, spec: TensorSpec, seed: int, device: torch.device, row_align: int,
+                mean_std: tuple[float, float] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """(first row, float32 rows) chunks of tensor ``name``'s values, each a multiple of row_align rows
-    (the fp8 block height) except the last; one chunk for a 1-D tensor."""
+    (the fp8 block height) except the last; one chunk for a 1-D tensor. Values N(mean, std²) with
+    ``mean_std``, default ``_init_mean_std``'s."""
     generator = torch.Generator(device=device).manual_seed(_tensor_seed(seed, name))
-    mean, std = _init_mean_std(name, spec)
+    mean, std = mean_std or _init_mean_std(name, spec)
     rows = spec.shape[0]
     cols = spec.shape[1] if len(spec.shape) == 2 else None
     step = rows if cols is None else max(row_align, CHUNK_ELEMENTS // cols // row_align * row_align)
@@ -307,6 +324,16 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         raise InputError(f"{out_dir} is not empty; use force=True (--force) to replace it")
 
 
+def _check_disk(out_dir: Path, cfg: ModelConfig) -> None:
+    """WriteError, with both sizes, when the checkpoint would not fit on the disk that is to hold it."""
+    specs = tensor_specs(cfg, cfg.num_hidden_layers)
+    need = sum(_nbytes(*v) for v in _stored_layout(specs, cfg.quantization.weight_block_size).values())
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise WriteError(f"{out_dir}: the checkpoint takes {need:,} bytes, the disk there has {free:,} free")
+
+
 def _os_reason(e: OSError) -> str:
     """'No space left on device', with the path the operating system refused when it names one."""
     reason = e.strerror or str(e)
@@ -319,6 +346,8 @@ def _generator_record(preset: str, seed: int, device: torch.device) -> dict[str,
 
 def _write_files(tmp: Path, preset_name: str, cfg: ModelConfig, seed: int, device: torch.device,
                  progress: Progress | None) -> None:
+    if preset_name in FAMILY_PRESETS:
+        return _family(preset_name).write_files(tmp, preset_name, cfg, seed, device, progress)
     preset = PRESETS[preset_name]
     num_layers = cfg.num_hidden_layers
     specs = tensor_specs(cfg, num_layers)
@@ -373,18 +402,20 @@ def write_synthetic_checkpoint(
     Written atomically: into a temporary directory next to out_dir, renamed into place when complete,
     removed on any failure; directories and files get the usual permissions (the umask's). The index's
     metadata records preset, seed and device type (``GENERATOR_KEY``, read by ``is_synthetic_checkpoint``).
-    Raises InputError for an unknown preset, a bad num_layers, or an out_dir that
-    is a file or a non-empty directory (unless force=True, which replaces it); WriteError when the
-    operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
+    Raises InputError for an unknown preset, a bad num_layers (not an int in [1, 1024]), an empty
+    out_dir, or an out_dir that is a file or a non-empty directory (unless force=True, which replaces
+    it); WriteError before anything is written when the disk has less room than the checkpoint takes,
+    and when the operating system refuses a write (out_dir's parent is a file, no space left, ...). ``progress(done, total,
     name)``, if given, is called after each chunk written with bytes written so far and in total.
     """
     cfg = preset_config(preset, num_layers)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InputError(f"seed must be an int, got {seed!r}")
     device = resolve_device(device)
-    out_dir = Path(out_dir).resolve()  # "." must name a directory with a parent to hold the temporary
+    out_dir = as_path(out_dir, "the output directory").resolve()  # "." needs a parent to hold the temporary
     try:
         _check_out_dir(out_dir, force)
+        _check_disk(out_dir, cfg)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         # mkdir, not tempfile.mkdtemp: mkdtemp's mode 0700 would become the checkpoint's; this gets the umask's.
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
@@ -423,7 +454,7 @@ def is_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int
     cfg = preset_config(preset, num_layers)
     out_dir = Path(out_dir)
     try:
-        plan = plan_load(out_dir)
+        plan = (_family(preset).plan_load if preset in FAMILY_PRESETS else plan_load)(out_dir)
         index = json.loads((out_dir / INDEX_FILE).read_text())
     except (MinirtError, OSError, ValueError):
         return False

@@ -5,31 +5,50 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from .errors import CheckpointError
+from .errors import CheckpointError, InputError
+from .files import MAX_TOKENIZER_BYTES, is_present, read_bytes
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 class TextTokenizer:
-    def __init__(self, tokenizer: Tokenizer):
-        self._tok = tokenizer
+    """A checkpoint's tokenizer; what it cannot encode or decode is a MinirtError, not the library's own."""
+
+    def __init__(self, tokenizer: Tokenizer, path: Path | str = TOKENIZER_FILE):
+        self._tok, self._path = tokenizer, path
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        """Token ids of ``text``; InputError for text that is not valid Unicode (lone surrogates: what
+        Python makes of command-line bytes that are not UTF-8), CheckpointError when the tokenizer fails."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"the prompt is not valid UTF-8 (undecodable byte at character {e.start} of "
+                             f"{len(text)})") from None
+        try:
+            return self._tok.encode(text).ids
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise CheckpointError(f"{self._path}: the tokenizer cannot encode the prompt ({str(e)[:200]})") from None
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        try:
+            return self._tok.decode(ids)
+        except Exception as e:
+            raise CheckpointError(f"{self._path}: the tokenizer cannot decode token ids ({str(e)[:200]})") from None
 
 
 def load_tokenizer(checkpoint_dir: str | Path) -> TextTokenizer | None:
-    """The checkpoint's tokenizer, or None when it ships no tokenizer.json."""
+    """The checkpoint's tokenizer, or None when it ships no tokenizer.json. CheckpointError for a
+    tokenizer.json that is not a regular file, is larger than ``files.MAX_TOKENIZER_BYTES`` or is
+    malformed."""
     path = Path(checkpoint_dir) / TOKENIZER_FILE
-    if not path.is_file():
+    if not is_present(path):
         return None
+    data = read_bytes(path, TOKENIZER_FILE, MAX_TOKENIZER_BYTES, CheckpointError)
     try:
-        return TextTokenizer(Tokenizer.from_file(str(path)))
+        return TextTokenizer(Tokenizer.from_str(data.decode("utf-8")), path)
     except Exception as e:  # the tokenizers library raises plain Exceptions on malformed files
-        raise CheckpointError(f"{path}: cannot read tokenizer ({e})") from None
+        raise CheckpointError(f"{path}: cannot read tokenizer ({str(e)[:200]})") from None
 
 
 class IncrementalDecoder:

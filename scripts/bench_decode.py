@@ -1,6 +1,6 @@
 """Benchmark the fp8 sparse MLA decode kernel on the GPU, with ceilings measured in the same run.
 
-    python3 scripts/bench_decode.py --out docs/perf/decode_run.md
+    python3 scripts/bench_decode.py --out decode-run.md --plot decode.png
 
 Shapes (DeepSeek-V3.2 decode, as the peer bench's decode cases): b = 128 sequences of 32768 cached
 tokens each, in pages of 64 tokens in shuffled order (2.75 GB of fp8 cache, far beyond L2); each query

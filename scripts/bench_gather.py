@@ -1,6 +1,6 @@
 """Gather bandwidth against the bytes each SM keeps in flight, on the decode benchmark's access pattern.
 
-    python3 scripts/bench_gather.py --out docs/perf/gather-run.md
+    python3 scripts/bench_gather.py --out gather-run.md
 
 The fp8 decode kernels read 656-byte cache tokens at random addresses (bench_decode's cache: 2.75 GB,
 128 sequences of 32768 tokens in shuffled 64-token pages; the slots of its h_q 16 s_q 1 row). How fast

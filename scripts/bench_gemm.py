@@ -43,7 +43,7 @@ gemm = importlib.import_module("minirt.kernels.fp8_gemm")
 
 M_VALUES = (1, 16, 64, 4096, 16384)
 PREFILL_M = 4096                 # the targets apply from here on
-DECODE_LAYERS = 3                # the decode step of the issue: 3 V3.2 layers (+ a bf16 lm_head, not here)
+DECODE_LAYERS = 3                # a v32-preset decode step: 3 V3.2 layers (+ a bf16 lm_head, not here)
 DECODE_TARGET_GBPS = 3000        # the fp8 weights' rate that keeps that step within 1.5 ms
 HEAD_TOKENS = (1, 4096)
 CHECK_ROWS = 256                 # rows of each result checked against the fp32 product

@@ -2,7 +2,7 @@
 
     minirt init /tmp/minirt-v32 --preset v32 --device cuda
     python3 scripts/bench_runtime.py /tmp/minirt-v32 --context 1024,8192,32768,131072,163840 --batch 1,16 \\
-        --out docs/perf/runtime.md
+        --out runtime-run.md
 
 For each loading mode (``--modes``: weights bf16/fp8 x indexer exact/fp8) and each (batch, context)
 with batch * context <= ``--max-tokens``: random prompts of ``context`` tokens, a prefill, then the

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call (the device tool runs this from the repo root):
-#   DEADLINE=560 scripts/gpu_check.sh STAGE...
-#   stages: tests kernel-tests v4-decode host-cost bench gemm-bench v32 v32-generate runtime-bench (RUNTIME_BENCH_ARGS:
-#   more flags)
+# The tests and benchmarks that need an NVIDIA GPU, from the repository root:
+#   bash scripts/gpu_check.sh STAGE...        e.g. bash scripts/gpu_check.sh kernel-tests tests bench
+# It installs minirt (editable), writes the GPU, its driver and the torch and triton versions to
+# $OUT/gpu.txt, then runs the stages in the order given:
 # tests:        runtime, CLI, README and embedding tests with CUDA tensors (tiny preset)
 # kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels)
 # v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
@@ -13,13 +13,17 @@
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
-# v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers), then `minirt verify`
-#               (default fp8 weights; bf16 weights; a prompt longer than one prefill chunk)
+# v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers, several GB in
+#               /tmp/minirt-v32), then `minirt verify` (default fp8 weights; bf16 weights; a prompt
+#               longer than one prefill chunk)
 # v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
-#               both weight and indexer modes, peak memory, the split of one long prefill)
-# Logs and tables go to $OUT (default /tmp/minirt-out). Every stage is cut off DEADLINE seconds after
-# the start (default 570), so the call ends inside the device tool's 600 s limit with its logs.
+#               both weight and indexer modes, peak memory, the split of one long prefill;
+#               RUNTIME_BENCH_ARGS: more flags)
+# Tables and plots go to $OUT (default /tmp/minirt-out), each step's output to $OUT/<step>.log, its exit
+# status and time to $OUT/summary.txt; the script exits 1 if any step failed. A step still running
+# DEADLINE seconds after the start (default 570) is stopped and later ones are skipped, so a job with a
+# time limit still ends with its logs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minirt-out}

@@ -1,4 +1,4 @@
-"""Issue #16, a fresh-clone trial of the command line: one test (at least) per defect, through the real
+"""The command line as a new user meets it on a fresh clone: one test (at least) per defect, through the real
 entry point (``python -m minirt`` in a subprocess, on a pseudo-terminal where the defect is about what a
 terminal shows). Cheaper extra cases of the same defect run in-process through typer's runner."""
 import json
@@ -323,7 +323,7 @@ def test_debug_shows_the_traceback_and_still_exits_2():
     assert result.stderr.splitlines()[-1] == "minirt: error: --tokens must be comma-separated integers, got 'abc'"
 
 
-# --prefill-chunk (issue #12) -------------------------------------------------------------------------
+# --prefill-chunk --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", ["generate", "verify"])

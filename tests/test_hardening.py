@@ -418,9 +418,9 @@ def drop_config_key(ckpt: Path) -> str:
 
 def unknown_model_type(ckpt: Path) -> str:
     raw = json.loads((ckpt / "config.json").read_text())
-    raw["model_type"] = "deepseek_v4"
+    raw["model_type"] = "deepseek_v5"
     (ckpt / "config.json").write_text(json.dumps(raw))
-    return "deepseek_v4"
+    return "deepseek_v5"
 
 
 def nan_in_scale(ckpt: Path) -> str:

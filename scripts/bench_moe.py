@@ -1,0 +1,268 @@
+"""Benchmark minirt's MoE kernels on DeepSeek-V3.2's and DeepSeek-V4-Flash's expert shapes.
+
+    python3 scripts/bench_moe.py [--out results.md] [--tokens 1 16 64 4096 16384] [--models V3.2 V4-Flash]
+                                 [--configs 64,8,4 128,8,3 16,4,4,swap ...]
+
+Models: V3.2 (D 7168, I 2048, 256 experts, top-8, block-fp8 experts, sigmoid routing with 8 groups /
+4 kept) and V4-Flash (D 4096, I 2048, 256 experts, top-6, fp4 experts, sqrt-softplus routing, SwiGLU
+clamp 10). Random weights at full size (V3.2: 11.3 GB, V4-Flash: 3.2 GB; one model at a time).
+Tables:
+
+- routing: route_topk on [T, 256] fp32 logits, microseconds;
+- grouped GEMMs (prefill T): moe_experts' gate/up (SwiGLU fused) and down kernels alone, on the plan
+  of a real routing, beside torch._scaled_mm (block-wise scales, via fp8_gemm.scaled_mm_blockwise) on
+  one dense GEMM of the same total size ([T * top_k, K] x [N, K]^T); TFLOP/s count the routed
+  tokens' products only (padding rows of the tiles are not counted). Target (V3.2, T 4096, gate/up):
+  >= 900 TFLOP/s and >= 0.9x _scaled_mm;
+- expert block: moe_experts as called (plan, gather + quantise, both GEMMs, combine) at every T:
+  ms, TFLOP/s, GB/s of the active experts' weights (each read once at least), the ratios to the
+  ceilings measured in the same run (scripts/ceilings.py: bf16 matmul, device copy), peak memory
+  beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
+  num_stages, "swap" for the decode orientation). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
+  size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
+
+Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
+against a dequantised fp32 computation of a few tokens. Times are medians of
+triton.testing.do_bench (which clears the L2 cache before each call).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+from dataclasses import dataclass
+
+import torch
+from triton.testing import do_bench
+
+from ceilings import measure_ceilings, write_report
+
+from minirt.blockfp8 import dequantize_block_fp8, quantize_block_fp8
+from minirt.formats import quantize_groups
+from minirt.kernels import route_topk
+from minirt.kernels.fp8_gemm import fp8_gemm, quantize_act_fp8, scaled_mm_blockwise, uses_scaled_mm
+
+# The module (minirt.kernels re-exports the function moe_experts under the module's name).
+moe = importlib.import_module("minirt.kernels.moe_experts")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    fmt: str
+    scoring: str
+    n_group: int
+    topk_group: int
+    scaling: float
+    limit: float | None
+
+
+MODELS = (Model("V3.2", 7168, 2048, 256, 8, "fp8", "sigmoid", 8, 4, 2.5, None),
+          Model("V4-Flash", 4096, 2048, 256, 6, "fp4", "sqrtsoftplus", 1, 1, 1.5, 10.0))
+TOKENS = (1, 16, 64, 4096, 16384)
+PREFILL_T = 4096
+TARGET_TFLOPS = 900
+TARGET_VS_SCALED_MM = 0.9
+TARGET_DECODE_GBPS = 2500
+CHECK_TOKENS = 8
+DEVICE = "cuda"
+REL_TOL = 2e-2
+
+
+def bench_ms(fn):
+    return do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+
+def random_experts(model: Model, gen: torch.Generator) -> moe.ExpertWeights:
+    """Random stacked experts: fp8 codes of magnitude <= 1.875 (bit 6 clear: no NaN code) with block
+    scales 2^[-9, -6); fp4 bytes of any codes with e8m0 scales 2^[-9, -6)."""
+    e, d, i = model.experts, model.hidden, model.inter
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=gen, device=DEVICE, dtype=torch.uint8)
+
+    def pow2(*shape):
+        return torch.exp2(torch.randint(-9, -6, shape, generator=gen, device=DEVICE).float())
+
+    if model.fmt == "fp8":
+        return moe.ExpertWeights("fp8", (codes(e, 2 * i, d) & 0xBF).view(torch.float8_e4m3fn),
+                                 pow2(e, 2 * i // 128, d // 128),
+                                 (codes(e, d, i) & 0xBF).view(torch.float8_e4m3fn), pow2(e, d // 128, i // 128))
+    scale_bytes = lambda *shape: (codes(*shape) % 3 + 118).to(torch.uint8)   # noqa: E731
+    return moe.ExpertWeights("fp4", codes(e, 2 * i, d // 2), scale_bytes(e, 2 * i, d // 32),
+                             codes(e, d, i // 2), scale_bytes(e, d, i // 32))
+
+
+def route(model: Model, n_tokens: int, gen: torch.Generator):
+    logits = torch.randn(n_tokens, model.experts, generator=gen, device=DEVICE)
+    bias = 0.01 * torch.randn(model.experts, generator=gen, device=DEVICE)
+    return logits, bias, lambda: route_topk(logits, bias, top_k=model.top_k, scoring=model.scoring,
+                                            n_group=model.n_group, topk_group=model.topk_group,
+                                            scaling=model.scaling)
+
+
+def check(model, experts, x, ids, weights) -> str:
+    """Relative errors: the two launch shapes against each other, and (fp8) a few tokens against
+    the dequantised weights in fp32 (activations quantised as the kernels do)."""
+    a = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=moe.DECODE_CONFIG)
+    b = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=moe.PREFILL_CONFIG)
+    text = f"decode vs prefill shape {rel(a, b.float()):.2e}"
+    if experts.format == "fp8":
+        def quantized(v):
+            q, s = quantize_groups(v)
+            return (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2)
+        ref = torch.zeros(CHECK_TOKENS, model.hidden, device=DEVICE)
+        xq = quantized(x[:CHECK_TOKENS].float())
+        for t in range(CHECK_TOKENS):
+            for j in range(model.top_k):
+                e = int(ids[t, j])
+                gu = dequantize_block_fp8(experts.w13[e], experts.w13_scales[e]) @ xq[t]
+                h = torch.nn.functional.silu(gu[:model.inter]) * gu[model.inter:]
+                ref[t] += weights[t, j] * (dequantize_block_fp8(experts.w2[e], experts.w2_scales[e])
+                                           @ quantized(h[None])[0])
+        err = rel(a[:CHECK_TOKENS], ref)
+        text += f", vs fp32 {err:.2e}"
+        if not err < REL_TOL:
+            raise SystemExit(f"moe_experts disagrees with the fp32 computation: {err:.3g} ({model.name})")
+    return text
+
+
+def rel(got, ref):
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def bench_gemms(model, experts, x, ids, lines):
+    """The two grouped GEMMs of moe_experts alone (prefill shape) and _scaled_mm on dense equivalents."""
+    config = moe.PREFILL_CONFIG
+    d, i, n_slots = model.hidden, model.inter, ids.numel()
+    row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
+    rows = row_token.numel()
+    a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4")
+    h = torch.empty((rows, i), dtype=torch.float8_e4m3fn, device=DEVICE)
+    h_scales = torch.empty((rows, i // 128), device=DEVICE)
+    y = torch.empty((rows, d), dtype=torch.bfloat16, device=DEVICE)
+    fp4 = experts.format == "fp4"
+    runs = {
+        "gate/up + SwiGLU": (2 * i, d, lambda: moe._grouped_gemm(
+            a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, fp4=fp4,
+            swiglu=True, limit=model.limit, n_experts=model.experts, config=config)),
+        "down": (d, i, lambda: moe._grouped_gemm(
+            h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, fp4=fp4, swiglu=False,
+            limit=None, n_experts=model.experts, config=config)),
+    }
+    for name, (n, k, fn) in runs.items():
+        flops = 2 * n_slots * n * k
+        ms = bench_ms(fn)
+        dense = "-"
+        ratio = None
+        if uses_scaled_mm(n_slots, n, k, x.device):
+            da, da_scales = quantize_act_fp8(torch.randn(n_slots, k, device=DEVICE))
+            dw, dw_scales = quantize_block_fp8(torch.randn(n, k, device=DEVICE))
+            out = torch.empty((n_slots, n), dtype=torch.bfloat16, device=DEVICE)
+            mm_ms = bench_ms(lambda: scaled_mm_blockwise(da, da_scales, dw, dw_scales, out))
+            dense = f"{flops / mm_ms / 1e9:.0f} ({mm_ms:.3f})"
+            ratio = mm_ms / ms
+            del da, dw, out
+        target = "-"
+        if model.fmt == "fp8" and name.startswith("gate") and ids.shape[0] == PREFILL_T:
+            met = flops / ms / 1e9 >= TARGET_TFLOPS and ratio is not None and ratio >= TARGET_VS_SCALED_MM
+            target = "met" if met else "MISSED"
+        row = (f"| {model.name} | {ids.shape[0]} | {name} | {n_slots} x {n} x {k} | {flops / ms / 1e9:.0f} ({ms:.3f}) | "
+               f"{dense} | {f'{ratio:.2f}x' if ratio else '-'} | {target} |")
+        lines.append(row)
+        print(row, flush=True)
+
+
+def parse_config(text: str) -> moe.MoeConfig:
+    """"block_m,num_warps,num_stages[,swap]" -> a MoeConfig (block_n 128)."""
+    parts = text.split(",")
+    block_m, num_warps, num_stages = (int(p) for p in parts[:3])
+    return moe.MoeConfig(block_m=block_m, swap_ab=parts[3:] == ["swap"], num_warps=num_warps, num_stages=num_stages)
+
+
+def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines):
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    experts = random_experts(model, gen)
+    per_expert = experts.nbytes // experts.n_experts
+    shared = (quantize_block_fp8(0.02 * torch.randn(2 * model.inter, model.hidden, generator=gen, device=DEVICE)),
+              quantize_block_fp8(0.02 * torch.randn(model.hidden, model.inter, generator=gen, device=DEVICE)))
+    shared_bytes = sum(w.numel() + s.numel() * 4 for w, s in shared)
+    checked = False
+    for n_tokens in tokens:
+        logits, bias, routing = route(model, n_tokens, gen)
+        weights, ids = routing()
+        route_us = 1e3 * bench_ms(routing)
+        route_lines.append(f"| {model.name} | {n_tokens} | {route_us:.1f} |")
+        print(route_lines[-1], flush=True)
+        x = torch.randn(n_tokens, model.hidden, generator=gen, device=DEVICE).bfloat16()
+        if not checked and n_tokens >= CHECK_TOKENS:
+            lines.append(f"Check {model.name} at T = {n_tokens}: {check(model, experts, x, ids, weights)}")
+            print(lines[-1], flush=True)
+            checked = True
+        run = lambda: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit)   # noqa: E731
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+        ms = bench_ms(run)
+        variants = ", ".join(f"{text}: {bench_ms(lambda c=config: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=c)):.3f}"
+                             for text, config in configs) or "-"
+        active = int(torch.unique(ids).numel())
+        nbytes = active * per_expert
+        flops = 2 * ids.numel() * 3 * model.hidden * model.inter
+        layer = "-"
+        if n_tokens == 1:
+            x_fp8, x_scales = quantize_act_fp8(x)
+            gu = fp8_gemm(x_fp8, x_scales, *shared[0])
+            h_fp8, h_scales = quantize_act_fp8(torch.nn.functional.silu(gu[:, :model.inter]) * gu[:, model.inter:])
+            shared_ms = bench_ms(lambda: fp8_gemm(x_fp8, x_scales, *shared[0])) \
+                + bench_ms(lambda: fp8_gemm(h_fp8, h_scales, *shared[1]))
+            layer_gbps = (nbytes + shared_bytes) / (ms + shared_ms) / 1e6
+            met = "met" if layer_gbps >= TARGET_DECODE_GBPS else "MISSED"
+            layer = f"{layer_gbps:.0f} ({active} + 1 experts, {(nbytes + shared_bytes) / 1e6:.0f} MB; {met})"
+        row = (f"| {model.name} | {n_tokens} | {ms:.3f} | {flops / ms / 1e9:.1f} ({flops / ms / 1e9 / tflops_ceiling:.2f}) | "
+               f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f}) | {active} | {layer} | {peak_mb:.0f} | {variants} |")
+        lines.append(row)
+        print(row, flush=True)
+        if n_tokens == PREFILL_T:
+            bench_gemms(model, experts, x, ids, gemm_lines)
+        del x, logits, weights, ids
+    del experts, shared
+    torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="-", help="markdown report file (default: stdout)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
+    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap]")
+    args = parser.parse_args()
+    configs = [(text, parse_config(text)) for text in args.configs]
+    tflops, gbps = measure_ceilings()
+    name = torch.cuda.get_device_name()
+    lines = [f"# MoE kernels on {name} ({datetime.date.today()})", "",
+             f"Ceilings (this run): bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbps:.0f} GB/s.", "",
+             "## Expert block (moe_experts)", "",
+             "| model | T | ms | TFLOP/s (x matmul ceiling) | weights GB/s (x copy ceiling) | active experts | "
+             f"decode layer GB/s with the shared expert (target >= {TARGET_DECODE_GBPS}) | peak MB | --configs ms |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    gemm_lines = ["", "## Grouped GEMMs (prefill shape) vs torch._scaled_mm on the dense GEMM of the same size", "",
+                  "| model | T | GEMM | M x N x K | grouped TFLOP/s (ms) | _scaled_mm TFLOP/s (ms) | ratio | "
+                  f"target (>= {TARGET_TFLOPS}, >= {TARGET_VS_SCALED_MM}x) |", "|---|---:|---|---|---:|---:|---:|---|"]
+    route_lines = ["", "## Routing (route_topk, 256 experts)", "", "| model | T | us |", "|---|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    for model in MODELS:
+        if model.name in args.models:
+            bench_model(model, args.tokens, configs, tflops, gbps, lines, gemm_lines, route_lines)
+    write_report("\n".join(lines + gemm_lines + route_lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
