@@ -54,6 +54,17 @@ def _hooked(runtime) -> bool:
 _current = []   # [get_current_device, get_current_stream] of the active driver, bound at the first direct launch
 
 
+def _direct(handle):
+    """(launch function, its leading arguments after the stream) of a compiled kernel: its launcher's C
+    function itself when the kernel needs no global or profile scratch (else the launcher, which
+    allocates them per launch)."""
+    launcher = handle.run
+    if getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0:
+        return launcher.launch, (handle.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                                 handle.packed_metadata, None, None, None)
+    return launcher, (handle.function, handle.packed_metadata, None, None, None)
+
+
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict, compiled: dict) -> None:
     """Run kernel[grid](*args, **kwargs).
 
@@ -64,10 +75,10 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict, compiled: dict) -> No
     launch while Triton's launch hooks (a profiler's) are set."""
     entry = compiled.get(id(kernel))
     if entry is not None and entry[0] is kernel and not _hooked(knobs.runtime):
-        handle, constexprs = entry[1], entry[2]
+        _, run, leading, constexprs = entry
         device, stream = _current
-        handle.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream(device()),
-                   handle.function, handle.packed_metadata, None, None, None, *args, *constexprs)
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream(device()), *leading,
+            *args, *constexprs)
         return
     handle = kernel[grid](*args, **kwargs)
     if isinstance(kernel, JITFunction) and handle is not None:
@@ -75,4 +86,4 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict, compiled: dict) -> No
             _current.extend((driver.active.get_current_device, driver.active.get_current_stream))
         # The launcher takes every parameter in order, the constexprs included (it skips their values).
         constexprs = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
-        compiled[id(kernel)] = (kernel, handle, constexprs)
+        compiled[id(kernel)] = (kernel, *_direct(handle), constexprs)

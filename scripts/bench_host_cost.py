@@ -19,6 +19,8 @@ minute once the kernels are compiled (tiny shapes).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -164,12 +166,25 @@ def time_graph(fn, calls: int, per_graph: int) -> float:
     return (time.perf_counter() - start) / (replays * per_graph) * 1e6
 
 
+def profile(fn, calls: int) -> None:
+    """Print where `calls` calls of fn spend their host time, by function (cProfile's own time first)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--per-graph", type=int, default=20, help="calls captured in one graph")
     parser.add_argument("--only", choices=sorted(GROUPS), action="append", help="groups to run (default all)")
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each row, the Python functions its calls spend their host time in (cProfile)")
     args = parser.parse_args()
     lines = [f"GPU: {torch.cuda.get_device_name()}; {args.calls} calls a row; graph: {args.per_graph} calls a "
              "graph", "", "| function | case | host µs / call | eager µs / call | graph µs / call | eager / graph |",
@@ -193,6 +208,8 @@ def main() -> None:
                 row = f"| {name} | {case} | error: {type(error).__name__}: {str(error)[:120]} | | | |"
             lines.append(row)
             print(row, flush=True)
+            if args.profile and not isinstance(fn, Exception):
+                profile(fn, args.calls)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -86,11 +86,15 @@ def test_launch_reuses_the_compiled_kernel_with_every_parameter_in_order(monkeyp
     launch hooks (a profiler's) and kernels that are not JITFunctions always take kernel[grid]."""
     launched = []
 
-    class Compiled:
-        function, packed_metadata = "function", "metadata"
+    class Launcher:   # a compiled kernel's launcher: its C function when the kernel needs no scratch
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = "cooperative", "pdl"
 
-        def run(self, *args):
+        def launch(self, *args):
             launched.append(("direct", args))
+
+    class Compiled:
+        function, packed_metadata, run = "function", "metadata", Launcher()
 
     class ToyJIT(JITFunction):
         def __getitem__(self, grid):
@@ -102,7 +106,8 @@ def test_launch_reuses_the_compiled_kernel_with_every_parameter_in_order(monkeyp
     _launch.launch(kernel, (5, 2), ("x0", 16), options, compiled)
     _launch.launch(kernel, (6,), ("x1", 16), options, compiled)
     assert launched == [("jit", (5, 2), ("x0", 16), options),
-                        ("direct", (6, 1, 1, "stream of 3", "function", "metadata", None, None, None, "x1", 16, 1, 7))]
+                        ("direct", (6, 1, 1, "stream of 3", "function", "cooperative", "pdl", None, None, "metadata",
+                                    None, None, None, "x1", 16, 1, 7))]
     hook = lambda metadata: None   # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
