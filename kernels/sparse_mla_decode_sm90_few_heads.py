@@ -142,7 +142,10 @@ def _store_out_t(acc_t, inv, out_row, stride_o_h, col0, head0, h_q):
 def program_heads(h_q: int):
     """The heads a program of this kernel takes for h_q query heads: h_q rounded up to one of HEADS, or
     None above them (the 64-head kernel's case)."""
-    return next((heads for heads in HEADS if h_q <= heads), None)
+    for heads in HEADS:
+        if h_q <= heads:
+            return heads
+    return None
 
 
 def launch(grid, args, split: bool, padded_blocks: bool, heads: int, compiled: dict) -> None:
