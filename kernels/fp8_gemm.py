@@ -579,7 +579,7 @@ def fp8_gemm(
     a, b = _aligned_rows(a), _aligned_rows(b)
     if config is None:
         path = default_path(m, n, k, a.device, out_dtype)
-        config = {"stream": STREAM_CONFIG, "tiles": default_config(m)}.get(path)
+        config = STREAM_CONFIG if path == "stream" else default_config(m) if path == "tiles" else None
     if isinstance(config, StreamConfig):
         _stream(a, a_scales, b, b_scales, out, config, compiled)
     elif isinstance(config, Fp8GemmConfig):
