@@ -351,8 +351,8 @@ def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, devi
     enough splits to give every SM a program, each split keeping >= 4 k blocks to pipeline)."""
     split = config.split_k
     if split is None:
-        split = max(1, min(triton.cdiv(_num_sms(device), tiles), n_k_blocks // 4))
-    return triton.cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+        split = max(1, min(cdiv(_num_sms(device), tiles), n_k_blocks // 4))
+    return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 
 def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int, device: torch.device) -> int:
@@ -406,10 +406,10 @@ def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, compiled: dict)
 def _tiles(a, a_scales, b, b_scales, out, config: Fp8GemmConfig) -> None:
     """out = the product by the tile kernel; a and b TMA-ready (_aligned_rows)."""
     (m, k), n = a.shape, b.shape[0]
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    n_k_blocks = cdiv(k, BLOCK_K)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     per_split = _k_blocks_per_split(config, tiles, n_k_blocks, a.device)
-    splits = triton.cdiv(n_k_blocks, per_split)
+    splits = cdiv(n_k_blocks, per_split)
     dest = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     dest_strides = (0, *out.stride()) if splits == 1 else dest.stride()
     _fp8_gemm_kernel[(tiles, splits)](
@@ -606,7 +606,7 @@ def _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out) -> None:
         raise InputError(f"a is [M, K] = {list(a.shape)} but b is [N, K] = {list(b.shape)}: K differs")
     if k % 16:
         raise InputError(f"K = {k} must be a multiple of 16 (the fp8 rows must be 16-byte aligned)")
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
+    n_k_blocks = cdiv(k, BLOCK_K)
     _check_operand("a", a, a_scales, (m, n_k_blocks))
     _check_operand("b", b, b_scales, block_scale_shape(b.shape))
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
