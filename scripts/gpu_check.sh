@@ -8,8 +8,9 @@
 # v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
 #               through the Gluon and the portable kernel), then bench_decode.py's V4 table
 # host-cost:    scripts/bench_host_cost.py (host µs per call of each public kernel function, eager beside
-#               CUDA-graph replay), then with CUDA tensors the tests of the functions whose later calls
-#               launch compiled kernels directly (decode, prefill, the V32 cache writer)
+#               CUDA-graph replay; the decode rows again with where their host time goes, by function),
+#               then with CUDA tensors the tests of the functions whose later calls launch compiled
+#               kernels directly (decode, prefill, the V32 cache writer)
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
@@ -59,6 +60,7 @@ for stage in "$@"; do
       run bench-decode-v4 python3 scripts/bench_decode.py --cases v4 --out "$OUT/decode_v4.md" ;;
     host-cost)
       run host-cost python3 scripts/bench_host_cost.py --out "$OUT/host_cost.md"
+      run host-cost-profile python3 scripts/bench_host_cost.py --only decode --calls 300 --profile
       run launch-tests python3 -m pytest -q tests/test_decode_launch.py tests/test_sparse_mla_decode.py \
                        tests/test_sparse_mla_prefill.py tests/test_kv_cache_fp8.py ;;
     bench)
