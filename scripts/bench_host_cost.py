@@ -24,7 +24,9 @@ import pstats
 import time
 
 import torch
+from triton import knobs
 
+from minirt.kernels import _launch
 from minirt.kernels import (fp8_gemm, indexer_topk, lightning_indexer_scores, mla_decode_fp8, mla_query_absorb,
                             mla_value_proj_fp8, new_index_cache, new_kv_cache, new_model1_cache, paged_indexer_scores,
                             positions_to_slots, quantize_act_fp8, sparse_mla_decode_fp8, sparse_mla_prefill,
@@ -186,8 +188,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="after each row, the Python functions its calls spend their host time in (cProfile)")
     args = parser.parse_args()
+    # (Triton's launch hooks, a profiler's, send every launch through its dispatch: kernels/_launch.py.)
     lines = [f"GPU: {torch.cuda.get_device_name()}; {args.calls} calls a row; graph: {args.per_graph} calls a "
-             "graph", "", "| function | case | host µs / call | eager µs / call | graph µs / call | eager / graph |",
+             f"graph; Triton launch hooks set: {_launch._hooked(knobs.runtime)}", "", "| function | case | host µs / call | eager µs / call | graph µs / call | eager / graph |",
              "|---|---|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     for group in args.only or list(GROUPS):
