@@ -31,10 +31,11 @@
   for torch.compile (see ``ops``).
 
 On sm_90 GPUs the two attention functions dispatch to Gluon kernels (``sparse_mla_prefill_sm90``;
-for the V32 cache ``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two consumers meeting
-at mbarriers; the decode producer dequantises the fp8 cache; ``sparse_mla_decode_sm90_few_heads`` for up
-to 32 heads: keys on the MMAs' M side, one consumer, two producers) with the same semantics; everywhere
-else the portable Triton kernels run.
+for the V32 cache ``sparse_mla_decode_sm90``: warp-specialised, a producer filling key blocks and two
+consumers meeting at mbarriers; the decode producer dequantises the fp8 cache;
+``sparse_mla_decode_sm90_few_heads`` for up to 32 heads: keys on the MMAs' M side, one consumer, two
+producers; for the MODEL1 cache ``sparse_mla_decode_model1_sm90``: both of these over its format) with
+the same semantics; everywhere else the portable Triton kernels run.
 
 Without a GPU the kernels run under the Triton interpreter; it must be chosen before any kernel is
 defined, hence it is chosen here, first (``interpreter``: also when triton was imported before minirt).

@@ -1,4 +1,5 @@
 """Shared switches, checks and Triton helpers of the kernels."""
+import functools
 import os
 
 import torch
@@ -17,6 +18,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # uses minirt.formats itself (a constexpr argument would be compiled in, not passed).
 LOG2E = tl.constexpr(formats.LOG2E)
 LN2 = tl.constexpr(formats.LN2)
+
+
+@functools.cache
+def is_sm90(device: torch.device) -> bool:
+    """Whether device is an sm_90 (Hopper) GPU (queried once: the query takes µs)."""
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def check_device(tensors: dict) -> None:

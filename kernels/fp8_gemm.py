@@ -42,6 +42,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
+from ._launch import cdiv, described, launch, per_signature
 
 # One k block of the product = one activation group = one weight block column (all 128 wide).
 BLOCK_K = FP8_GROUP
@@ -83,13 +84,7 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         minirt.errors.InputError: wrong rank, dtype, K, or a device the kernels cannot use.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise InputError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise InputError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.shape[1] % FP8_GROUP:
-        raise InputError(f"K = {x.shape[1]} must be a multiple of {FP8_GROUP} (one scale per {FP8_GROUP} values)")
-    check_device({"x": x})
+    compiled = per_signature(_QUANTISATIONS, lambda: described(x), lambda: _check_act(x) or {})
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -97,10 +92,24 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
     if x.numel() > 0:
-        _quantize_act_kernel[(m, triton.cdiv(n_groups, _QUANT_GROUPS))](
-            x, x_fp8.view(torch.uint8), scales, n_groups, x.stride(0), k, n_groups,
-            GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT)
+        launch(_quantize_act_kernel, (m, cdiv(n_groups, _QUANT_GROUPS)),
+               (x, x_fp8.view(torch.uint8), scales, n_groups, x.stride(0), k, n_groups),
+               dict(GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT), compiled)
     return x_fp8, scales
+
+
+# Call signature of quantize_act_fp8 (x's class, dtype, shape, strides, device, alignment) -> its compiled kernel.
+_QUANTISATIONS: dict = {}
+
+
+def _check_act(x) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise InputError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.shape[1] % FP8_GROUP:
+        raise InputError(f"K = {x.shape[1]} must be a multiple of {FP8_GROUP} (one scale per {FP8_GROUP} values)")
+    check_device({"x": x})
 
 
 @dataclass(frozen=True)
@@ -342,19 +351,19 @@ def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, devi
     enough splits to give every SM a program, each split keeping >= 4 k blocks to pipeline)."""
     split = config.split_k
     if split is None:
-        split = max(1, min(triton.cdiv(_num_sms(device), tiles), n_k_blocks // 4))
-    return triton.cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+        split = max(1, min(cdiv(_num_sms(device), tiles), n_k_blocks // 4))
+    return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 
 def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int, device: torch.device) -> int:
     """k blocks per stream program: config.split_k splits, or (None) enough for STREAM_PROGRAMS_PER_SM
     programs per SM within the limits set out at STREAM_PROGRAMS_PER_SM."""
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
+    n_k_blocks = cdiv(k, BLOCK_K)
     split = config.split_k
     if split is None:
-        split = min(triton.cdiv(STREAM_PROGRAMS_PER_SM * _num_sms(device), tiles),
+        split = min(cdiv(STREAM_PROGRAMS_PER_SM * _num_sms(device), tiles),
                     n_k_blocks // _STREAM_MIN_K_BLOCKS, k // (_STREAM_PARTIAL_SHARE * 8 * m))
-    return triton.cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+    return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 
 # Split-K arrival counters per (device, stream): zero between launches (the last program of a row
@@ -371,35 +380,36 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-def _stream(a, a_scales, b, b_scales, out, config: StreamConfig) -> None:
-    """out = the product by the stream kernel; a [M <= STREAM_MAX_M, K] and b with unit stride along K."""
+def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, compiled: dict) -> None:
+    """out = the product by the stream kernel; a [M <= STREAM_MAX_M, K] and b with unit stride along K;
+    compiled: the call signature's compiled kernel (minirt.kernels._launch.launch)."""
     (m, k), n = a.shape, b.shape[0]
-    tiles = triton.cdiv(n, config.block_n)
+    tiles = cdiv(n, config.block_n)
     per_split = _stream_k_blocks_per_split(config, m, k, tiles, a.device)
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
-    splits = triton.cdiv(n_k_blocks, per_split)
+    n_k_blocks = cdiv(k, BLOCK_K)
+    splits = cdiv(n_k_blocks, per_split)
     partials = arrivals = out      # unread placeholders without split-K
     if splits > 1:
         partials = torch.empty((splits, tiles * config.block_n, m), dtype=torch.float32, device=a.device)
         arrivals = _arrival_counters(a.device, tiles)
-    _fp8_stream_kernel[(tiles, splits)](
+    launch(_fp8_stream_kernel, (tiles, splits), (
         a, a_scales, b, b_scales, out, partials, arrivals,
         m, n, k, n_k_blocks, per_split,
         a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
-        b_scales.stride(1), out.stride(0), out.stride(1),
+        b_scales.stride(1), out.stride(0), out.stride(1)), dict(
         BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
         INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
         INTERPRETED_SPLITS=splits if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages), compiled)
 
 
 def _tiles(a, a_scales, b, b_scales, out, config: Fp8GemmConfig) -> None:
     """out = the product by the tile kernel; a and b TMA-ready (_aligned_rows)."""
     (m, k), n = a.shape, b.shape[0]
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    n_k_blocks = cdiv(k, BLOCK_K)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     per_split = _k_blocks_per_split(config, tiles, n_k_blocks, a.device)
-    splits = triton.cdiv(n_k_blocks, per_split)
+    splits = cdiv(n_k_blocks, per_split)
     dest = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     dest_strides = (0, *out.stride()) if splits == 1 else dest.stride()
     _fp8_gemm_kernel[(tiles, splits)](
@@ -555,6 +565,40 @@ def fp8_gemm(
             shapes, a bad ``out`` or ``config`` (a StreamConfig with M > 16), or tensors on a device
             the kernels cannot use (CPU without TRITON_INTERPRET=1; CUDA GPUs before sm_90).
     """
+    compiled = per_signature(_GEMMS, lambda: (
+        described(a), described(a_scales), described(b), described(b_scales), described(out), out_dtype,
+        config.__class__, config), lambda: _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out) or {})
+    (m, k), n = a.shape, b.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+
+    a, b = _aligned_rows(a), _aligned_rows(b)
+    if config is None:
+        path = default_path(m, n, k, a.device, out_dtype)
+        config = STREAM_CONFIG if path == "stream" else default_config(m) if path == "tiles" else None
+    if isinstance(config, StreamConfig):
+        _stream(a, a_scales, b, b_scales, out, config, compiled)
+    elif isinstance(config, Fp8GemmConfig):
+        _tiles(a, a_scales, b, b_scales, out, config)
+    else:
+        rows = m - m % SCALED_MM_ROWS
+        scaled_mm_blockwise(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
+        if rows < m:
+            _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG, compiled)
+    return out
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; out_dtype; config)
+# -> the compiled stream kernel: a signature seen before passed the checks and launches it directly.
+_GEMMS: dict = {}
+
+
+def _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out) -> None:
+    """fp8_gemm's input checks (InputError)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 2 or b.dim() != 2:
         raise InputError("a and b must be 2-D tensors [M, K] and [N, K]")
     (m, k), (n, k_b) = a.shape, b.shape
@@ -562,7 +606,7 @@ def fp8_gemm(
         raise InputError(f"a is [M, K] = {list(a.shape)} but b is [N, K] = {list(b.shape)}: K differs")
     if k % 16:
         raise InputError(f"K = {k} must be a multiple of 16 (the fp8 rows must be 16-byte aligned)")
-    n_k_blocks = triton.cdiv(k, BLOCK_K)
+    n_k_blocks = cdiv(k, BLOCK_K)
     _check_operand("a", a, a_scales, (m, n_k_blocks))
     _check_operand("b", b, b_scales, block_scale_shape(b.shape))
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -582,24 +626,4 @@ def fp8_gemm(
     check_device(tensors)
     if a.device.type == "cuda" and _capability(a.device) < (9, 0):
         raise InputError("fp8_gemm needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")
-    if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
 
-    a, b = _aligned_rows(a), _aligned_rows(b)
-    if config is None:
-        path = default_path(m, n, k, a.device, out_dtype)
-        config = {"stream": STREAM_CONFIG, "tiles": default_config(m)}.get(path)
-    if isinstance(config, StreamConfig):
-        _stream(a, a_scales, b, b_scales, out, config)
-    elif isinstance(config, Fp8GemmConfig):
-        _tiles(a, a_scales, b, b_scales, out, config)
-    else:
-        rows = m - m % SCALED_MM_ROWS
-        scaled_mm_blockwise(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
-        if rows < m:
-            _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG)
-    return out

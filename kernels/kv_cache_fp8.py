@@ -29,6 +29,7 @@ from minirt.errors import InputError
 
 from ._common import check_device, check_tensors
 from ._fp8 import pow2_quantize_rows
+from ._launch import cdiv, described, launch, per_signature
 
 # The layout and the scale rule in the form @triton.jit code reads (here and in sparse_mla_decode).
 D_LAT = tl.constexpr(formats.KV_LATENT_DIM)
@@ -219,6 +220,29 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
     Raises:
         minirt.errors.InputError: wrong dtypes/shapes, mismatched batch or devices.
     """
+    geometry, compiled = per_signature(
+        _MAPPINGS, lambda: (described(positions), described(block_table), described(kv_cache)),
+        lambda: (_checked_mapping(positions, block_table, kv_cache), {}))
+    batch = positions.shape[0]
+    flat = positions.reshape(batch, -1).contiguous()
+    slots = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
+    n_per_row = flat.shape[1]
+    if flat.numel() > 0:
+        table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+        block = 256
+        launch(_positions_to_slots_kernel, (batch, cdiv(n_per_row, block)),
+               (flat, table, slots, n_per_row, table.shape[1], geometry.block_size, geometry.num_blocks,
+                table.stride(0)), dict(BLOCK=block), compiled)
+    return slots.view(positions.shape)
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> (the cache's
+# geometry, the compiled kernel): a signature seen before passed the checks.
+_MAPPINGS: dict = {}
+
+
+def _checked_mapping(positions, block_table, kv_cache) -> CacheGeometry:
+    """positions_to_slots' input checks (InputError); the cache's geometry."""
     geometry = cache_geometry(kv_cache)
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) \
             or positions.dim() < 1:
@@ -230,17 +254,7 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
         raise InputError(f"block_table has {block_table.shape[0]} rows but positions has batch "
                          f"{positions.shape[0]}")
     check_device({"positions": positions, "block_table": block_table, "kv_cache": kv_cache})
-    batch = positions.shape[0]
-    flat = positions.reshape(batch, -1).contiguous()
-    slots = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
-    n_per_row = flat.shape[1]
-    if flat.numel() > 0:
-        table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-        block = 256
-        _positions_to_slots_kernel[(batch, triton.cdiv(n_per_row, block))](
-            flat, table, slots, n_per_row, table.shape[1], geometry.block_size, geometry.num_blocks,
-            table.stride(0), BLOCK=block)
-    return slots.view(positions.shape)
+    return geometry
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,12 +300,9 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
     Raises:
         minirt.errors.InputError: wrong dtype/shape/device.
     """
-    geometry = cache_geometry(kv_cache)
-    _check_token_inputs(latent, k_rope)
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
-            or slots.shape != latent.shape[:-1]:
-        raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(latent.shape[:-1])}")
-    check_device({"latent": latent, "k_rope": k_rope, "slots": slots, "kv_cache": kv_cache})
+    geometry, compiled = per_signature(
+        _WRITES, lambda: (described(kv_cache), described(latent), described(k_rope), described(slots)),
+        lambda: (_checked_write(kv_cache, latent, k_rope, slots), {}))
     latent = latent.reshape(-1, formats.KV_LATENT_DIM)
     rope = k_rope.reshape(-1, formats.KV_ROPE_DIM).view(torch.int16)
     slots = slots.reshape(-1).contiguous()
@@ -301,6 +312,22 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
         rope = rope.contiguous()
     if slots.numel() == 0:
         return
-    _write_kv_fp8_kernel[(slots.numel(),)](
-        kv_cache, latent, rope, slots, geometry.block_size, geometry.num_slots,
-        geometry.block_stride, latent.stride(0), rope.stride(0))
+    launch(_write_kv_fp8_kernel, (slots.numel(),), (kv_cache, latent, rope, slots, geometry.block_size,
+                                                     geometry.num_slots, geometry.block_stride, latent.stride(0),
+                                                     rope.stride(0)), {}, compiled)
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> (the cache's
+# geometry, the writer's compiled kernel): a signature seen before passed the checks.
+_WRITES: dict = {}
+
+
+def _checked_write(kv_cache, latent, k_rope, slots) -> CacheGeometry:
+    """write_kv_fp8's input checks (InputError); the cache's geometry."""
+    geometry = cache_geometry(kv_cache)
+    _check_token_inputs(latent, k_rope)
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
+            or slots.shape != latent.shape[:-1]:
+        raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(latent.shape[:-1])}")
+    check_device({"latent": latent, "k_rope": k_rope, "slots": slots, "kv_cache": kv_cache})
+    return geometry

@@ -34,6 +34,7 @@ from minirt.errors import InputError
 
 from ._common import check_device, check_tensors
 from ._fp8 import pow2_quantize_rows
+from ._launch import described, launch, per_signature
 from .kv_cache_fp8 import CacheGeometry
 
 # The layout in the form @triton.jit code reads (here and in sparse_mla_decode).
@@ -282,6 +283,25 @@ def write_kv_model1(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
     Raises:
         minirt.errors.InputError: wrong dtype/shape/device.
     """
+    geometry, compiled = per_signature(_WRITES, lambda: (described(kv_cache), described(kv), described(slots)),
+                                       lambda: (_checked_write(kv_cache, kv, slots), {}))
+    kv = kv.reshape(-1, formats.MODEL1_DIM)
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    slots = slots.reshape(-1).contiguous()
+    if slots.numel() == 0:
+        return
+    launch(_write_kv_model1_kernel, (slots.numel(),), (kv_cache, kv, slots, geometry.block_size, geometry.num_slots,
+                                                        geometry.block_stride, kv.stride(0)), {}, compiled)
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> (the cache's
+# geometry, the writer's compiled kernel): a signature seen before passed the checks.
+_WRITES: dict = {}
+
+
+def _checked_write(kv_cache, kv, slots) -> CacheGeometry:
+    """write_kv_model1's input checks (InputError); the cache's geometry."""
     geometry = model1_cache_geometry(kv_cache)
     _check_kv(kv)
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
@@ -289,11 +309,4 @@ def write_kv_model1(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
         raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(kv.shape[:-1])}, got "
                          f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
     check_device({"kv": kv, "slots": slots, "kv_cache": kv_cache})
-    kv = kv.reshape(-1, formats.MODEL1_DIM)
-    if kv.stride(1) != 1:
-        kv = kv.contiguous()
-    slots = slots.reshape(-1).contiguous()
-    if slots.numel() == 0:
-        return
-    _write_kv_model1_kernel[(slots.numel(),)](kv_cache, kv, slots, geometry.block_size, geometry.num_slots,
-                                              geometry.block_stride, kv.stride(0))
+    return geometry

@@ -29,6 +29,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
+from ._launch import cdiv, described, launch, per_signature
 
 WEIGHT_BLOCK = DEFAULT_BLOCK[0]
 BLOCK_O = FP8_GROUP      # output columns per program: one activation group of the quantised output
@@ -123,18 +124,25 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
     starts = reduce if transposed else math.gcd(nope + v_dim, reduce)
     chunk = min(WEIGHT_BLOCK, starts & -starts)
     # Prefill: 128 tokens over two warpgroups; decode (few tokens): the smallest tile the MMA takes.
-    block_t = 128 if n_tokens > 64 else max(16, triton.next_power_of_2(n_tokens))
+    block_t = 128 if n_tokens > 64 else max(16, 1 << (n_tokens - 1).bit_length())
     quantize = out_scales is not None
-    grid = (triton.cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O)
-    _mla_head_proj_kernel[grid](
+    grid = (cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O)
+    # (Its compiled kernel per call signature: later calls skip Triton's dispatch, see _launch.launch.)
+    compiled = per_signature(_PROJECTIONS, lambda: (
+        described(x), described(kv_b_weight), described(kv_b_scale), nope, v_dim, transposed, described(out),
+        described(out_scales)), dict)
+    launch(_mla_head_proj_kernel, grid, (
         x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
         out_scales if quantize else out,
         n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0), kv_b_scale.stride(1),
-        out.stride(0), n_out if quantize else out.stride(1), out_scales.stride(0) if quantize else 0,
+        out.stride(0), n_out if quantize else out.stride(1), out_scales.stride(0) if quantize else 0), dict(
         HEAD_ROWS=nope + v_dim, ROW_OFFSET=nope if transposed else 0, REDUCE=reduce, CHUNK=chunk,
         BLOCK_T=block_t, BLOCK_O=BLOCK_O, SCALE_BLOCK=WEIGHT_BLOCK, TRANSPOSED=transposed,
         QUANTIZE_OUT=quantize, MIN_EXPONENT=ACT_MIN_EXPONENT, INTERPRETED=INTERPRET,
-        num_warps=8 if block_t == 128 else 4, num_stages=3)
+        num_warps=8 if block_t == 128 else 4, num_stages=3), compiled)
+
+
+_PROJECTIONS: dict = {}   # call signature -> the compiled kernel (_launch.launch's cache)
 
 
 def mla_value_proj_fp8(

@@ -11,10 +11,11 @@ The kernels gather each query row's top-k cache slots straight from the cache by
 scale in registers (exact in bf16), and run a base-2 online softmax over chunks of BLOCK_N slots; there
 is no bf16 copy of the cache. When the batch is too small to fill the GPU, each row's top-k (both
 sources', as one list) is split across programs and the partial (out, lse) are merged by lse in a
-second kernel. On sm_90 GPUs the default V32 launch runs a Gluon kernel instead:
-sparse_mla_decode_sm90's (64 heads a program) or, up to 32 heads, sparse_mla_decode_sm90_few_heads's
-(same semantics, same split/merge; uses_sm90_kernel decides); elsewhere, and for an explicit
-DecodeConfig, the portable Triton kernels here run. The kernels of one layout take the same runtime
+second kernel. On sm_90 GPUs the default launch runs a Gluon kernel instead: for V32
+sparse_mla_decode_sm90's (64 heads a program) or, up to 32 heads, sparse_mla_decode_sm90_few_heads's,
+for MODEL1 sparse_mla_decode_model1_sm90's (both head counts; same semantics, same split/merge;
+uses_sm90_kernel decides); elsewhere, and for an explicit DecodeConfig, the portable Triton kernels
+here run. The kernels of one layout take the same runtime
 arguments, built once by sparse_mla_decode_fp8.
 
 Public entry points: ``mla_decode_fp8`` (what the runtime calls per layer and step: block table +
@@ -32,10 +33,12 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
+from . import sparse_mla_decode_model1_sm90 as model1_sm90
 from . import sparse_mla_decode_sm90 as sm90
 from . import sparse_mla_decode_sm90_few_heads as sm90_few_heads
 from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, check_tensors, softmax_rows,
                       softmax_step)
+from ._launch import cdiv, described, launch, per_signature
 from .kv_cache_fp8 import (D_LAT, D_ROPE, ROPE_AT, SCALES_AT, TILE, TILES, TOKEN_BYTES, cache_geometry,
                            positions_to_slots)
 from .kv_cache_model1 import M1_NOPE, M1_ROPE, M1_TILE, M1_TILES, model1_cache_geometry, model1_entry_addresses
@@ -237,15 +240,7 @@ def _gather_model1(data, scales, valid, dot_dtype: tl.constexpr):
     return tl.reshape(kv, (data.shape[0], M1_NOPE + M1_ROPE))
 
 
-# MODEL1 kernel parameters left unspecialised (as sparse_mla_decode_sm90.RUNTIME_ARGS for V32).
-MODEL1_RUNTIME_ARGS = [
-    "s_q", "h_q", "n_head_blocks", "topk", "extra_topk", "split_len", "block_size", "num_slots", "block_stride_16",
-    "extra_block_size", "extra_num_slots", "extra_block_stride_16", "has_topk_length", "has_extra_topk_length",
-    "has_sink", "stride_i_b", "stride_i_s", "stride_ei_b", "stride_ei_s", "stride_l_split", "stride_l_b",
-    "stride_l_s", "stride_l_h"]
-
-
-@triton.jit(do_not_specialize=MODEL1_RUNTIME_ARGS)
+@triton.jit(do_not_specialize=model1_sm90.RUNTIME_ARGS)
 def _sparse_decode_model1_kernel(
     q_ptr, cache_ptr, indices_ptr, topk_length_ptr, extra_cache_ptr, extra_indices_ptr, extra_topk_length_ptr,
     batch_order_ptr, sink_ptr, out_ptr, lse_ptr,
@@ -307,41 +302,67 @@ _ORDER_BLOCK = 128   # sequences a program of the ordering kernel ranks, and com
 
 
 @triton.jit
-def _longest_first_kernel(lengths_ptr, order_ptr, n, topk, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
+def _used_of(seq, n, lengths_ptr, width, has_lengths, BLOCK: tl.constexpr):
+    """The entries of one top-k list that sequences seq [BLOCK] use: lengths[seq] clamped to [0, width], or
+    all width without lengths; 0 past n."""
+    in_batch = seq < n
+    used = tl.zeros([BLOCK], tl.int32) + width
+    if has_lengths:
+        used = tl.minimum(tl.maximum(tl.load(lengths_ptr + seq, mask=in_batch, other=0), 0), width)
+    return tl.where(in_batch, used, 0)
+
+
+@triton.jit(do_not_specialize=["n", "topk", "extra_topk", "has_topk_length", "has_extra_topk_length"])
+def _longest_first_kernel(lengths_ptr, extra_lengths_ptr, order_ptr, n, topk, extra_topk, has_topk_length,
+                          has_extra_topk_length, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
     """order[rank of sequence j] = j for BLOCK sequences j: the rank counts the sequences that use more
-    of the top-k (lengths clamped to [0, topk]), or as much with a smaller index. (N_BLOCKS = cdiv(n,
-    BLOCK): the interpreter cannot loop up to a runtime bound.)"""
+    entries of both lists together, or as many with a smaller index. (N_BLOCKS = cdiv(n, BLOCK): the
+    interpreter cannot loop up to a runtime bound.)"""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    used_j = tl.minimum(tl.maximum(tl.load(lengths_ptr + j, mask=j < n, other=0), 0), topk)
+    used_j = (_used_of(j, n, lengths_ptr, topk, has_topk_length, BLOCK)
+              + _used_of(j, n, extra_lengths_ptr, extra_topk, has_extra_topk_length, BLOCK))
     rank = tl.zeros([BLOCK], tl.int32)
     for block in range(N_BLOCKS):
         m = block * BLOCK + tl.arange(0, BLOCK)
-        used_m = tl.minimum(tl.maximum(tl.load(lengths_ptr + m, mask=m < n, other=0), 0), topk)
+        used_m = (_used_of(m, n, lengths_ptr, topk, has_topk_length, BLOCK)
+                  + _used_of(m, n, extra_lengths_ptr, extra_topk, has_extra_topk_length, BLOCK))
         more = used_m[None, :] > used_j[:, None]
         tied_before = (used_m[None, :] == used_j[:, None]) & (m[None, :] < j[:, None])
         rank += tl.sum(((more | tied_before) & (m < n)[None, :]).to(tl.int32), 1)
     tl.store(order_ptr + rank, j, mask=j < n)
 
 
-def longest_first(topk_length: torch.Tensor, topk: int) -> torch.Tensor:
-    """The sequences in the order the decode programs take them: most top-k entries used first
-    (topk_length clamped to [0, topk]), ties by index.
+_ORDERINGS: dict = {}   # longest_first's compiled kernels, by device, N_BLOCKS and the lengths' alignment
+
+
+def longest_first(topk_length: Optional[torch.Tensor], topk: int, extra_topk_length: Optional[torch.Tensor] = None,
+                  extra_topk: int = 0) -> torch.Tensor:
+    """The sequences in the order the decode programs take them: most entries used first (over both top-k
+    lists: topk_length clamped to [0, topk] plus extra_topk_length clamped to [0, extra_topk]; a list
+    without lengths counts its whole width), ties by index.
 
     A long sequence started last would set the end of the launch: the GPU starts programs in grid
     order (H200, b 128 s_q 2 h_q 128, lengths uniform in [0, 2048]: 0.68x the plain case's efficiency
     in batch order). One launch of b^2 comparisons: torch.argsort took three, and the call 8 µs more
-    (H200, same shape: 222 against 214 µs).
+    (H200, same shape: 222 against 214 µs); clamping and adding the two lists' lengths in torch took
+    four more launches.
 
     Args:
-        topk_length: [b] int32, contiguous.
-        topk: the top-k width.
+        topk_length, extra_topk_length: [b] int32, contiguous, at least one of them given.
+        topk, extra_topk: the widths of the two lists (extra_topk 0: a single list).
     Returns:
         [b] int32, a permutation of 0..b-1.
     """
-    n = topk_length.shape[0]
-    order = torch.empty(n, dtype=torch.int32, device=topk_length.device)
-    n_blocks = triton.cdiv(n, _ORDER_BLOCK)
-    _longest_first_kernel[(n_blocks,)](topk_length, order, n, topk, BLOCK=_ORDER_BLOCK, N_BLOCKS=n_blocks)
+    lengths = topk_length if topk_length is not None else extra_topk_length
+    extra_lengths = extra_topk_length if extra_topk_length is not None else lengths
+    n = lengths.shape[0]
+    order = torch.empty(n, dtype=torch.int32, device=lengths.device)
+    n_blocks = cdiv(n, _ORDER_BLOCK)
+    key = (lengths.device, n_blocks, lengths.data_ptr() % 16, extra_lengths.data_ptr() % 16)
+    launch(_longest_first_kernel, (n_blocks,),
+           (lengths, extra_lengths, order, n, topk, extra_topk, int(topk_length is not None),
+            int(extra_topk_length is not None)),
+           dict(BLOCK=_ORDER_BLOCK, N_BLOCKS=n_blocks), _ORDERINGS.setdefault(key, {}))
     return order
 
 
@@ -389,10 +410,10 @@ def _merge_splits_kernel(
 
 
 def uses_sm90_kernel(q: torch.Tensor, config: Optional[DecodeConfig] = None) -> bool:
-    """Whether sparse_mla_decode_fp8 runs a Gluon kernel (sparse_mla_decode_sm90 or, up to 32 heads,
-    sparse_mla_decode_sm90_few_heads) for this q and config: a V32 query (576 wide; MODEL1 queries run
-    the portable kernel), compiled (not interpreted), no explicit config, on an sm_90 GPU."""
-    return config is None and not INTERPRET and q.shape[-1] == D_QK and sm90.supported(q)
+    """Whether sparse_mla_decode_fp8 runs a Gluon kernel (V32: sparse_mla_decode_sm90 or, up to 32 heads,
+    sparse_mla_decode_sm90_few_heads; MODEL1: sparse_mla_decode_model1_sm90) for this q and config:
+    compiled (not interpreted), no explicit config, on an sm_90 GPU."""
+    return config is None and not INTERPRET and sm90.supported(q)
 
 
 def _tiling(q: torch.Tensor, config: Optional[DecodeConfig]) -> Tuple[bool, int, int]:
@@ -478,25 +499,116 @@ def _check_decode_inputs(q, d_qk, kv_cache, indices, d_v, attn_sink, topk_length
     check_device(tensors)
 
 
-def _launch(kernel, grid, args, split: bool, split_len: int, config: DecodeConfig) -> None:
+def _launch_portable(kernel, grid, args, split: bool, plan: "_DecodePlan") -> None:
     """Run a portable kernel (_sparse_decode_kernel or _sparse_decode_model1_kernel) on the runtime
     arguments sparse_mla_decode_fp8 builds for its layout; split: write partial results (fp32 out,
     base-2 lse) for the merge kernel."""
-    kernel[grid](
-        *args, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split, UPCAST=INTERPRET,
-        INTERPRETED_ITERS=triton.cdiv(split_len, config.block_n) if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    config = plan.config
+    launch(kernel, grid, args, dict(
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split, UPCAST=INTERPRET,
+        INTERPRETED_ITERS=cdiv(plan.split_len, config.block_n) if INTERPRET else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages), plan.compiled)
 
 
-def _used_widths(topk_length: Optional[torch.Tensor], topk: int, extra_topk_length: Optional[torch.Tensor],
-                 extra_topk: int) -> torch.Tensor:
-    """Per sequence, the entries used over both top-k lists ([b] int32, contiguous): the key the
-    programs are ordered by (longest_first); only called when a length tensor is given."""
-    lengths = [t.clamp(0, width) for t, width in ((topk_length, topk), (extra_topk_length, extra_topk))
-               if t is not None]
-    fixed = (topk if topk_length is None else 0) + (extra_topk if extra_topk_length is None else 0)
-    return (sum(lengths) + fixed).to(torch.int32).contiguous()
+@dataclass(slots=True)
+class _DecodePlan:
+    """What sparse_mla_decode_fp8 derives from one call signature (its tensors' classes, dtypes, shapes,
+    strides, devices and alignment, its options, the kernel and tiling _tiling picks), once: that the
+    inputs pass the checks, the grid and split, the launches' runtime integers, and the compiled kernels
+    (launch's cache)."""
+
+    model1: bool
+    use_sm90: bool
+    out_shape: tuple
+    lse_shape: tuple
+    widths: tuple          # (topk, extra_topk)
+    grid: Optional[tuple]  # (query rows x head blocks, top-k splits); None: no query rows
+    split_len: int
+    block_h: int
+    padded_blocks: bool
+    sizes: tuple           # the decode kernel's runtime integers before sm_scale_log2 ...
+    flags_strides: tuple   # ... and after it
+    partials: Optional[tuple]   # the split partials' shapes (out, lse); None: unsplit
+    merge: tuple           # (grid, runtime integers after the tensors) of the merge kernel
+    config: Optional[DecodeConfig]   # the portable kernel's launch shape
+    compiled: dict
+
+
+_PLANS: dict = {}   # call signature -> _DecodePlan
+
+
+def _strides(shape: tuple) -> tuple:
+    """The strides of a new contiguous tensor of shape."""
+    return torch.empty(shape, device="meta").stride()
+
+
+def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices, extra_topk_length, out,
+          lse, num_splits, config) -> _DecodePlan:
+    """Check a call's inputs (raising InputError) and derive its _DecodePlan."""
+    d_qk = _cache_layout(kv_cache)
+    model1 = d_qk == D_QK_MODEL1
+    if model1:
+        geometry = model1_cache_geometry(kv_cache)
+        extra = None if extra_kv_cache is None else model1_cache_geometry(extra_kv_cache, "extra_kv_cache")
+    else:
+        geometry = cache_geometry(kv_cache)
+        if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
+            raise InputError(f"extra_kv_cache, extra_indices and extra_topk_length need a MODEL1 kv_cache "
+                             f"(last dim {formats.MODEL1_ENTRY_BYTES}), got a V32 one")
+    _check_decode_inputs(q, d_qk, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
+                         extra_topk_length, out, lse, num_splits, config)
+    b, s_q, h_q, _ = q.shape
+    topk = indices.shape[2]
+    extra_topk = extra_indices.shape[2] if extra_indices is not None else 0
+    out_shape, lse_shape = (b, s_q, h_q, D_V), (b, h_q, s_q)
+    out_strides = out.stride() if out is not None else _strides(out_shape)
+    lse_strides = lse.stride() if lse is not None else _strides(lse_shape)
+    # (the kernels see q and the index lists with a contiguous last dim: sparse_mla_decode_fp8 copies them if not)
+    q_strides = q.stride() if q.stride(3) == 1 else _strides(q.shape)
+    i_strides = indices.stride() if indices.stride(2) == 1 else _strides(indices.shape)
+    if extra_indices is None:
+        ei_strides = i_strides
+    else:
+        ei_strides = extra_indices.stride() if extra_indices.stride(2) == 1 else _strides(extra_indices.shape)
+    use_sm90, block_h, block_n = _tiling(q, config)
+    n_head_blocks = cdiv(h_q, block_h)
+    n_rows = b * s_q
+    width = topk + extra_topk
+    if num_splits is None:
+        num_splits = default_num_splits(q, width, config)
+    # Splits cover whole BLOCK_N chunks; drop splits that would start past the row's entries.
+    split_len = max(block_n, cdiv(cdiv(width, num_splits), block_n) * block_n)
+    num_splits = max(1, cdiv(width, split_len))
+    if num_splits == 1:
+        partials = None
+        o_strides = (0, *out_strides[:3])
+        l_strides = (0, lse_strides[0], lse_strides[2], lse_strides[1])
+    else:
+        partials = ((num_splits, b, s_q, h_q, D_V), (num_splits, b, s_q, h_q))
+        o_strides = _strides(partials[0])[:4]
+        l_strides = _strides(partials[1])
+    has_sink = int(attn_sink is not None)
+    if model1:
+        extra_geometry = (1, 0, 0) if extra is None else (extra.block_size, extra.num_slots, extra.block_stride // 16)
+        sizes = (s_q, h_q, n_head_blocks, topk, extra_topk, split_len, geometry.block_size, geometry.num_slots,
+                 geometry.block_stride // 16, *extra_geometry)
+        flags_strides = (int(topk_length is not None), int(extra_topk_length is not None), has_sink,
+                         *q_strides[:3], *i_strides[:2], *ei_strides[:2], *o_strides, *l_strides)
+    else:
+        sizes = (s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
+                 geometry.block_stride // 16)
+        flags_strides = (int(topk_length is not None), has_sink, *q_strides[:3], *i_strides[:2], *o_strides,
+                         *l_strides)
+    n_merge_blocks = cdiv(h_q, _MERGE_BLOCK_H)
+    merge = ((n_rows * n_merge_blocks,), (
+        num_splits, s_q, h_q, n_merge_blocks, has_sink, *o_strides[:1], *o_strides[2:4], *l_strides[:1],
+        *l_strides[2:3], *out_strides[:3], lse_strides[0], lse_strides[2], lse_strides[1]))
+    return _DecodePlan(
+        model1=model1, use_sm90=use_sm90, out_shape=out_shape, lse_shape=lse_shape, widths=(topk, extra_topk),
+        grid=(n_rows * n_head_blocks, num_splits) if n_rows else None, split_len=split_len, block_h=block_h,
+        padded_blocks=not model1 and geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES,
+        sizes=sizes, flags_strides=flags_strides, partials=partials, merge=merge,
+        config=None if use_sm90 else config or default_config(h_q, d_qk), compiled={})
 
 
 def sparse_mla_decode_fp8(
@@ -553,9 +665,9 @@ def sparse_mla_decode_fp8(
             programs (merged by lse). Default: default_num_splits(q, topk + extra_topk, config) (enough
             programs to fill the GPU; 1 on the CPU).
         config: keyword-only, optional DecodeConfig: run the portable Triton kernel with this launch
-            shape. Default: for V32 a Gluon kernel on sm_90 GPUs (uses_sm90_kernel;
-            sparse_mla_decode_sm90, or sparse_mla_decode_sm90_few_heads for h_q <= 32), else the
-            portable kernel with default_config(h_q, d_qk).
+            shape. Default: a Gluon kernel on sm_90 GPUs (uses_sm90_kernel; V32: sparse_mla_decode_sm90,
+            or sparse_mla_decode_sm90_few_heads for h_q <= 32; MODEL1: sparse_mla_decode_model1_sm90),
+            else the portable kernel with default_config(h_q, d_qk).
         out, lse: keyword-only, optional preallocated results (shapes below); fully overwritten.
 
     Returns:
@@ -570,27 +682,18 @@ def sparse_mla_decode_fp8(
             V32 cache or without its indices), d_v != 512, num_splits not a positive int, config not a
             DecodeConfig, mismatched devices, or CPU tensors without TRITON_INTERPRET=1.
     """
-    d_qk = _cache_layout(kv_cache)
-    model1 = d_qk == D_QK_MODEL1
-    if model1:
-        geometry = model1_cache_geometry(kv_cache)
-        extra = None if extra_kv_cache is None else model1_cache_geometry(extra_kv_cache, "extra_kv_cache")
-    else:
-        geometry = cache_geometry(kv_cache)
-        if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
-            raise InputError(f"extra_kv_cache, extra_indices and extra_topk_length need a MODEL1 kv_cache "
-                             f"(last dim {formats.MODEL1_ENTRY_BYTES}), got a V32 one")
-    _check_decode_inputs(q, d_qk, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
-                         extra_topk_length, out, lse, num_splits, config)
-    b, s_q, h_q, _ = q.shape
-    topk = indices.shape[2]
-    extra_topk = extra_indices.shape[2] if extra_indices is not None else 0
+    plan = per_signature(_PLANS, lambda: (
+        described(q), described(kv_cache), described(indices), described(attn_sink), described(topk_length),
+        described(extra_kv_cache), described(extra_indices), described(extra_topk_length), described(out),
+        described(lse), d_v, num_splits.__class__, num_splits, config, _tiling(q, config)),
+        lambda: _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
+                      extra_topk_length, out, lse, num_splits, config))
     device = q.device
     if out is None:
-        out = torch.empty((b, s_q, h_q, D_V), dtype=torch.bfloat16, device=device)
+        out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=device)
     if lse is None:
-        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=device)
-    if b * s_q == 0:
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+    if plan.grid is None:
         return out, lse
     if q.stride(3) != 1:
         q = q.contiguous()
@@ -598,79 +701,48 @@ def sparse_mla_decode_fp8(
         indices = indices.contiguous()
     if extra_indices is not None and extra_indices.stride(2) != 1:
         extra_indices = extra_indices.contiguous()
-    use_sm90, block_h, block_n = _tiling(q, config)
-    n_head_blocks = triton.cdiv(h_q, block_h)
-    n_rows = b * s_q
-    width = topk + extra_topk
-    if num_splits is None:
-        num_splits = default_num_splits(q, width, config)
-    # Splits cover whole BLOCK_N chunks; drop splits that would start past the row's entries.
-    split_len = max(block_n, triton.cdiv(triton.cdiv(width, num_splits), block_n) * block_n)
-    num_splits = max(1, triton.cdiv(width, split_len))
-
-    if num_splits == 1:
-        dst_out, dst_lse = out, lse
-        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
-        l_strides = (0, lse.stride(0), lse.stride(2), lse.stride(1))
+    split = plan.partials is not None
+    if split:
+        dst_out = torch.empty(plan.partials[0], dtype=torch.float32, device=device)
+        dst_lse = torch.empty(plan.partials[1], dtype=torch.float32, device=device)
     else:
-        dst_out = torch.empty((num_splits, b, s_q, h_q, D_V), dtype=torch.float32, device=device)
-        dst_lse = torch.empty((num_splits, b, s_q, h_q), dtype=torch.float32, device=device)
-        o_strides = dst_out.stride()[:4]
-        l_strides = dst_lse.stride()
+        dst_out, dst_lse = out, lse
     # Unused optional pointers still need a tensor argument; the runtime flags keep them unread. The
     # kernels read sink and lengths with unit stride.
     sink = attn_sink.contiguous() if attn_sink is not None else lse
     lengths = topk_length.contiguous() if topk_length is not None else indices
     scale_log2 = float(sm_scale) * formats.LOG2E
-    if model1:
+    grid = plan.grid
+    if plan.model1:
         extra_lengths = extra_topk_length.contiguous() if extra_topk_length is not None else indices
-        batch_order = indices if topk_length is None and extra_topk_length is None else \
-            longest_first(_used_widths(topk_length, topk, extra_topk_length, extra_topk), width)
-        if extra is None:   # an empty second list: extra_topk 0, its pointers never read
-            extra_cache, extra_idx, extra_geometry = kv_cache, indices, (1, 0, 0)
+        batch_order = indices if topk_length is None and extra_topk_length is None else longest_first(
+            None if topk_length is None else lengths, plan.widths[0],
+            None if extra_topk_length is None else extra_lengths, plan.widths[1])
+        # An empty second list (no extra cache: extra_topk 0) passes the main one's pointers, never read.
+        extra_cache, extra_idx = (kv_cache, indices) if extra_kv_cache is None else (extra_kv_cache, extra_indices)
+        # The runtime arguments of the MODEL1 kernels, in their parameter order.
+        args = (q, kv_cache, indices, lengths, extra_cache, extra_idx, extra_lengths, batch_order, sink, dst_out,
+                dst_lse, *plan.sizes, scale_log2, *plan.flags_strides)
+        if plan.use_sm90:
+            model1_sm90.launch(grid, args, split, plan.block_h, plan.compiled)
         else:
-            extra_cache, extra_idx = extra_kv_cache, extra_indices
-            extra_geometry = (extra.block_size, extra.num_slots, extra.block_stride // 16)
-        # The runtime arguments of the MODEL1 kernel, in its parameter order.
-        args = (q, kv_cache, indices, lengths, extra_cache, extra_idx, extra_lengths, batch_order, sink,
-                dst_out, dst_lse,
-                s_q, h_q, n_head_blocks, topk, extra_topk, split_len,
-                geometry.block_size, geometry.num_slots, geometry.block_stride // 16, *extra_geometry,
-                scale_log2, int(topk_length is not None), int(extra_topk_length is not None),
-                int(attn_sink is not None),
-                q.stride(0), q.stride(1), q.stride(2),
-                indices.stride(0), indices.stride(1), extra_idx.stride(0), extra_idx.stride(1),
-                *o_strides, *l_strides)
+            _launch_portable(_sparse_decode_model1_kernel, grid, args, split, plan)
     else:
-        batch_order = lengths if topk_length is None else longest_first(lengths, topk)
-        # The runtime arguments of both V32 decode kernels, in their parameter order.
-        args = (q, kv_cache, indices, lengths, batch_order, sink, dst_out, dst_lse,
-                s_q, h_q, n_head_blocks, topk, split_len, geometry.block_size, geometry.num_slots,
-                geometry.block_stride // 16, scale_log2,
-                int(topk_length is not None), int(attn_sink is not None),
-                q.stride(0), q.stride(1), q.stride(2),
-                indices.stride(0), indices.stride(1),
-                *o_strides, *l_strides)
-    grid = (n_rows * n_head_blocks, num_splits)
-    if use_sm90:
-        padded_blocks = geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES
-        if block_h in sm90_few_heads.HEADS:
-            sm90_few_heads.launch(grid, args, num_splits > 1, padded_blocks, block_h)
+        batch_order = lengths if topk_length is None else longest_first(lengths, plan.widths[0])
+        # The runtime arguments of the V32 kernels, in their parameter order.
+        args = (q, kv_cache, indices, lengths, batch_order, sink, dst_out, dst_lse, *plan.sizes, scale_log2,
+                *plan.flags_strides)
+        if not plan.use_sm90:
+            _launch_portable(_sparse_decode_kernel, grid, args, split, plan)
+        elif plan.block_h in sm90_few_heads.HEADS:
+            sm90_few_heads.launch(grid, args, split, plan.padded_blocks, plan.block_h, plan.compiled)
         else:
-            sm90.launch(grid, args, num_splits > 1, padded_blocks)
-    else:
-        _launch(_sparse_decode_model1_kernel if model1 else _sparse_decode_kernel, grid, args, num_splits > 1,
-                split_len, config or default_config(h_q, d_qk))
-    if num_splits > 1:
-        n_merge_blocks = triton.cdiv(h_q, _MERGE_BLOCK_H)
-        _merge_splits_kernel[(n_rows * n_merge_blocks,)](
-            dst_out, dst_lse, sink, out, lse,
-            num_splits, s_q, h_q, n_merge_blocks, int(attn_sink is not None),
-            dst_out.stride(0), dst_out.stride(2), dst_out.stride(3), dst_lse.stride(0), dst_lse.stride(2),
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(2), lse.stride(1),
-            BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET,
-            INTERPRETED_SPLITS=num_splits if INTERPRET else 0, num_warps=4,
-        )
+            sm90.launch(grid, args, split, plan.padded_blocks, plan.compiled)
+    if split:
+        merge_grid, merge_args = plan.merge
+        launch(_merge_splits_kernel, merge_grid, (dst_out, dst_lse, sink, out, lse, *merge_args), dict(
+            BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET, INTERPRETED_SPLITS=grid[1] if INTERPRET else 0, num_warps=4),
+            plan.compiled)
     return out, lse
 
 

@@ -37,6 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from minirt import formats
 
+from ._common import is_sm90
+from ._launch import launch as launch_compiled
 from .sparse_mla_prefill_sm90 import (BLOCK_H, BLOCK_N, COL_S, D_ROPE, HALF, NO_MAX, O_L, P_L, ROW_O, ROW_S,
                                       S_L, VEC_L, VEC_SMEM, load_q, opaque_zero, publish, publish_done, score_piece,
                                       store_lse, store_out, wait_piece)
@@ -113,13 +115,13 @@ def _sparse_decode_sm90_kernel(
     out_row = out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s
     lse_row = lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s
     gl.warp_specialize([
-        (_consumer_0, (blocks, p_ready, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope,
-                       rescale, row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2, sink_ptr, out_row,
-                       stride_o_h, lse_row, stride_l_h, has_sink, SPLIT)),
-        (_consumer_1, (blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
+        (consumer_0, (blocks, p_ready, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope,
+                      rescale, row_stats, done, num_slots, n_steps, head0, h_q, sm_scale_log2, sink_ptr, out_row,
+                      stride_o_h, lse_row, stride_l_h, has_sink, SPLIT, True)),
+        (consumer_1, (blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row,
                        stride_o_h, has_sink, SPLIT)),
-        (produce_blocks, (blocks, load_ids, cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
-                          n_steps, (num_slots, block_size, block_stride_16, PADDED_BLOCKS), 0, 1)),
+        (producer, (blocks, load_ids, (cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
+                                       (num_slots, block_size, block_stride_16, PADDED_BLOCKS)), n_steps, 0, 1)),
     ], [4, 4], [160, 136])
 
 
@@ -177,34 +179,39 @@ def allocate_blocks(num_consumers: gl.constexpr):
 
 
 @gluon.jit
-def _scores(q_halves, q_rope, blocks, step, s):
+def _scores(q_halves, q_rope, blocks, step, s, HAS_ROPE: gl.constexpr):
     """Issue the score MMAs of block `step` once it has landed (q_halves: [2, ...] indexed on an opaque
-    zero, see opaque_zero)."""
+    zero, see opaque_zero); HAS_ROPE: the keys have a rope tile beside their 512 columns (V32)."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     buf = step & 1
     zero = opaque_zero(step)
     wait_piece(ready, buf, (step >> 1) & 1)
     s = score_piece(q_halves.index(zero), k_left.index(buf), s, True)
     s = score_piece(q_halves.index(zero + 1), k_right.index(buf), s, False)
-    return score_piece(q_rope.index(zero), k_rope.index(buf), s, False)
+    if HAS_ROPE:
+        s = score_piece(q_rope.index(zero), k_rope.index(buf), s, False)
+    return s
 
 
 @gluon.jit
-def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps,
-                head0, h_q, sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink,
-                SPLIT: gl.constexpr):
+def consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, row_stats, done, num_slots, n_steps,
+               head0, h_q, sm_scale_log2, sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink,
+               SPLIT: gl.constexpr, HAS_ROPE: gl.constexpr):
     """q, scores, softmax, output columns 0..255, lse. A split writes partials (fp32 out over its own
     keys, base-2 lse) for the merge kernel, which applies the sink. (q loads here, while the producer
-    already gathers the first blocks.)"""
+    already gathers the first blocks.) HAS_ROPE: q and the keys have 64 rope columns beside their 512
+    (V32; else the rope tile of each block only carries P)."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
-    load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, True)
+    # P.V is done when at most the block's score MMAs issued after it are pending.
+    SCORE_MMAS: gl.constexpr = 3 if HAS_ROPE else 2
+    load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE)
     gl.thread_barrier()   # every warp's rows of q are in shared memory before the warpgroup's MMAs
     m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
     if n_steps > 0:
-        s = warpgroup_mma_wait(0, deps=(_scores(q_halves, q_rope, blocks, 0, s),))
+        s = warpgroup_mma_wait(0, deps=(_scores(q_halves, q_rope, blocks, 0, s, HAS_ROPE),))
     for step in range(n_steps):
         buf = step & 1
         ids = key_ids.index(buf).load(COL_S)
@@ -224,8 +231,8 @@ def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, r
         # issued MMA's result is not yet a tensor.)
         if step + 1 < n_steps:
             acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_left.index(buf), acc, is_async=True)
-            s = _scores(q_halves, q_rope, blocks, step + 1, s)
-            acc = warpgroup_mma_wait(3, deps=(acc,))   # P.V is done; the 3 score MMAs may run on
+            s = _scores(q_halves, q_rope, blocks, step + 1, s, HAS_ROPE)
+            acc = warpgroup_mma_wait(SCORE_MMAS, deps=(acc,))   # P.V is done; the score MMAs may run on
             mbarrier.arrive(free.index(buf))
             s = warpgroup_mma_wait(0, deps=(s,))
         else:
@@ -241,8 +248,8 @@ def _consumer_0(blocks, p_ready, q_row, stride_q_h, q_halves, q_rope, rescale, r
 
 
 @gluon.jit
-def _consumer_1(blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row, stride_o_h,
-                has_sink, SPLIT: gl.constexpr):
+def consumer_1(blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, head0, h_q, sink_ptr, out_row, stride_o_h,
+               has_sink, SPLIT: gl.constexpr):
     """Output columns 256..511: P of each block from consumer 0, times the right half of its V."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
@@ -260,15 +267,17 @@ def _consumer_1(blocks, p_ready, q_halves, rescale, row_stats, done, n_steps, he
 
 
 @gluon.jit
-def _step_ids(idx_row, lo, hi, step):
-    """The 64 slot ids of block `step` (VEC_L); -1 at and past hi."""
+def step_ids(source, step):
+    """The 64 slot ids of block `step` (VEC_L); -1 at and past hi. source: (cache_ptr, idx_row (the query
+    row's indices), top-k range lo..hi, geometry (see _token_addresses)), as produce_blocks takes it."""
+    cache_ptr, idx_row, lo, hi, geometry = source
     offs = lo + step * BLOCK_N + gl.arange(0, BLOCK_N, VEC_L)
     return gl.load(idx_row + offs, mask=offs < hi, other=-1)
 
 
 @gluon.jit
 def _token_addresses(cache_ptr, ids, geometry):
-    """(address of each slot's 656-byte token, validity); invalid slots point at slot 0 (see _load_piece).
+    """(address of each slot's 656-byte token, validity); invalid slots point at slot 0 (see load_piece).
     geometry: (num_slots, block_size, block_stride_16, PADDED_BLOCKS); only blocks padded beyond
     block_size tokens need the division (a runtime divisor costs the producer ~25 instructions a piece)."""
     num_slots, block_size, block_stride_16, PADDED_BLOCKS = geometry
@@ -283,22 +292,23 @@ def _token_addresses(cache_ptr, ids, geometry):
 
 
 @gluon.jit
-def _piece_ids(load_ids, mine, part: gl.constexpr):
-    """The slot ids of a quarter block (keys part*16..part*16+15 of the producer's block `mine`) in the layouts of its
-    latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
+def piece_ids(load_ids, mine, part: gl.constexpr):
+    """The slot ids of a quarter block (keys part*16..part*16+15 of the producer's block `mine`) in the
+    layouts of its latent and its rope loads. Read a piece ahead of their use: behind the block MMAs' shared-memory
     reads, this load's latency would stall the producer (ncu: ~12% of its cycles)."""
     ids = load_ids.index(mine & 1).slice(part * PIECE, PIECE)
     return ids.load(KEYS_W), ids.load(gl.SliceLayout(1, ROPE_W))
 
 
 @gluon.jit
-def _load_piece(cache_ptr, piece_ids, geometry):
-    """Registers of a quarter block (_piece_ids): the latent's e4m3 bytes as words [16, 2, 32] of
-    tiles 0, 1 and of tiles 2, 3, their float32 scales' bits [16, 2] (int32), the rope's bf16 pairs
-    [16, 32] (int32). An invalid slot's id is never dereferenced: its latent words come from slot 0 unmasked
-    (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its scales and rope read
-    as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
-    ids, rope_ids = piece_ids
+def load_piece(source, step, ids):
+    """Registers of a quarter block of block `step` (ids: from piece_ids): the latent's e4m3 bytes as
+    words [16, 2, 32] of tiles 0, 1 and of tiles 2, 3, their float32 scales' bits [16, 2] (int32), the
+    rope's bf16 pairs [16, 32] (int32). An invalid slot's id is never dereferenced: its latent words come
+    from slot 0 unmasked (masked loads cost zeroing and predicates, ~6% of the kernel's time), and its
+    scales and rope read as 0, so it dequantises to 0 (the integer dequantisation of any byte is finite)."""
+    cache_ptr, idx_row, lo, hi, geometry = source
+    ids, rope_ids = ids
     token, valid = _token_addresses(cache_ptr, ids, geometry)
     tile = gl.arange(0, 2, gl.SliceLayout(0, SCALES_L))
     word = gl.arange(0, WORDS, gl.SliceLayout(0, gl.SliceLayout(1, WORDS_L)))
@@ -322,85 +332,105 @@ def _bf16_pairs(scales):
 
 
 @gluon.jit
-def _store_dequantised(words, scale_pairs, dst, part: gl.constexpr):
-    """Rows part*16.. of dst [64, 256] bf16 (shared) = the words' e4m3 values times their tiles'
-    scales. Word w of a tile gives its columns 4w..4w+3. The bf16 tile seen as 32-bit words has the same
-    bytes, 128-byte swizzle and column blocks; its rows are sliced after the reinterpretation (a
-    reinterpreted slice would lose the parent's column-block stride)."""
-    pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r", [words, scale_pairs[:, :, None]],
-                                                   dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    dst._reinterpret(gl.int32, [BLOCK_N, HALF // 2], WORD_SMEM).slice(part * PIECE, PIECE).store(
-        gl.reshape(gl.join(pairs_lo, pairs_hi), [PIECE, HALF // 2]))
+def piece_words(dst, part: gl.constexpr):
+    """Rows part*16.. of dst [64, n] bf16 (shared) as 32-bit words [16, n / 2]. The bf16 tile seen as
+    words has the same bytes, 128-byte swizzle and column blocks; its rows are sliced after the
+    reinterpretation (a reinterpreted slice would lose the parent's column-block stride)."""
+    return dst._reinterpret(gl.int32, [BLOCK_N, dst.shape[1] // 2], WORD_SMEM).slice(part * PIECE, PIECE)
 
 
 @gluon.jit
-def _fill(piece, blocks, buf, part: gl.constexpr):
-    """Store a piece (_load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
+def store_dequantised(words, scale_pairs, dst):
+    """dst [keys, n] int32 (shared, bf16 pairs, see piece_words) = the e4m3 values of words [keys, ...,
+    w] times their tiles' scales (scale_pairs: [keys, ...], bf16x2 of each tile's scale). Word w of a
+    tile gives its columns 4w..4w+3."""
+    pairs_lo, pairs_hi = gl.inline_asm_elementwise(DEQUANT_ASM, "=r,=r,r,r",
+                                                   [words, gl.expand_dims(scale_pairs, -1)],
+                                                   dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    dst.store(gl.reshape(gl.join(pairs_lo, pairs_hi), dst.shape))
+
+
+@gluon.jit
+def fill(piece, blocks, buf, part: gl.constexpr):
+    """Store a piece (load_piece) into rows part*16.. of buffer buf's left, right and rope tiles."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     left, left_scales, right, right_scales, rope = piece
     # (The scales become bf16 pairs here, at their first use: converted where they are loaded, the
     # producer would wait for every piece's loads as soon as it issued them.)
-    _store_dequantised(left, _bf16_pairs(left_scales), k_left.index(buf), part)
-    _store_dequantised(right, _bf16_pairs(right_scales), k_right.index(buf), part)
-    rope_words = k_rope.index(buf)._reinterpret(gl.int32, [BLOCK_N, D_ROPE // 2], WORD_SMEM)
-    rope_words.slice(part * PIECE, PIECE).store(rope)
+    store_dequantised(left, _bf16_pairs(left_scales), piece_words(k_left.index(buf), part))
+    store_dequantised(right, _bf16_pairs(right_scales), piece_words(k_right.index(buf), part))
+    piece_words(k_rope.index(buf), part).store(rope)
 
 
 @gluon.jit
-def produce_blocks(blocks, load_ids, cache_ptr, idx_row, lo, hi, n_steps, geometry, first, STRIDE: gl.constexpr):
-    """Fill blocks first, first + STRIDE, ... of the top-k range lo..hi (n_steps blocks of 64 slot ids
-    from idx_row) into the buffers of allocate_blocks (block `step` into buffer step & 1, once its
-    consumers have released it), a quarter block at a time with the next three quarters' loads in
-    flight (registers hold no more). load_ids: [2, 64] int32 of this producer's own. Slot ids two
-    blocks ahead of the loads (loaded just before their use, their latency would stall every piece).
-    STRIDE 2: two producers, one per buffer, each fill every other block."""
+def produce_blocks(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr, step_ids: gl.constexpr,
+                   piece_ids: gl.constexpr, load_piece: gl.constexpr, fill: gl.constexpr):
+    """Fill blocks first, first + STRIDE, ... of the program's n_steps blocks of 64 keys into the buffers
+    of allocate_blocks (block `step` into buffer step & 1, once its consumers have released it), a
+    quarter block at a time with the next three quarters' loads in flight (registers hold no more).
+    load_ids: [2, 64] int32 of this producer's own. Slot ids two blocks ahead of the loads (loaded just
+    before their use, their latency would stall every piece). STRIDE 2: two producers, one per buffer,
+    each fill every other block.
+
+    The cache format is four functions of it (this module's step_ids, piece_ids, load_piece, fill for
+    V32) and source, what they read: step_ids(source, step) the block's 64 slot ids; piece_ids(load_ids,
+    mine, part) a quarter block's ids from shared memory in the layouts of its loads; load_piece(source,
+    step, ids) its registers; fill(piece, blocks, buf, part) their dequantised bf16 in the block's tiles."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     if first < n_steps:   # (the prologue's stand-in slot 0 may not exist otherwise)
-        ids_cur = _step_ids(idx_row, lo, hi, first)
+        ids_cur = step_ids(source, first)
         load_ids.index(0).store(ids_cur)
-        ids_next = _step_ids(idx_row, lo, hi, first + STRIDE)
+        ids_next = step_ids(source, first + STRIDE)
         gl.thread_barrier()
-        p0 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 0), geometry)
-        p1 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 1), geometry)
-        p2 = _load_piece(cache_ptr, _piece_ids(load_ids, 0, 2), geometry)
-        ids_p3 = _piece_ids(load_ids, 0, 3)
+        p0 = load_piece(source, first, piece_ids(load_ids, 0, 0))
+        p1 = load_piece(source, first, piece_ids(load_ids, 0, 1))
+        p2 = load_piece(source, first, piece_ids(load_ids, 0, 2))
+        ids_p3 = piece_ids(load_ids, 0, 3)
         for step in range(first, n_steps, STRIDE):
             buf = step & 1
             mine = step // STRIDE   # this producer's count of blocks: its load_ids slot
-            p3 = _load_piece(cache_ptr, ids_p3, geometry)
+            p3 = load_piece(source, step, ids_p3)
             # The other slot's ids were last read by the previous block's loads, before its barrier.
             load_ids.index((mine & 1) ^ 1).store(ids_next)
             gl.thread_barrier()
-            ids_after = _step_ids(idx_row, lo, hi, step + 2 * STRIDE)
-            ids_p = _piece_ids(load_ids, mine + 1, 0)
+            ids_after = step_ids(source, step + 2 * STRIDE)
+            ids_p = piece_ids(load_ids, mine + 1, 0)
             mbarrier.wait(free.index(buf), ((step >> 1) & 1) ^ 1)   # a fresh barrier counts as free
             key_ids.index(buf).store(ids_cur)
-            _fill(p0, blocks, buf, 0)
-            p0 = _load_piece(cache_ptr, ids_p, geometry)
-            ids_p = _piece_ids(load_ids, mine + 1, 1)
-            _fill(p1, blocks, buf, 1)
-            p1 = _load_piece(cache_ptr, ids_p, geometry)
-            ids_p = _piece_ids(load_ids, mine + 1, 2)
-            _fill(p2, blocks, buf, 2)
-            p2 = _load_piece(cache_ptr, ids_p, geometry)
-            ids_p3 = _piece_ids(load_ids, mine + 1, 3)
-            _fill(p3, blocks, buf, 3)
+            fill(p0, blocks, buf, 0)
+            p0 = load_piece(source, step + STRIDE, ids_p)
+            ids_p = piece_ids(load_ids, mine + 1, 1)
+            fill(p1, blocks, buf, 1)
+            p1 = load_piece(source, step + STRIDE, ids_p)
+            ids_p = piece_ids(load_ids, mine + 1, 2)
+            fill(p2, blocks, buf, 2)
+            p2 = load_piece(source, step + STRIDE, ids_p)
+            ids_p3 = piece_ids(load_ids, mine + 1, 3)
+            fill(p3, blocks, buf, 3)
             fence_async_shared()
             publish_done(ready.index(buf))
             ids_cur = ids_next
             ids_next = ids_after
 
 
+@gluon.jit
+def producer(blocks, load_ids, source, n_steps, first, STRIDE: gl.constexpr):
+    """produce_blocks of the V32 cache (656-byte tokens, see load_piece); source: see step_ids."""
+    produce_blocks(blocks, load_ids, source, n_steps, first, STRIDE, step_ids, piece_ids, load_piece, fill)
+
+
 def supported(q: torch.Tensor) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU (the cache layout is already checked)."""
-    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return q.is_cuda and is_sm90(q.device)
 
 
-def launch(grid, args, split: bool, padded_blocks: bool) -> None:
+def launch(grid, args, split: bool, padded_blocks: bool, compiled: dict) -> None:
     """Run the kernel on the runtime arguments that sparse_mla_decode_fp8 builds for both decode kernels
     (the kernel's parameters before SPLIT, in order) over grid (query rows x head blocks, top-k splits);
     split: write partial results (fp32 out, base-2 lse) for the merge kernel; padded_blocks: the cache's
-    block stride is larger than block_size tokens (slot addresses then need a division)."""
+    block stride is larger than block_size tokens (slot addresses then need a division); compiled: the
+    call signature's compiled kernels (minirt.kernels._launch.launch)."""
     # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
     # 208 / 160 / 136 (consumer 0 / 1 / producer: scripts/sm90_registers.py shows them, without spills).
-    _sparse_decode_sm90_kernel[grid](*args, SPLIT=split, PADDED_BLOCKS=padded_blocks, num_warps=NUM_WARPS, maxnreg=168)
+    launch_compiled(_sparse_decode_sm90_kernel, grid, args,
+                    dict(SPLIT=split, PADDED_BLOCKS=padded_blocks, num_warps=NUM_WARPS, maxnreg=168), compiled)

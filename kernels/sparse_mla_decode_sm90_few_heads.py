@@ -19,7 +19,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .sparse_mla_decode_sm90 import (RUNTIME_ARGS, allocate_blocks, allocate_q, produce_blocks, program_span)
+from ._launch import launch as launch_compiled
+from .sparse_mla_decode_sm90 import RUNTIME_ARGS, allocate_blocks, allocate_q, producer, program_span
 from .sparse_mla_prefill_sm90 import (BLOCK_N, HALF, HALF_L, NO_MAX, VEC_SMEM, inverse_denominators, load_q,
                                       opaque_zero, score_piece, store_lse, wait_piece)
 
@@ -47,42 +48,45 @@ def _sparse_decode_few_heads_kernel(
                                                                                                     gl.bfloat16))
     load_ids_0 = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)   # each producer's own
     load_ids_1 = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], VEC_SMEM)
-    geometry = (num_slots, block_size, block_stride_16, PADDED_BLOCKS)
-    idx_row = indices_ptr + b * stride_i_b + s * stride_i_s
+    source = (cache_ptr, indices_ptr + b * stride_i_b + s * stride_i_s, lo, hi,
+              (num_slots, block_size, block_stride_16, PADDED_BLOCKS))
     gl.warp_specialize([
-        (_consumer, (blocks, p_t, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope, num_slots,
-                     n_steps, head0, h_q, sm_scale_log2, sink_ptr,
-                     out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s, stride_o_h,
-                     lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s, stride_l_h,
-                     has_sink, SPLIT)),
-        (produce_blocks, (blocks, load_ids_0, cache_ptr, idx_row, lo, hi, n_steps, geometry, 0, 2)),
-        (produce_blocks, (blocks, load_ids_1, cache_ptr, idx_row, lo, hi, n_steps, geometry, 1, 2)),
+        (consumer_t, (blocks, p_t, q_ptr + b * stride_q_b + s * stride_q_s, stride_q_h, q_halves, q_rope, num_slots,
+                      n_steps, head0, h_q, sm_scale_log2, sink_ptr,
+                      out_ptr + gl.program_id(1) * stride_o_split + b * stride_o_b + s * stride_o_s, stride_o_h,
+                      lse_ptr + gl.program_id(1) * stride_l_split + b * stride_l_b + s * stride_l_s, stride_l_h,
+                      has_sink, SPLIT, True)),
+        (producer, (blocks, load_ids_0, source, n_steps, 0, 2)),
+        (producer, (blocks, load_ids_1, source, n_steps, 1, 2)),
     ], [4, 4], [136, 136])
 
 
 @gluon.jit
-def _scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, step, s_t):
-    """Issue S^T of block `step` (keys x heads) once it has landed."""
+def _scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, step, s_t, HAS_ROPE: gl.constexpr):
+    """Issue S^T of block `step` (keys x heads) once it has landed (HAS_ROPE: see consumer_t)."""
     buf = step & 1
     zero = opaque_zero(step)
     wait_piece(ready, buf, (step >> 1) & 1)
     s_t = score_piece(k_left.index(buf), q_halves.index(zero), s_t, True)
     s_t = score_piece(k_right.index(buf), q_halves.index(zero + 1), s_t, False)
-    return score_piece(k_rope.index(buf), q_rope.index(zero), s_t, False)
+    if HAS_ROPE:
+        s_t = score_piece(k_rope.index(buf), q_rope.index(zero), s_t, False)
+    return s_t
 
 
 @gluon.jit
-def _consumer(blocks, p_t, q_row, stride_q_h, q_halves, q_rope, num_slots, n_steps, head0, h_q, sm_scale_log2,
-              sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT: gl.constexpr):
+def consumer_t(blocks, p_t, q_row, stride_q_h, q_halves, q_rope, num_slots, n_steps, head0, h_q, sm_scale_log2,
+               sink_ptr, out_row, stride_o_h, lse_row, stride_l_h, has_sink, SPLIT: gl.constexpr,
+               HAS_ROPE: gl.constexpr):
     """q, S^T, the softmax down each head's column, O^T, out and lse (a split: partials, see
-    sparse_mla_decode_sm90)."""
+    sparse_mla_decode_sm90). HAS_ROPE: q and the keys have 64 rope columns beside their 512 (V32)."""
     k_left, k_right, k_rope, key_ids, ready, free = blocks
     H: gl.constexpr = p_t.shape[1]
     # Keys (or latent columns) on M, heads on N; the [64, H] scores and the [256, H] output halves share
     # it, so per-head vectors broadcast over both.
     T_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     HEAD_T: gl.constexpr = gl.SliceLayout(0, T_L)
-    load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, True)
+    load_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE)
     gl.thread_barrier()   # every warp's heads of q are in shared memory before the warpgroup's MMAs
     m_i = gl.full([H], NO_MAX, gl.float32, HEAD_T)
     # Each thread's share of the row sums, reduced once at the end (the max needs a reduction across
@@ -92,7 +96,8 @@ def _consumer(blocks, p_t, q_row, stride_q_h, q_halves, q_rope, num_slots, n_ste
     right = gl.zeros([HALF, H], gl.float32, T_L)
     s_t = gl.zeros([BLOCK_N, H], gl.float32, T_L)
     if n_steps > 0:
-        s_t = warpgroup_mma_wait(0, deps=(_scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, 0, s_t),))
+        s_t = warpgroup_mma_wait(0, deps=(_scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, 0, s_t,
+                                                    HAS_ROPE),))
     for step in range(n_steps):
         buf = step & 1
         ids = key_ids.index(buf).load(gl.SliceLayout(1, T_L))
@@ -115,7 +120,7 @@ def _consumer(blocks, p_t, q_row, stride_q_h, q_halves, q_rope, num_slots, n_ste
         mbarrier.arrive(free.index(buf))
         if step + 1 < n_steps:
             s_t = warpgroup_mma_wait(0, deps=(_scores_t(k_left, k_right, k_rope, ready, q_halves, q_rope, step + 1,
-                                                        s_t),))
+                                                        s_t, HAS_ROPE),))
     l_i = gl.sum(l_t, 0)
     inv = inverse_denominators(m_i, l_i, sink_ptr, 1, head0, h_q, has_sink, SPLIT)
     _store_out_t(left, inv, out_row, stride_o_h, 0, head0, h_q)
@@ -137,12 +142,15 @@ def _store_out_t(acc_t, inv, out_row, stride_o_h, col0, head0, h_q):
 def program_heads(h_q: int):
     """The heads a program of this kernel takes for h_q query heads: h_q rounded up to one of HEADS, or
     None above them (the 64-head kernel's case)."""
-    return next((heads for heads in HEADS if h_q <= heads), None)
+    for heads in HEADS:
+        if h_q <= heads:
+            return heads
+    return None
 
 
-def launch(grid, args, split: bool, padded_blocks: bool, heads: int) -> None:
+def launch(grid, args, split: bool, padded_blocks: bool, heads: int, compiled: dict) -> None:
     """As sparse_mla_decode_sm90.launch, for h_q <= 32; heads: program_heads(h_q)."""
     # maxnreg: 12 warps x 168 registers fit the register file at launch; the partitions then move to
     # 232 / 136 / 136 (consumer / producers: scripts/sm90_registers.py shows them, without spills).
-    _sparse_decode_few_heads_kernel[grid](*args, SPLIT=split, PADDED_BLOCKS=padded_blocks, H=heads, num_warps=4,
-                                          maxnreg=168)
+    launch_compiled(_sparse_decode_few_heads_kernel, grid, args,
+                    dict(SPLIT=split, PADDED_BLOCKS=padded_blocks, H=heads, num_warps=4, maxnreg=168), compiled)

@@ -14,6 +14,7 @@ from minirt.errors import InputError
 from . import sparse_mla_prefill_sm90 as sm90
 from ._common import (INTERPRET, LN2, LOG2E, check_config, check_device, check_tensor, check_tensors,
                       softmax_rows, softmax_step)
+from ._launch import cdiv, described, launch, per_signature
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def _sparse_mla_prefill_kernel(
 
 def _padded(n: int) -> int:
     """Block width covering n columns: a power of two, at least 16 (the smallest tl.dot dimension)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, 1 << (n - 1).bit_length())   # (triton.next_power_of_2: a constexpr function, µs a call)
 
 
 def default_config(h_q: int) -> PrefillConfig:
@@ -166,6 +167,11 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config) -> N
     check_device(tensors)
 
 
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; d_v; config) -> the
+# compiled kernels of its launches: a signature seen before passed the checks and launches them directly.
+_COMPILED: dict = {}
+
+
 def uses_sm90_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: Optional[PrefillConfig] = None) -> bool:
     """Whether sparse_mla_prefill runs the Gluon kernel (sparse_mla_prefill_sm90) on these checked inputs:
     compiled (not interpreted), no explicit config, and inputs that kernel supports (sm_90 GPU, d_qk 576
@@ -173,16 +179,17 @@ def uses_sm90_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: Option
     return config is None and not INTERPRET and sm90.supported(q, kv, d_v)
 
 
-def _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config: PrefillConfig):
-    """Run the portable kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written."""
+def _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config: PrefillConfig, compiled: dict):
+    """Run the portable kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written;
+    compiled: the call signature's compiled kernels (minirt.kernels._launch.launch)."""
     s_q, h_q, d_qk = q.shape
     o, max_logits, lse = out
     d_v = o.shape[2]
-    n_head_blocks = triton.cdiv(h_q, config.block_h)
+    n_head_blocks = cdiv(h_q, config.block_h)
     # Unused optional pointers still need a tensor argument; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
-    _sparse_mla_prefill_kernel[(s_q * n_head_blocks,)](
+    launch(_sparse_mla_prefill_kernel, (s_q * n_head_blocks,), (
         q, kv, indices, lengths, sink,
         o, max_logits, lse,
         kv.shape[0], h_q, indices.shape[2], n_head_blocks, sm_scale_log2,
@@ -192,14 +199,13 @@ def _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config: 
         lengths.stride(0), sink.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
         max_logits.stride(0), max_logits.stride(1),
-        lse.stride(0), lse.stride(1),
+        lse.stride(0), lse.stride(1)), dict(
         D_V=d_v, D_QK=d_qk,
         BLOCK_V=_padded(d_v), BLOCK_TAIL=_padded(d_qk - d_v) if d_qk > d_v else 0,
         BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, UPCAST=INTERPRET,
         INTERPRETED_TOPK=indices.shape[2] if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        num_warps=config.num_warps, num_stages=config.num_stages), compiled)
     return o, max_logits, lse
 
 
@@ -265,7 +271,10 @@ def sparse_mla_prefill(
         minirt.errors.InputError: wrong type, dtype, shape or device, h_kv != 1, d_v not in [1, d_qk],
             head dims outside d_v <= 512 and d_qk - d_v <= 64.
     """
-    _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config)
+    compiled = per_signature(_COMPILED, lambda: (
+        described(q), described(kv), described(indices), described(attn_sink), described(topk_length),
+        None if out is None else tuple(described(t) for t in out), d_v.__class__, d_v, config),
+        lambda: _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config) or {})
     s_q, h_q, _ = q.shape
     if out is None:
         out = (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
@@ -275,5 +284,5 @@ def sparse_mla_prefill(
         return tuple(out)
     sm_scale_log2 = float(sm_scale) * formats.LOG2E
     if uses_sm90_kernel(q, kv, d_v, config):
-        return sm90.launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out)
-    return _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config or default_config(h_q))
+        return sm90.launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, compiled)
+    return _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config or default_config(h_q), compiled)

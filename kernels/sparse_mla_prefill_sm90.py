@@ -26,7 +26,6 @@ head dims, an explicit PrefillConfig).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -34,6 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from minirt import formats
+
+from ._common import is_sm90
+from ._launch import cdiv, launch as launch_compiled
 
 BLOCK_H = gl.constexpr(64)                        # heads per program: one wgmma M tile
 BLOCK_N = gl.constexpr(64)                        # keys per block; a step takes two blocks
@@ -460,27 +462,27 @@ def store_out(acc, m_i, l_i, col0, staging, sink_ptr, stride_sink_h, out_row, st
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU, d_v 512 with d_qk 576 or 512, and q / kv rows
     that are contiguous with 16-byte aligned kv rows (the copies move 16-byte vectors)."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (q.is_cuda and is_sm90(q.device)
             and q.shape[2] in (2 * HALF + D_ROPE, 2 * HALF) and d_v == 2 * HALF
             and q.stride(2) == 1 and kv.stride(2) == 1
             and kv.stride(0) * kv.element_size() % 16 == 0 and kv.data_ptr() % 16 == 0)
 
 
-def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out):
-    """Run the kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written."""
+def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, compiled: dict):
+    """Run the kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written;
+    compiled: the call signature's compiled kernels (minirt.kernels._launch.launch)."""
     s_q, h_q, d_qk = q.shape
     o, max_logits, lse = out
-    n_head_blocks = triton.cdiv(h_q, BLOCK_H)
+    n_head_blocks = cdiv(h_q, BLOCK_H.value)
     # Unused optional pointers still need a tensor argument; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
-    _sparse_mla_prefill_sm90_kernel[(s_q * n_head_blocks,)](
+    launch_compiled(_sparse_mla_prefill_sm90_kernel, (s_q * n_head_blocks,), (
         q, kv, indices, lengths, sink, o, max_logits, lse,
         kv.shape[0], h_q, indices.shape[2], n_head_blocks, sm_scale_log2,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
         sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
-        lse.stride(0), lse.stride(1),
+        lse.stride(0), lse.stride(1)), dict(
         HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, HAS_ROPE=d_qk > 2 * HALF,
-        num_warps=4, maxnreg=168,
-    )
+        num_warps=4, maxnreg=168), compiled)
     return o, max_logits, lse

@@ -36,7 +36,10 @@ parallelism) or 2-entry pages with extra_topk_length uniform in [0, 1024] (HCA);
 = window + extra entries used; TFLOP/s = 2 * attended * h_q * (512 + 512) / t; effective GB/s =
 (attended * 584 + q + out) / t, q and out b s_q h_q 512 bfloat16 values. Peak memory: the most the call
 allocated beyond its inputs (torch.cuda.max_memory_allocated; split partials). Correctness as above,
-against fp32 attention over both caches' dequantised entries with the sink.
+against fp32 attention over both caches' dequantised entries with the sink. Beside the graph replay's
+time, the eager call's (do_bench of the Python call, L2 cleared the same way): where it exceeds the
+graph's, the host is the limit. The last rows force 2 splits where the default takes none (the split
+rule's A/B).
 """
 from __future__ import annotations
 
@@ -246,24 +249,28 @@ def kernel_label(q, kind) -> str:
     if not uses_sm90_kernel(q, config):
         shown = default_config(q.shape[2], q.shape[3])
         label = f"portable h{shown.block_h} n{shown.block_n} w{shown.num_warps} s{shown.num_stages}"
-    elif few:
-        label = f"sm90 Gluon few-heads, h{few} n{sm90.BLOCK_N.value}, keys on M, 2 producers"
     else:
-        label = f"sm90 Gluon, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised"
+        kernel = "sm90 Gluon MODEL1" if q.shape[3] == formats.MODEL1_DIM else "sm90 Gluon"
+        label = (f"{kernel} few-heads, h{few} n{sm90.BLOCK_N.value}, keys on M, 2 producers" if few
+                 else f"{kernel}, h{sm90.BLOCK_H.value} n{sm90.BLOCK_N.value} warp-specialised")
     return label + (" (default)" if kind == DEFAULT else "")
 
 
 V4_TOKENS, V4_WINDOW_PAGE, V4_WINDOW_TOPK, V4_S_Q = 16384, 256, 128, 2
-# (h_q, extra_topk, extra page (None: no extra cache), extra_topk_length, kind)
+# (h_q, extra_topk, extra page (None: no extra cache), extra_topk_length, kind, num_splits (None: the default))
 V4_VARIANTS = [
-    (64, 512, 64, False, DEFAULT),      # V4-Flash CSA layer
-    (128, 1024, 64, False, DEFAULT),    # V4-Pro CSA layer
-    (64, 1024, 2, True, DEFAULT),       # HCA layer: 2-entry pages, per-sequence count
-    (128, 1024, 2, True, DEFAULT),
-    (32, 512, 64, False, DEFAULT),      # tensor parallelism: 2 and 4 ranks of V4-Flash
-    (16, 512, 64, False, DEFAULT),
-    (64, 0, None, False, DEFAULT),      # SWA-only layer: the window alone
-    (64, 512, 64, False, PORTABLE),
+    (64, 512, 64, False, DEFAULT, None),      # V4-Flash CSA layer
+    (128, 1024, 64, False, DEFAULT, None),    # V4-Pro CSA layer
+    (64, 1024, 2, True, DEFAULT, None),       # HCA layer: 2-entry pages, per-sequence count
+    (128, 1024, 2, True, DEFAULT, None),
+    (32, 512, 64, False, DEFAULT, None),      # tensor parallelism: 2 and 4 ranks of V4-Flash
+    (16, 512, 64, False, DEFAULT, None),
+    (64, 0, None, False, DEFAULT, None),      # SWA-only layer: the window alone
+    (64, 512, 64, False, PORTABLE, None),
+    # The split rule's A/B at 10-18 blocks a row (the default: no split at >= 2 programs per SM): more,
+    # shorter programs pay the fixed cost per program more often (docs/perf/decode.md predicts slower).
+    (16, 512, 64, False, DEFAULT, 2),
+    (128, 1024, 64, False, DEFAULT, 2),
 ]
 
 
@@ -329,7 +336,7 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
     s_q, sm_scale = V4_S_Q, formats.MODEL1_DIM ** -0.5
     slots = model1_slots(window_table, V4_WINDOW_PAGE, V4_TOKENS, s_q, V4_WINDOW_TOPK, seed=50)
     rows = []
-    for h_q, extra_topk, extra_page, with_length, kind in V4_VARIANTS:
+    for h_q, extra_topk, extra_page, with_length, kind, forced_splits in V4_VARIANTS:
         shape = (f"| {h_q} | {V4_WINDOW_TOPK} | " + (f"{extra_topk} (page {extra_page})" if extra_page else "none")
                  + f" | {'[0, extra_topk]' if with_length else 'full'} ")
         if time.time() > deadline:
@@ -348,10 +355,10 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
             sources.append((e_cache, e_slots, e_length))
         config = default_config(h_q, formats.MODEL1_DIM) if kind == PORTABLE else None
         width = V4_WINDOW_TOPK + extra_topk
-        splits = default_num_splits(q, width, config)
-        label = kernel_label(q, kind)
+        splits = forced_splits or default_num_splits(q, width, config)
+        label = kernel_label(q, kind) + (f", {forced_splits} splits forced" if forced_splits else "")
         run = lambda: sparse_mla_decode_fp8(q, window, slots, sm_scale, attn_sink=sink, config=config,  # noqa: E731
-                                            **extra)
+                                            num_splits=forced_splits, **extra)
         try:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated(device)
@@ -366,6 +373,8 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
             rel = (diff.norm() / r_out.norm().clamp_min(1e-30)).item()
             lse_diff = torch.where(r_lse.isinf() & (lse[seqs] == r_lse), 0.0, lse[seqs] - r_lse).abs().max().item()
             ms = bench_ms(run)
+            # Called from Python (L2 cleared before each call, as for the graph): the host's share shows.
+            eager_ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
         except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
             rows.append(error_row(shape, label, splits, exc))
             print(rows[-1], flush=True)
@@ -377,7 +386,7 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
         bytes_ = attended * formats.MODEL1_ENTRY_BYTES + b * s_q * h_q * (formats.MODEL1_DIM + D_V) * 2
         tflops, gbps = flops / ms / 1e9, bytes_ / ms / 1e6
         wrong = "" if rel < WRONG_REL and lse_diff < WRONG_REL else " **WRONG**"
-        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {tflops:.1f} ({100 * tflops / peak_tflops:.0f}%) | "
+        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {eager_ms * 1e3:.1f} | {tflops:.1f} ({100 * tflops / peak_tflops:.0f}%) | "
                     f"{gbps:.0f} ({100 * gbps / copy_gbps:.0f}%) | {peak_mib:.1f} | {rel:.2e}{wrong} | {lse_diff:.2e} |")
         print(rows[-1], flush=True)
         del out, lse
@@ -385,9 +394,9 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
             f"{V4_WINDOW_PAGE}, extra cache {V4_TOKENS} entries per sequence; attn_sink on; caches "
             f"{(window.stride(0) * window.shape[0] + sum(c.stride(0) * c.shape[0] for c, _ in extras.values())) / 1e9:.2f}"
             f" GB (built in {t_cache:.1f} s)\n\n"
-            "| h_q | window topk (page 256) | extra topk | extra_topk_length | kernel | splits | time µs | "
-            "TFLOP/s (% of matmul) | eff. GB/s (% of copy) | peak extra MiB | out rel err vs fp32 ref | "
-            "lse max abs diff |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            "| h_q | window topk (page 256) | extra topk | extra_topk_length | kernel | splits | time µs (graph) | "
+            "eager µs | TFLOP/s (% of matmul) | eff. GB/s (% of copy) | peak extra MiB | out rel err vs fp32 ref | "
+            "lse max abs diff |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
 def v32_report(args, device, peak_tflops: float, copy_gbps: float, t_start: float) -> str:
@@ -429,6 +438,8 @@ def v32_report(args, device, peak_tflops: float, copy_gbps: float, t_start: floa
             torch.cuda.synchronize()
             rel, out_diff, lse_diff = check_rows(out, lse, q, cache, slots, SM_SCALE, topk_length)
             ms = bench_ms(run)
+            # Called from Python (L2 cleared before each call, as for the graph): the host's share shows.
+            eager_ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
         except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
             rows.append(error_row(shape, label, splits, exc))
             print(rows[-1], flush=True)

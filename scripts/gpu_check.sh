@@ -5,6 +5,12 @@
 # $OUT/gpu.txt, then runs the stages in the order given:
 # tests:        runtime, CLI, README and embedding tests with CUDA tensors (tiny preset)
 # kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels)
+# v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
+#               through the Gluon and the portable kernel), then bench_decode.py's V4 table
+# host-cost:    scripts/bench_host_cost.py (host µs per call of each public kernel function, eager beside
+#               CUDA-graph replay; the decode rows again with where their host time goes, by function),
+#               then with CUDA tensors the tests of the functions whose later calls launch compiled
+#               kernels directly (decode, prefill, the V32 cache writer)
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
@@ -48,6 +54,15 @@ for stage in "$@"; do
     kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py \
                     tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py tests/test_indexer_cache.py \
                     tests/test_fp8_gemm.py ;;
+    v4-decode)
+      run v4-decode-tests python3 -m pytest -q tests/test_model1_cache.py tests/test_sparse_mla_decode_model1.py \
+                            tests/test_sparse_mla_decode_model1_sm90.py
+      run bench-decode-v4 python3 scripts/bench_decode.py --cases v4 --out "$OUT/decode_v4.md" ;;
+    host-cost)
+      run host-cost python3 scripts/bench_host_cost.py --out "$OUT/host_cost.md"
+      run host-cost-profile python3 scripts/bench_host_cost.py --only decode --calls 300 --profile
+      run launch-tests python3 -m pytest -q tests/test_decode_launch.py tests/test_sparse_mla_decode.py \
+                       tests/test_sparse_mla_prefill.py tests/test_kv_cache_fp8.py ;;
     bench)
       run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md" --plot "$OUT/prefill.png"
       run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"

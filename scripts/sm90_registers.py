@@ -1,6 +1,7 @@
-"""Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode, 64 heads and few) and the
-decode's split merge for sm_90a on this machine (no GPU needed) and report each warp partition's register
-budget and each kernel's spill instructions and 2-byte global accesses.
+"""Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
+few, and over MODEL1 caches) and the decode's split merge for sm_90a on this machine (no GPU needed) and
+report each warp partition's register budget and each kernel's spill instructions and 2-byte global
+accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
                                              # loads or stores global memory 2 bytes at a time
@@ -34,9 +35,11 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
+from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90_few_heads  # noqa: E402
 from minirt.kernels import sparse_mla_prefill_sm90  # noqa: E402
+from minirt.kernels.kv_cache_model1 import new_model1_cache  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -63,32 +66,48 @@ def recorded_prefill_launch(d_qk: int, with_options: bool):
     kernel, recorder = sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel, Recorder()
     sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = recorder
     try:
-        sparse_mla_prefill_sm90.launch(q, kv, indices, 0.1, sink, lengths, out)
+        sparse_mla_prefill_sm90.launch(q, kv, indices, 0.1, sink, lengths, out, {})
     finally:
         sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = kernel
     return recorder.calls[0]
 
 
-def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: int = 128, merge: bool = False):
+def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: int = 128, merge: bool = False,
+                           model1: bool = False):
     """(kernel, args, kwargs): the Gluon kernel that sparse_mla_decode_fp8 runs for b 2, s_q 2, h_q,
     topk 2048 in num_splits splits (1: final results, more: partials), over a cache whose blocks are
     packed or (padded_blocks) a view with one token's gap after each block, and what it passes; merge
-    (num_splits > 1): the split merge's Triton kernel instead. Its device checks are stood in for: the
-    tensors are on the CPU."""
-    q = torch.randn((2, 2, h_q, 576)).to(torch.bfloat16)
-    cache = torch.zeros((64, 64 + padded_blocks, 1, 656), dtype=torch.uint8)[:, :64]
-    indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
-    saved = {name: getattr(decode, name) for name in ("uses_sm90_kernel", "check_device", "_merge_splits_kernel")}
-    module, name = ((sparse_mla_decode_sm90_few_heads, "_sparse_decode_few_heads_kernel")
-                    if sparse_mla_decode_sm90_few_heads.program_heads(h_q)
-                    else (sparse_mla_decode_sm90, "_sparse_decode_sm90_kernel"))
+    (num_splits > 1): the split merge's Triton kernel instead; model1: over V4-Flash's MODEL1 caches
+    instead (a window top-k of 128 over 256-entry pages, 512 compressed entries over 64-entry pages, both
+    lengths and a sink given). Its device checks are stood in for: the tensors are on the CPU."""
+    saved = {name: getattr(decode, name)
+             for name in ("uses_sm90_kernel", "check_device", "_merge_splits_kernel", "longest_first")}
+    if model1:
+        q = torch.randn((2, 2, h_q, 512)).to(torch.bfloat16)
+        cache, extra = new_model1_cache(4, 256), new_model1_cache(32, 64)
+        indices, extra_indices = (torch.zeros((2, 2, k), dtype=torch.int32) for k in (128, 512))
+        lengths = torch.zeros(2, dtype=torch.int32)
+        options = dict(attn_sink=torch.zeros(h_q), topk_length=lengths, extra_kv_cache=extra,
+                       extra_indices=extra_indices, extra_topk_length=lengths)
+        decode.longest_first = lambda topk_length, *widths: topk_length   # (a Triton launch on the CPU)
+    else:
+        q = torch.randn((2, 2, h_q, 576)).to(torch.bfloat16)
+        cache = torch.zeros((64, 64 + padded_blocks, 1, 656), dtype=torch.uint8)[:, :64]
+        indices = torch.zeros((2, 2, 2048), dtype=torch.int32)
+        options = {}
+    if model1:
+        module, name = sparse_mla_decode_model1_sm90, "_sparse_decode_model1_kernel"
+    elif sparse_mla_decode_sm90_few_heads.program_heads(h_q):
+        module, name = sparse_mla_decode_sm90_few_heads, "_sparse_decode_few_heads_kernel"
+    else:
+        module, name = sparse_mla_decode_sm90, "_sparse_decode_sm90_kernel"
     kernel, recorder, merge_recorder = getattr(module, name), Recorder(), Recorder()
     decode.uses_sm90_kernel = lambda *args, **kwargs: True
     decode.check_device = lambda tensors: None
     decode._merge_splits_kernel = merge_recorder
     setattr(module, name, recorder)
     try:
-        decode.sparse_mla_decode_fp8(q, cache, indices, 0.1, num_splits=num_splits)
+        decode.sparse_mla_decode_fp8(q, cache, indices, 0.1, num_splits=num_splits, **options)
     finally:
         setattr(module, name, kernel)
         for name, value in saved.items():
@@ -142,6 +161,9 @@ def main() -> int:
         failing |= report(f"decode h_q {h_q}, {'partial' if num_splits > 1 else 'final'} results"
                           + (", padded cache blocks" if padded_blocks else ""),
                           *recorded_decode_launch(num_splits, padded_blocks, h_q))
+    for h_q, num_splits in ((128, 1), (128, 2), (32, 1), (16, 2)):
+        failing |= report(f"decode over MODEL1 caches h_q {h_q}, {'partial' if num_splits > 1 else 'final'} results",
+                          *recorded_decode_launch(num_splits, h_q=h_q, model1=True))
     for h_q in (128, 32):   # the split merge (a Triton kernel): no partitions, but the same 2-byte rule
         failing |= report(f"merge of split results, h_q {h_q}", *recorded_decode_launch(2, False, h_q, merge=True))
     return 1 if failing else 0

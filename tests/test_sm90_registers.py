@@ -1,7 +1,8 @@
-"""The warp-specialised Gluon kernels (sparse prefill, fp8 sparse decode for 64 and for few heads), compiled
-for sm_90a on any machine (the wheel's ptxas), must not spill: spills cost the prefill kernel half its
-speed on the H200 (docs/perf/prefill.md), and this is caught without a GPU. Nor may they, or the decode's
-split merge, move q or out 2 bytes at a time (decode at h_q 128: 15% of its time, docs/perf/decode.md)."""
+"""The warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode for 64 and for few heads over V32
+caches, and over MODEL1 caches), compiled for sm_90a on any machine (the wheel's ptxas), must not spill:
+spills cost the prefill kernel half its speed on the H200 (docs/perf/prefill.md), and this is caught
+without a GPU. Nor may they, or the decode's split merge, move q or out 2 bytes at a time (decode at h_q
+128: 15% of its time, docs/perf/decode.md)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,15 @@ def test_warp_specialised_kernels_compile_for_sm90_without_spills_or_2_byte_acce
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "sm90_registers.py")], capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    # Prefill: both head dims, with and without attn_sink / topk_length; decode at h_q 128 (the 64-head
-    # kernel) and 32: final and partial results, and final results over a cache with padded blocks
-    # (slot addresses by division); h_q 16. Each line gives three partitions' register budgets (none for
-    # the decode's split merge, a Triton kernel checked at h_q 128 and 32 for its 2-byte accesses only).
+    # Prefill: both head dims, with and without attn_sink / topk_length; decode over V32 caches at h_q 128
+    # (the 64-head kernel) and 32: final and partial results, and final results over a cache with padded
+    # blocks (slot addresses by division); h_q 16; decode over MODEL1 caches (main and extra cache) at
+    # h_q 128 final and partial, 32 final, 16 partial. Each line gives three partitions' register budgets
+    # (none for the decode's split merge, a Triton kernel checked at h_q 128 and 32 for its 2-byte
+    # accesses only).
     lines = result.stdout.splitlines()
     clean = "spill instructions 0, 2-byte global accesses 0"
-    assert len(lines) == 13 and all(line.endswith(clean) for line in lines), result.stdout
-    assert [line.split()[0].rstrip(",") for line in lines] == ["prefill"] * 4 + ["decode"] * 7 + ["merge"] * 2
+    assert len(lines) == 17 and all(line.endswith(clean) for line in lines), result.stdout
+    assert [line.split()[0].rstrip(",") for line in lines] == ["prefill"] * 4 + ["decode"] * 11 + ["merge"] * 2
+    assert sum("MODEL1" in line for line in lines) == 4
     assert all("setmaxnreg [" in line for line in lines)

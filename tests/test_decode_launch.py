@@ -1,0 +1,124 @@
+"""sparse_mla_decode_fp8's launch path: the plan it keeps per call signature (checks, tiling, split and launch
+integers derived once) must give every later call with that signature its own results, and must not let
+through an input that the checks refuse; the ordering kernel ranks sequences by both lists' used entries;
+launch (kernels/_launch.py) passes a compiled kernel's launcher every parameter in order; on a GPU later
+calls launch the compiled kernels directly, with the JIT path's results bit for bit.
+"""
+import importlib
+
+import pytest
+import torch
+import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from conftest import DEVICE
+from minirt.errors import InputError
+from minirt.kernels import _launch
+from minirt.kernels.sparse_mla_decode import longest_first, sparse_mla_decode_fp8
+from test_sparse_mla_decode import SM_SCALE, check, decode, make_cache, random_indices, random_q, reference
+
+decode_module = importlib.import_module("minirt.kernels.sparse_mla_decode")
+
+
+@pytest.mark.parametrize("with_main_lengths", [True, False])
+def test_longest_first_over_both_lists(with_main_lengths):
+    g = torch.Generator().manual_seed(3)
+    topk, extra_topk, b = 48, 80, 37
+    lengths = torch.randint(-3, 60, (b,), generator=g, dtype=torch.int32)          # negatives, > topk
+    extra_lengths = torch.randint(-3, 100, (b,), generator=g, dtype=torch.int32)   # ties among the sums
+    used = (lengths.clamp(0, topk) if with_main_lengths else torch.full((b,), topk)) + extra_lengths.clamp(0, extra_topk)
+    order = longest_first(lengths.to(DEVICE) if with_main_lengths else None, topk, extra_lengths.to(DEVICE),
+                          extra_topk).cpu()
+    expected = torch.sort(used, descending=True, stable=True).indices
+    assert order.dtype == torch.int32 and torch.equal(order.long(), expected)
+
+
+def test_a_kept_plan_serves_new_data_and_refuses_what_the_checks_refuse():
+    b, s_q, h_q, topk = 2, 1, 16, 64
+    _, cache = make_cache(2, 64, 23)
+    lengths = torch.tensor([40, 64], dtype=torch.int32, device=DEVICE)
+    plans = []
+    for seed in (1, 2):   # one signature twice: the second call takes the first one's plan
+        indices = random_indices(b, s_q, topk, 128, seed).to(DEVICE)
+        q = random_q(b, s_q, h_q, seed)
+        check(decode(q, cache, indices, SM_SCALE, topk_length=lengths, num_splits=1),
+              reference(q, cache, indices, SM_SCALE, topk_length=lengths))
+        plans.append(len(decode_module._PLANS))
+    assert plans[1] == plans[0]
+    with pytest.raises(InputError, match="num_splits"):   # True == 1 as a dict key: the type is in the signature
+        decode(q, cache, indices, SM_SCALE, topk_length=lengths, num_splits=True)
+    # The same shapes and strides 8 bytes off a 16-byte boundary: the alignment is in the signature.
+    backing = torch.zeros(cache.numel() + 16, dtype=torch.uint8, device=DEVICE)
+    shifted = backing[8:8 + cache.numel()].view(cache.shape)
+    assert shifted.stride() == cache.stride()
+    with pytest.raises(InputError, match="16 bytes"):
+        decode(q, shifted, indices, SM_SCALE, topk_length=lengths, num_splits=1)
+    assert len(decode_module._PLANS) == plans[0]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels (and their direct launches) need a GPU")
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_compiled_launches_match_the_jit_launch(num_splits):
+    """The first call of a signature goes through Triton's dispatch, the later ones straight to the compiled
+    kernels (decode, ordering, merge): the same bits."""
+    decode_module._PLANS.clear()
+    _, cache = make_cache(4, 64, 29)
+    indices = random_indices(3, 2, 256, 256, 29).to(DEVICE)
+    q = random_q(3, 2, 64, 29)
+    lengths = torch.tensor([256, 7, 100], dtype=torch.int32, device=DEVICE)
+    first = sparse_mla_decode_fp8(q, cache, indices, SM_SCALE, topk_length=lengths, num_splits=num_splits)
+    (plan,) = decode_module._PLANS.values()
+    assert len(plan.compiled) == (2 if num_splits > 1 else 1)   # the decode kernel (and the merge) kept
+    again = sparse_mla_decode_fp8(q, cache, indices, SM_SCALE, topk_length=lengths, num_splits=num_splits)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def _toy_kernel(x_ptr, n, A: tl.constexpr, B: tl.constexpr = 7):
+    pass
+
+
+def test_launch_reuses_the_compiled_kernel_with_every_parameter_in_order(monkeypatch):
+    """launch's direct path, with Triton's JIT dispatch and the compiled kernel stood in for: the first launch
+    goes through kernel[grid] and keeps the compiled kernel; later ones call its launcher with the grid, the
+    stream, its handles and every parameter in the kernel's order (constexprs included, defaults filled in);
+    launch hooks (a profiler's) and kernels that are not JITFunctions always take kernel[grid]."""
+    launched = []
+
+    class Launcher:   # a compiled kernel's launcher: its C function when the kernel needs no scratch
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = "cooperative", "pdl"
+
+        def launch(self, *args):
+            launched.append(("direct", args))
+
+    class Compiled:
+        function, packed_metadata, run = "function", "metadata", Launcher()
+
+    class ToyJIT(JITFunction):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(("jit", grid, args, kwargs)) or Compiled()
+
+    monkeypatch.setattr(_launch, "_current", [lambda: 3, lambda device: f"stream of {device}"])
+    kernel, compiled = ToyJIT(_toy_kernel), {}
+    options = dict(A=1, num_warps=4)
+    _launch.launch(kernel, (5, 2), ("x0", 16), options, compiled)
+    _launch.launch(kernel, (6,), ("x1", 16), options, compiled)
+    assert launched == [("jit", (5, 2), ("x0", 16), options),
+                        ("direct", (6, 1, 1, "stream of 3", "function", "cooperative", "pdl", None, None, "metadata",
+                                    None, None, None, "x1", 16, 1, 7))]
+    hook = lambda metadata: None   # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _launch.launch(kernel, (7,), ("x2", 16), options, compiled)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert launched[-1] == ("jit", (7,), ("x2", 16), options)
+
+    class StandIn:   # a test's recorder: not compiled, so never kept
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(("stand-in", grid))
+    for _ in range(2):
+        _launch.launch(StandIn(), (1,), (), {}, compiled)
+    assert launched[-2:] == [("stand-in", (1,))] * 2 and len(compiled) == 1
