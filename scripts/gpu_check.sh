@@ -3,14 +3,16 @@
 #   bash scripts/gpu_check.sh STAGE...        e.g. bash scripts/gpu_check.sh kernel-tests tests bench
 # It installs minirt (editable), writes the GPU, its driver and the torch and triton versions to
 # $OUT/gpu.txt, then runs the stages in the order given:
-# tests:        runtime, CLI, README and embedding tests with CUDA tensors (tiny preset)
-# kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels)
+# tests:        runtime, CLI, README, embedding, MoE model, first-run, untrusted-input and V4 runtime tests
+#               with CUDA tensors (tiny and v4-tiny presets)
+# kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels; MoE
+#               kernels; the direct-launch path)
 # v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
 #               through the Gluon and the portable kernel), then bench_decode.py's V4 table
 # host-cost:    scripts/bench_host_cost.py (host µs per call of each public kernel function, eager beside
-#               CUDA-graph replay; the decode rows again with where their host time goes, by function),
-#               then with CUDA tensors the tests of the functions whose later calls launch compiled
-#               kernels directly (decode, prefill, the V32 cache writer)
+#               CUDA-graph replay; the decode rows again with where their host time goes, by function)
+# moe-bench:    scripts/bench_moe.py (routing, grouped GEMMs beside torch._scaled_mm, the expert block at
+#               decode and prefill sizes, V3.2 and V4-Flash shapes) with its launch-shape variants
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
@@ -50,19 +52,21 @@ run() {  # run NAME CMD...: tee output to $OUT/NAME.log, remember failures
 for stage in "$@"; do
   case $stage in
     tests) run tests python3 -m pytest -q tests/test_engine.py tests/test_layers.py tests/test_cli.py \
-             tests/test_readme.py tests/test_ops.py tests/test_embedding.py ;;
+             tests/test_readme.py tests/test_ops.py tests/test_embedding.py tests/test_first_run.py \
+             tests/test_moe_model.py tests/test_untrusted_input.py tests/test_v4_runtime.py tests/test_mhc.py ;;
     kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py \
                     tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py tests/test_indexer_cache.py \
-                    tests/test_fp8_gemm.py ;;
+                    tests/test_fp8_gemm.py tests/test_moe_kernels.py tests/test_sparse_mla_prefill_two_sources.py \
+                    tests/test_decode_launch.py ;;
     v4-decode)
       run v4-decode-tests python3 -m pytest -q tests/test_model1_cache.py tests/test_sparse_mla_decode_model1.py \
                             tests/test_sparse_mla_decode_model1_sm90.py
       run bench-decode-v4 python3 scripts/bench_decode.py --cases v4 --out "$OUT/decode_v4.md" ;;
     host-cost)
       run host-cost python3 scripts/bench_host_cost.py --out "$OUT/host_cost.md"
-      run host-cost-profile python3 scripts/bench_host_cost.py --only decode --calls 300 --profile
-      run launch-tests python3 -m pytest -q tests/test_decode_launch.py tests/test_sparse_mla_decode.py \
-                       tests/test_sparse_mla_prefill.py tests/test_kv_cache_fp8.py ;;
+      run host-cost-profile python3 scripts/bench_host_cost.py --only decode --calls 300 --profile ;;
+    moe-bench) run bench-moe python3 scripts/bench_moe.py --out "$OUT/moe.md" --tokens 1 16 4096 \
+                 --configs 16,4,3,swap 16,4,3,swap,split8 16,4,4,swap,e4m3 128,8,3 64,8,2,swap,e4m3 ;;
     bench)
       run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md" --plot "$OUT/prefill.png"
       run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"
