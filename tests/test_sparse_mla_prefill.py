@@ -101,7 +101,7 @@ def poisoned_outputs(s_q, h_q, d_v, dtype, strided=False):
 
 def kv_with_poisoned_neighbours(s_kv, d_qk, dtype, gen):
     """kv whose memory is flanked by NaN/Inf rows: dereferencing index -1 or s_kv would poison out."""
-    buf = torch.randn((s_kv + 2, 1, d_qk), generator=gen, device=DEVICE).to(dtype)
+    buf = torch.randn((s_kv + 2, 1, d_qk), generator=gen, device=gen.device).to(dtype)
     buf[0], buf[-1] = math.nan, math.inf
     return buf[1:-1]
 

@@ -407,7 +407,10 @@ def every_number_option():
     group = typer.main.get_command(app)
     for name, command in group.commands.items():
         for param in command.params:
-            if param.param_type_name == "option" and str(param.bare_type()) in ("int", "float"):
+            # typer >= 0.2x vendors click and names the type bare_type(); older ones keep click's param.type
+            kind = param.bare_type() if hasattr(param, "bare_type") else param.type
+            if param.param_type_name == "option" and (str(kind) in ("int", "float")
+                                                      or getattr(kind, "name", None) in ("integer", "float")):
                 yield name, param.opts[0]
 
 
