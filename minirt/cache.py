@@ -39,7 +39,27 @@ class LayerCache:
             self.index_keys.view(-1, keys.shape[-1])[slots] = keys
 
 
-class PagedCache:
+class CacheCapacity:
+    """Room for ``max_batch`` sequences of ``max_seq_len`` tokens: what every model family's cache is sized
+    by, and what the engine checks a prefill's prompt lengths against."""
+
+    max_batch: int
+    max_seq_len: int
+
+    def has_room(self, lengths: list[int]) -> bool:
+        return len(lengths) <= self.max_batch and max(lengths) <= self.max_seq_len
+
+    def check_room(self, lengths: list[int]) -> None:
+        if len(lengths) > self.max_batch:
+            raise InputError(f"batch of {len(lengths)} sequences exceeds the cache's max_batch {self.max_batch}")
+        if max(lengths) > self.max_seq_len:
+            raise InputError(
+                f"a sequence needs {max(lengths)} cached tokens, the cache holds {self.max_seq_len} per sequence "
+                "(raise max_seq_len, or shorten the prompt / max_new_tokens)"
+            )
+
+
+class PagedCache(CacheCapacity):
     """Caches of ``num_layers`` layers for up to ``max_batch`` sequences of ``max_seq_len`` tokens.
 
     indexer_precision: "exact" or "fp8", the format of the indexer keys (as the layers' indexer).
@@ -80,14 +100,3 @@ class PagedCache:
         block = self.block_table[batch_index, positions // self.block_size].long()
         return block * self.block_size + positions % self.block_size
 
-    def has_room(self, lengths: list[int]) -> bool:
-        return len(lengths) <= self.max_batch and max(lengths) <= self.max_seq_len
-
-    def check_room(self, lengths: list[int]) -> None:
-        if len(lengths) > self.max_batch:
-            raise InputError(f"batch of {len(lengths)} sequences exceeds the cache's max_batch {self.max_batch}")
-        if max(lengths) > self.max_seq_len:
-            raise InputError(
-                f"a sequence needs {max(lengths)} cached tokens, the cache holds {self.max_seq_len} per sequence "
-                "(raise max_seq_len, or shorten the prompt / max_new_tokens)"
-            )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import formats
+from ...cache import CacheCapacity
 from ...errors import InputError
 from ...kernels import new_model1_cache
 from .config import DeepseekV4Config, LayerKind
@@ -80,7 +81,7 @@ def fixed_bytes_per_seq(cfg: DeepseekV4Config, kind: LayerKind) -> int:
     return window + state
 
 
-class V4Cache:
+class V4Cache(CacheCapacity):
     """The states of ``num_layers`` layers (kinds ``cfg.layer_kinds``) for up to ``max_batch`` sequences
     of up to ``max_seq_len`` tokens. ``seq_lens[b]`` counts the tokens written for sequence b."""
 
@@ -107,12 +108,3 @@ class V4Cache:
     def entries_per_seq(self, kind: LayerKind) -> int:
         return entries_per_seq(self.max_seq_len, kind)
 
-    def has_room(self, lengths: list[int]) -> bool:
-        return len(lengths) <= self.max_batch and max(lengths) <= self.max_seq_len
-
-    def check_room(self, lengths: list[int]) -> None:
-        if len(lengths) > self.max_batch:
-            raise InputError(f"batch of {len(lengths)} sequences exceeds the cache's max_batch {self.max_batch}")
-        if max(lengths) > self.max_seq_len:
-            raise InputError(f"a sequence needs {max(lengths)} cached tokens, the cache holds {self.max_seq_len} per "
-                             "sequence (raise max_seq_len, or shorten the prompt / max_new_tokens)")
