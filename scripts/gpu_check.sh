@@ -23,6 +23,11 @@
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
 #               both weight and indexer modes, peak memory, the split of one long prefill;
 #               RUNTIME_BENCH_ARGS: more flags)
+# v32-moe:      the v32 preset with 5 layers (3 dense + 2 MoE at real size, ~25 GB in /tmp/minirt-v32-moe), then
+#               `minirt verify` on it (prompt 2·index_topk + 8, prefill chunks of 1024)
+# v4-flash:     the v4-flash preset (V4-Flash's first 4 layers, ~16 GB in /tmp/minirt-v4-flash), `minirt verify`
+#               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
+#               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
 # Tables and plots go to $OUT (default /tmp/minirt-out), each step's output to $OUT/<step>.log, its exit
 # status and time to $OUT/summary.txt; the script exits 1 if any step failed. A step still running
 # DEADLINE seconds after the start (default 570) is stopped and later ones are skipped, so a job with a
@@ -86,6 +91,16 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       prompt=$(python3 -c 'print(",".join(str((i * 7919) % 129280) for i in range(512)))')
       run v32-generate-b1 minirt generate $V32 --tokens "$prompt" -n 64 --batch 1
       run v32-generate-b64 minirt generate $V32 --tokens "$prompt" -n 64 --batch 64 ;;
+    v32-moe)
+      V32M=/tmp/minirt-v32-moe
+      [ -f $V32M/config.json ] || run v32-moe-init minirt init $V32M --preset v32 --layers 5 --device cuda
+      run v32-moe-verify minirt verify $V32M --json --prefill-chunk 1024 ;;
+    v4-flash)
+      V4F=/tmp/minirt-v4-flash
+      [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda
+      run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
+      run v4-flash-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072,1048576 --batch 1,64 --max-tokens 1048576 \
+        --out "$OUT/runtime_v4.md" ${V4_BENCH_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
