@@ -26,18 +26,18 @@ TOLERANCES = {
     "attention_same_topk": (2e-2, "max"),
     "prefill_logits": (3e-2, "max"),
     "decode_logits": (1e-1, "max"),
-    "top1_agreement": (0.9, "min"),
+    # The runtime's top-1 within the position's logit error of the reference's best (top1_agreement): the
+    # error rows bound that error, so this row holds whatever the weights (tiny, bf16 path: 0.988).
+    "top1_agreement": (0.95, "min"),
 }
 # With fp8 weights every GEMM input is an e4m3 activation (one power-of-two scale per 128 values, as
 # DeepSeek computes): ≈3.6% rms rounding of each, through several GEMMs in series per layer (measured
-# on the tiny preset: hidden 4-6%, logits 6%). The synthetic model's near-equal top logits then swap
-# more often (top-1 agreement 0.79-0.93 over seeds and checkpoints).
+# on the tiny preset: hidden 4-6%, logits 6%).
 FP8_WEIGHTS_TOLERANCES = TOLERANCES | {
     "hidden": (1e-1, "max"),
     "attention_same_topk": (1e-1, "max"),
     "prefill_logits": (1e-1, "max"),
     "decode_logits": (1.5e-1, "max"),
-    "top1_agreement": (0.7, "min"),
 }
 
 # The rows of MoE layers, whatever the weights. The router on the reference's input computes the same
@@ -49,12 +49,11 @@ MOE_ROW_TOLERANCES = {
 }
 # With bf16 weights, each MoE layer still adds its experts' e4m3 rounding to the residual stream
 # (measured on the tiny preset: hidden 1.9% and logits 1.9% after one MoE layer on the reference's
-# routing, 2.8% after two; decode logits 4.6%; top-1 agreement 0.89 after two, free).
+# routing, 2.8% after two; decode logits 4.6%).
 MOE_TOLERANCES = {
     "hidden": (6e-2, "max"),
     "prefill_logits": (6e-2, "max"),
     "decode_logits": (1e-1, "max"),
-    "top1_agreement": (0.8, "min"),
 }
 
 
