@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from rich.filesize import decimal
+
+from .checkpoint import available_memory
 from .config import ModelConfig
-from .errors import InputError
+from .errors import DeviceError, InputError
 from .formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
 from .kernels import new_index_cache, new_kv_cache
 from .kernels.ops import write_index_keys_op as write_index_keys  # a custom op: compilable
@@ -59,6 +62,15 @@ class CacheCapacity:
             )
 
 
+def check_cache_fits(nbytes: int, max_batch: int, max_seq_len: int, device: torch.device | str) -> None:
+    """DeviceError, before anything is allocated, when a cache of ``nbytes`` for ``max_batch`` sequences
+    of ``max_seq_len`` tokens exceeds what ``device`` can still allocate."""
+    free = available_memory(torch.device(device))
+    if nbytes > free:
+        raise DeviceError(f"a cache for {max_batch} x {max_seq_len:,} tokens needs {decimal(nbytes)} on "
+                          f"{torch.device(device).type}, {decimal(free)} is free: lower max_batch or max_seq_len")
+
+
 class PagedCache(CacheCapacity):
     """Caches of ``num_layers`` layers for up to ``max_batch`` sequences of ``max_seq_len`` tokens.
 
@@ -66,6 +78,7 @@ class PagedCache(CacheCapacity):
     Blocks are handed out at construction: sequence b owns blocks
     ``block_table[b] = [b · blocks_per_seq, ...)``; the kernels only ever see the table, so any other
     allocation policy would work unchanged. ``seq_lens[b]`` counts the tokens written for sequence b.
+    Raises DeviceError when the caches would not fit in the device's free memory.
     """
 
     def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_seq_len: int,
@@ -76,6 +89,8 @@ class PagedCache(CacheCapacity):
         self.block_size, self.max_batch, self.max_seq_len = block_size, max_batch, max_seq_len
         blocks_per_seq = -(-max_seq_len // block_size)
         num_blocks = max_batch * blocks_per_seq
+        check_cache_fits(num_blocks * block_size * cache_bytes_per_token(cfg, num_layers, indexer_precision),
+                         max_batch, max_seq_len, device)
         self.block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).view(max_batch, blocks_per_seq)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)
 

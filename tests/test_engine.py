@@ -5,7 +5,7 @@ from conftest import DEVICE
 
 import minirt
 from minirt.context import PrefillTrace
-from minirt.errors import InputError
+from minirt.errors import DeviceError, InputError
 from minirt.generate import generate
 from minirt.sampling import SamplingParams
 from minirt.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, rel_err, run_verify, tolerances, top1_agreement
@@ -238,3 +238,10 @@ def test_top1_agreement_forgives_a_swap_within_the_logit_error_only():
     got[1, 9] = 11.0  # picks a token the reference ranks 5 below its best: a disagreement
     assert top1_agreement(got, ref) == pytest.approx(2 / 3)
     assert top1_agreement(ref, ref) == 1.0
+
+
+def test_a_cache_past_free_memory_is_refused_before_allocating(engine):
+    with pytest.raises(DeviceError, match=r"a cache for 100000 x 10,000,000 tokens needs .* is free"):
+        engine.setup_cache(100_000, 10_000_000)
+    engine.setup_cache(1, 8)  # the engine still works
+    assert engine.prefill([[1, 2, 3]]).shape == (1, engine.cfg.vocab_size)

@@ -9,7 +9,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import minirt
 from minirt.cli import app
+from minirt.errors import DeviceError
 from minirt.context import Segment
 from minirt.models.deepseek_v4.cache import CompressorState
 from minirt.models.deepseek_v4.checkpoint import load_checkpoint
@@ -80,3 +82,9 @@ def test_v32_only_options_are_refused(v4_tiny):
         result = CliRunner().invoke(app, ["generate", str(v4_tiny), "--tokens", "1,2", "-n", "1", *args])
         line = result.stderr.strip()
         assert result.exit_code == 2 and line.startswith("minirt: error:") and "V3.2 only" in line and "\n" not in line
+
+
+def test_a_cache_past_free_memory_is_refused_before_allocating(v4_tiny):
+    engine = minirt.load(v4_tiny, device=DEVICE)
+    with pytest.raises(DeviceError, match=r"a cache for 100000 x 10,000,000 tokens needs .* is free"):
+        engine.setup_cache(100_000, 10_000_000)

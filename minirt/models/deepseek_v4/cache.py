@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import formats
-from ...cache import CacheCapacity
+from ...cache import CacheCapacity, check_cache_fits
 from ...errors import InputError
 from ...kernels import new_model1_cache
 from .config import DeepseekV4Config, LayerKind
@@ -88,10 +88,14 @@ class V4Cache(CacheCapacity):
     def __init__(self, cfg: DeepseekV4Config, num_layers: int, max_batch: int, max_seq_len: int, device):
         if max_batch < 1 or max_seq_len < 1:
             raise InputError(f"cache needs max_batch >= 1 and max_seq_len >= 1, got {max_batch}, {max_seq_len}")
+        kinds = cfg.layer_kinds[:num_layers]
+        per_token = cache_bytes_per_token(cfg)
+        check_cache_fits(int(sum(max_batch * (fixed_bytes_per_seq(cfg, k) + per_token[k.name] * max_seq_len)
+                                 for k in kinds)), max_batch, max_seq_len, device)
         self.max_batch, self.max_seq_len, self.window = max_batch, max_seq_len, cfg.sliding_window
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.layers: list[LayerState] = []
-        for kind in cfg.layer_kinds[:num_layers]:
+        for kind in kinds:
             state = LayerState(kind, new_model1_cache(max_batch, cfg.sliding_window, device=device))
             if kind != LayerKind.SWA:
                 n, page = entries_per_seq(max_seq_len, kind), COMPRESSED_PAGE[kind]
