@@ -1,6 +1,6 @@
 """The kernels as torch custom ops (``torch.ops.minirt.*``), so ``torch.compile`` traces through them
 as single opaque nodes (no graph break, ``fullgraph=True`` works) and CUDA graphs capture them like any
-ATen op. ``minirt.layers`` and ``minirt.cache`` call the kernels through these ops, so a whole
+ATen op. ``minirt.models.deepseek_v32.layers`` and ``minirt.models.deepseek_v32.cache`` call the kernels through these ops, so a whole
 ``DecoderLayer`` compiles.
 
 Each op has the signature and semantics of the Python function it wraps (see that function's

@@ -5,7 +5,7 @@
     logits = engine.prefill([[1, 2, 3], [4, 5]])  # [2, vocab]: next-token logits of each prompt
     logits = engine.decode(logits.argmax(-1))     # one step on the fp8 paged cache
 
-Kernels: ``minirt.kernels``. Layers for other projects: ``minirt.layers``. Oracle: ``minirt.reference``.
+Kernels: ``minirt.kernels``. Layers for other projects: ``minirt.models.deepseek_v32.layers``. Oracle: ``minirt.models.deepseek_v32.reference``.
 """
 from __future__ import annotations
 
@@ -68,13 +68,13 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     ``dtype``). Default: "fp8" for an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else
     "bf16". The reference backend always dequantises to fp32.
     Returns a ``minirt.backend.Backend``: ``prefill(prompts)`` and ``decode(tokens)`` (see
-    ``minirt.engine.Engine`` and ``minirt.reference.ReferenceEngine``).
+    ``minirt.models.deepseek_v32.engine.Engine`` and ``minirt.models.deepseek_v32.reference.ReferenceEngine``).
     """
-    from .checkpoint import load_checkpoint, resolve_device
-    from .engine import DEFAULT_PREFILL_CHUNK, build_engine, check_prefill_chunk
+    from .models.deepseek_v32.checkpoint import load_checkpoint, resolve_device
+    from .models.deepseek_v32.engine import DEFAULT_PREFILL_CHUNK, build_engine, check_prefill_chunk
     from .config import load_config
     from .models import family_of
-    from .reference import ReferenceEngine, ReferenceModel
+    from .models.deepseek_v32.reference import ReferenceEngine, ReferenceModel
 
     if backend not in ("triton", "reference"):
         raise InputError(f"backend must be 'triton' or 'reference', got {backend!r}")

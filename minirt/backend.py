@@ -1,7 +1,7 @@
 """What both backends offer, and the input checks they share.
 
-``minirt.load`` returns a kernel :class:`minirt.engine.Engine` (``backend="triton"``) or the eager
-:class:`minirt.reference.ReferenceEngine` (``backend="reference"``); the CLI, ``generate`` and ``verify``
+``minirt.load`` returns a kernel :class:`minirt.models.deepseek_v32.engine.Engine` (``backend="triton"``) or the eager
+:class:`minirt.models.deepseek_v32.reference.ReferenceEngine` (``backend="reference"``); the CLI, ``generate`` and ``verify``
 use either through this interface alone.
 """
 from __future__ import annotations

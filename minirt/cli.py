@@ -29,7 +29,7 @@ from rich.spinner import Spinner
 from rich.table import Column, Table
 
 from . import default_weights_dir
-from .checkpoint import available_memory
+from .models.deepseek_v32.checkpoint import available_memory
 from .download import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
 from .errors import InputError, MinirtError, excerpt
 
@@ -272,7 +272,7 @@ def _checkpoint(weights: Path | None):
     """(directory, config) of the checkpoint argument, or the tiny default (written on first use); a
     path that is not a checkpoint directory is an error that says so, before anything else is read."""
     from . import default_checkpoint
-    from .checkpoint import check_checkpoint_dir
+    from .models.deepseek_v32.checkpoint import check_checkpoint_dir
     from .config import load_config
 
     if weights is None:
@@ -339,8 +339,8 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     """Show a checkpoint's config, and what loading N layers takes: shards, disk, memory, cache per token.
 
     Needs only config.json and the index: shards not downloaded yet are listed with an estimate of their size."""
-    from .cache import cache_bytes_per_token
-    from .checkpoint import expert_bytes, plan_load
+    from .models.deepseek_v32.cache import cache_bytes_per_token
+    from .models.deepseek_v32.checkpoint import expert_bytes, plan_load
     from .download import memory_text, plan_shards
     from .files import is_present
     from .models import family_of
@@ -457,7 +457,7 @@ def _remove_if_nothing_fetched(new_dirs: list[Path]) -> None:
 
 def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
     from . import load
-    from .checkpoint import plan_load
+    from .models.deepseek_v32.checkpoint import plan_load
     from .config import load_config
     from .models import family_of
 
@@ -566,7 +566,7 @@ def generate(
     import torch
 
     from .backend import check_tokens
-    from .checkpoint import resolve_device
+    from .models.deepseek_v32.checkpoint import resolve_device
     from .generate import check_generation_length
     from .generate import generate as run_generate
     from .generate import warm_up as run_warm_up
@@ -677,8 +677,8 @@ def generate_memory_bytes(cfg, num_layers: int, batch: int, prompt_len: int, max
     logits of a step and the loader's read chunks."""
     import torch
 
-    from .cache import cache_bytes_per_token
-    from .checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
+    from .models.deepseek_v32.cache import cache_bytes_per_token
+    from .models.deepseek_v32.checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
     from .formats import CACHE_BLOCK_SIZE
 
     weights = weight_memory_bytes(cfg, tensor_specs(cfg, num_layers),
@@ -725,9 +725,9 @@ def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
     eager reference's activations (``reference.forward_peak_bytes``)."""
     import torch
 
-    from .cache import cache_bytes_per_token
-    from .checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
-    from .reference import forward_peak_bytes
+    from .models.deepseek_v32.cache import cache_bytes_per_token
+    from .models.deepseek_v32.checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
+    from .models.deepseek_v32.reference import forward_peak_bytes
 
     specs = tensor_specs(cfg, num_layers)
     weights = sum(weight_memory_bytes(cfg, specs, dtype, fp8_as_stored=False)
@@ -740,7 +740,7 @@ def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
 def _check_verify_fits(cfg, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
     """InputError, with the numbers, when verify's tokens exceed the positions or its memory estimate
     exceeds what the device has free: before anything is loaded."""
-    from .checkpoint import available_memory
+    from .models.deepseek_v32.checkpoint import available_memory
 
     total = prompt_len + decode_steps
     if total > cfg.max_position_embeddings:
@@ -814,10 +814,10 @@ def verify(
     a length past max_position_embeddings or one whose eager reference would not fit in memory."""
     import torch
 
-    from .checkpoint import resolve_device, tensor_specs
+    from .models.deepseek_v32.checkpoint import resolve_device, tensor_specs
     from .models import family_of
     from .sampling import check_seed
-    from .verify import run_verify
+    from .models.deepseek_v32.verify import run_verify
 
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
     _check_layers(layers)

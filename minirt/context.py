@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PagedCache
+from .models.deepseek_v32.cache import PagedCache
 from .config import ModelConfig
 from .rope import rope_cos_sin
 

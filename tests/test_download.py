@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from minirt.checkpoint import INDEX_FILE, plan_load
+from minirt.models.deepseek_v32.checkpoint import INDEX_FILE, plan_load
 from minirt.download import download_checkpoint, plan_shards
 from minirt.errors import WriteError
 

@@ -8,7 +8,7 @@ from minirt.context import PrefillTrace
 from minirt.errors import InputError
 from minirt.generate import generate
 from minirt.sampling import SamplingParams
-from minirt.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, rel_err, run_verify, tolerances
+from minirt.models.deepseek_v32.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, rel_err, run_verify, tolerances
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ MoE ``ffn.gate.*``, ``ffn.experts.{e}.w{1,2,3}``, ``ffn.shared_experts.w{1,2,3}`
 Stored formats (:class:`V4TensorSpec.fmt`): "fp8" e4m3 weights with a ``<module>.scale`` of ue8m0 128×128
 block scales; "fp4" experts (e2m1 packed in int8 [out, in/2], ``.scale`` [out, in/32]); "bf16" norms,
 embeddings, head, router and the compressor / indexer projections; "fp32" mHC parameters, sinks, the
-compressors' ``ape`` and the router bias; "int64" ``tid2eid``. Loading reuses ``minirt.checkpoint``'s
+compressors' ``ape`` and the router bias; "int64" ``tid2eid``. Loading reuses ``minirt.models.deepseek_v32.checkpoint``'s
 index and header reading and finite checks; only the shards holding the requested tensors are opened.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ...blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
-from ...checkpoint import (UNQUANTIZED_DTYPES, Progress, StoredTensor, _check_finite, _load_tensor, locate_tensors,
+from ..deepseek_v32.checkpoint import (UNQUANTIZED_DTYPES, Progress, StoredTensor, _check_finite, _load_tensor, locate_tensors,
                            resolve_device)
 from ...errors import CheckpointError, InputError
 from .config import FP4_BLOCK, DeepseekV4Config, LayerKind, MODEL_TYPE

@@ -1,6 +1,6 @@
 """The DeepSeek-V4 kernel runtime: :class:`EngineV4`, what ``minirt.load`` returns for a V4 checkpoint.
 
-It plugs into V3.2's :class:`minirt.engine.Engine` for what both families share (``decode``'s checks and
+It plugs into V3.2's :class:`minirt.models.deepseek_v32.engine.Engine` for what both families share (``decode``'s checks and
 its CUDA-graph capture and replay, ``plan_chunks``) and brings V4's own caches (:class:`.cache.V4Cache`),
 step context (:class:`.layers.V4Step`) and layers (:class:`.layers.V4Layer`).
 """
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from ...backend import check_prompts
 from ...context import KVStash, PrefillTrace, Segment
-from ...engine import DECODE_HEADROOM, DEFAULT_PREFILL_CHUNK, Engine, check_prefill_chunk, plan_chunks
+from ..deepseek_v32.engine import DECODE_HEADROOM, DEFAULT_PREFILL_CHUNK, Engine, check_prefill_chunk, plan_chunks
 from ...errors import ConfigError, InputError, NumericalError
-from ...reference import rmsnorm
+from ..deepseek_v32.reference import rmsnorm
 from .cache import V4Cache
 from .config import DeepseekV4Config, LayerKind
 from .layers import V4Layer, V4Step

@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import check_prompts, check_tokens
-from .blockfp8 import dequantize_block_fp8
+from ...backend import check_prompts, check_tokens
+from ...blockfp8 import dequantize_block_fp8
 from .checkpoint import SCALE_SUFFIX, stacked_expert_name, stacked_expert_specs, stacked_scale_shape, tensor_specs
-from .config import ModelConfig, MoeConfig
-from .errors import CheckpointError, InputError, NumericalError
-from .rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
+from ...config import ModelConfig, MoeConfig
+from ...errors import CheckpointError, InputError, NumericalError
+from ...rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
 
 # The official indexer builds its k LayerNorm with the default eps, not the config's rms_norm_eps.
 INDEXER_LAYERNORM_EPS = 1e-6

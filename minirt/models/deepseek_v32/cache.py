@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
-from .errors import InputError
-from .formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
-from .kernels import new_index_cache, new_kv_cache
-from .kernels.ops import write_index_keys_op as write_index_keys  # a custom op: compilable
+from ...config import ModelConfig
+from ...errors import InputError
+from ...formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
+from ...kernels import new_index_cache, new_kv_cache
+from ...kernels.ops import write_index_keys_op as write_index_keys  # a custom op: compilable
 
 
 def cache_bytes_per_token(cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact") -> int:

@@ -14,9 +14,9 @@ import torch
 
 from collections.abc import Callable
 
-from .context import PrefillTrace, prefill_context
+from ...context import PrefillTrace, prefill_context
 from .engine import Engine
-from .errors import InputError
+from ...errors import InputError
 from .reference import ReferenceEngine
 
 # name → (limit, "max" = error must stay at or below, "min" = agreement must reach).

@@ -6,14 +6,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .backend import check_prompts, check_tokens
+from ...backend import check_prompts, check_tokens
 from .cache import PagedCache
-from .config import ModelConfig
-from .context import KVStash, PrefillTrace, decode_context, prefill_context
-from .errors import ConfigError, InputError, NumericalError
-from .formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
+from ...config import ModelConfig
+from ...context import KVStash, PrefillTrace, decode_context, prefill_context
+from ...errors import ConfigError, InputError, NumericalError
+from ...formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
 from .layers import Transformer
-from .rope import rope_cos_sin
+from ...rope import rope_cos_sin
 
 DECODE_HEADROOM = 256        # decode steps a cache the engine sizes itself leaves room for
 DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill step: bounds the [chunk, context] indexer scores

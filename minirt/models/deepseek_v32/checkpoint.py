@@ -23,10 +23,10 @@ from typing import Callable
 import torch
 from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
 
-from .blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
-from .config import ModelConfig
-from .errors import CheckpointError, DeviceError, InputError, excerpt
-from .files import (MAX_HEADER_BYTES, MAX_INDEX_BYTES, as_path, is_present, member, open_regular, os_reason, read_json,
+from ...blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
+from ...config import ModelConfig
+from ...errors import CheckpointError, DeviceError, InputError, excerpt
+from ...files import (MAX_HEADER_BYTES, MAX_INDEX_BYTES, as_path, is_present, member, open_regular, os_reason, read_json,
                     shown, stat_regular)
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -21,19 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .context import StepContext
-from .errors import InputError
-from .fp8_linear import Fp8Linear
+from ...config import ModelConfig
+from ...context import StepContext
+from ...errors import InputError
+from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
-from .kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
+from ...kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
                           mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
                           paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
                           sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
-from .blockfp8 import block_scale_shape
-from .formats import FP8_DTYPE
-from .kernels import ExpertWeights, moe_experts, route_topk
-from .rope import apply_rope_half, apply_rope_interleaved
+from ...blockfp8 import block_scale_shape
+from ...formats import FP8_DTYPE
+from ...kernels import ExpertWeights, moe_experts, route_topk
+from ...rope import apply_rope_half, apply_rope_interleaved
 
 
 class RMSNorm(nn.Module):
