@@ -68,13 +68,16 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     ``dtype``). Default: "fp8" for an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else
     "bf16". The reference backend always dequantises to fp32.
     Returns a ``minirt.backend.Backend``: ``prefill(prompts)`` and ``decode(tokens)`` (see
-    ``minirt.models.deepseek_v32.engine.Engine`` and ``minirt.models.deepseek_v32.reference.ReferenceEngine``).
+    ``minirt.models.deepseek_v32.engine.Engine`` and ``minirt.backend.ReferenceEngine``).
     """
-    from .models.deepseek_v32.checkpoint import load_checkpoint, resolve_device
-    from .models.deepseek_v32.engine import DEFAULT_PREFILL_CHUNK, build_engine, check_prefill_chunk
+    from .models.deepseek_v32.checkpoint import load_checkpoint
+    from .device import resolve_device
+    from .models.deepseek_v32.engine import build_engine
+    from .runtime import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
     from .config import load_config
     from .models import family_of
-    from .models.deepseek_v32.reference import ReferenceEngine, ReferenceModel
+    from .models.deepseek_v32.reference import ReferenceModel
+    from .backend import ReferenceEngine
 
     if backend not in ("triton", "reference"):
         raise InputError(f"backend must be 'triton' or 'reference', got {backend!r}")

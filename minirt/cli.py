@@ -29,7 +29,7 @@ from rich.spinner import Spinner
 from rich.table import Column, Table
 
 from . import default_weights_dir
-from .models.deepseek_v32.checkpoint import available_memory
+from .device import available_memory
 from .download import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
 from .errors import InputError, MinirtError, excerpt
 
@@ -272,7 +272,7 @@ def _checkpoint(weights: Path | None):
     """(directory, config) of the checkpoint argument, or the tiny default (written on first use); a
     path that is not a checkpoint directory is an error that says so, before anything else is read."""
     from . import default_checkpoint
-    from .models.deepseek_v32.checkpoint import check_checkpoint_dir
+    from .shards import check_checkpoint_dir
     from .config import load_config
 
     if weights is None:
@@ -566,7 +566,7 @@ def generate(
     import torch
 
     from .backend import check_tokens
-    from .models.deepseek_v32.checkpoint import resolve_device
+    from .device import resolve_device
     from .generate import check_generation_length
     from .generate import generate as run_generate
     from .generate import warm_up as run_warm_up
@@ -678,7 +678,8 @@ def generate_memory_bytes(cfg, num_layers: int, batch: int, prompt_len: int, max
     import torch
 
     from .models.deepseek_v32.cache import cache_bytes_per_token
-    from .models.deepseek_v32.checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
+    from .models.deepseek_v32.checkpoint import tensor_specs, weight_memory_bytes
+    from .shards import READ_CHUNK_BYTES
     from .formats import CACHE_BLOCK_SIZE
 
     weights = weight_memory_bytes(cfg, tensor_specs(cfg, num_layers),
@@ -726,7 +727,8 @@ def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
     import torch
 
     from .models.deepseek_v32.cache import cache_bytes_per_token
-    from .models.deepseek_v32.checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
+    from .models.deepseek_v32.checkpoint import tensor_specs, weight_memory_bytes
+    from .shards import READ_CHUNK_BYTES
     from .models.deepseek_v32.reference import forward_peak_bytes
 
     specs = tensor_specs(cfg, num_layers)
@@ -740,7 +742,7 @@ def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
 def _check_verify_fits(cfg, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
     """InputError, with the numbers, when verify's tokens exceed the positions or its memory estimate
     exceeds what the device has free: before anything is loaded."""
-    from .models.deepseek_v32.checkpoint import available_memory
+    from .device import available_memory
 
     total = prompt_len + decode_steps
     if total > cfg.max_position_embeddings:
@@ -814,7 +816,8 @@ def verify(
     a length past max_position_embeddings or one whose eager reference would not fit in memory."""
     import torch
 
-    from .models.deepseek_v32.checkpoint import resolve_device, tensor_specs
+    from .models.deepseek_v32.checkpoint import tensor_specs
+    from .device import resolve_device
     from .models import family_of
     from .sampling import check_seed
     from .models.deepseek_v32.verify import run_verify

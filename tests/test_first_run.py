@@ -201,7 +201,7 @@ def test_verify_says_the_weights_are_fp32_in_memory_on_the_cpu(tiny_master, monk
 
     def checked(engine, *args, **kwargs):  # the comparison itself is tested elsewhere: the header here
         assert next(engine.model.parameters()).dtype == torch.float32
-        return minirt.models.deepseek_v32.verify.VerifyReport([], 40, 1)
+        return minirt.report.VerifyReport([], 40, 1)
 
     monkeypatch.setattr(minirt.models.deepseek_v32.verify, "run_verify", checked)
     result = runner.invoke(app, ["verify", str(tiny_master), "--layers", "1", "--prompt-len", "40", "--decode-steps",

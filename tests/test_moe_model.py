@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 import minirt
 import minirt.models.deepseek_v32.checkpoint as checkpoint
 from minirt.blockfp8 import dequantize_block_fp8
-from minirt.models.deepseek_v32.checkpoint import (INDEX_FILE, expert_bytes, load_checkpoint, stacked_expert_specs,
-                               tensor_specs)
+from minirt.models.deepseek_v32.checkpoint import expert_bytes, load_checkpoint, stacked_expert_specs, tensor_specs
+from minirt.shards import INDEX_FILE
 from minirt.cli import app
 from minirt.config import ModelConfig
 from minirt.models.deepseek_v32.engine import build_engine

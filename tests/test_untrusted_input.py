@@ -28,7 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import minirt
-from minirt.models.deepseek_v32.checkpoint import INDEX_FILE, load_checkpoint, plan_load, resolve_device
+from minirt.models.deepseek_v32.checkpoint import load_checkpoint, plan_load
+from minirt.device import resolve_device
+from minirt.shards import INDEX_FILE
 from minirt.cli import app
 from minirt.config import ModelConfig
 from minirt.download import download_checkpoint

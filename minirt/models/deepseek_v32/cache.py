@@ -12,6 +12,7 @@ from ...errors import InputError
 from ...formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
 from ...kernels import new_index_cache, new_kv_cache
 from ...kernels.ops import write_index_keys_op as write_index_keys  # a custom op: compilable
+from ...runtime import CacheCapacity
 
 
 def cache_bytes_per_token(cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact") -> int:
@@ -37,26 +38,6 @@ class LayerCache:
             write_index_keys(self.index_keys, keys, slots)
         else:
             self.index_keys.view(-1, keys.shape[-1])[slots] = keys
-
-
-class CacheCapacity:
-    """Room for ``max_batch`` sequences of ``max_seq_len`` tokens: what every model family's cache is sized
-    by, and what the engine checks a prefill's prompt lengths against."""
-
-    max_batch: int
-    max_seq_len: int
-
-    def has_room(self, lengths: list[int]) -> bool:
-        return len(lengths) <= self.max_batch and max(lengths) <= self.max_seq_len
-
-    def check_room(self, lengths: list[int]) -> None:
-        if len(lengths) > self.max_batch:
-            raise InputError(f"batch of {len(lengths)} sequences exceeds the cache's max_batch {self.max_batch}")
-        if max(lengths) > self.max_seq_len:
-            raise InputError(
-                f"a sequence needs {max(lengths)} cached tokens, the cache holds {self.max_seq_len} per sequence "
-                "(raise max_seq_len, or shorten the prompt / max_new_tokens)"
-            )
 
 
 class PagedCache(CacheCapacity):

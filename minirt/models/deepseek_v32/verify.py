@@ -7,9 +7,6 @@ weights and activations.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-
 import torch
 
 from collections.abc import Callable
@@ -17,7 +14,8 @@ from collections.abc import Callable
 from ...context import PrefillTrace, prefill_context
 from .engine import Engine
 from ...errors import InputError
-from .reference import ReferenceEngine
+from ...report import Check, VerifyReport, rel_err, topk_overlap
+from ...backend import ReferenceEngine
 
 # name → (limit, "max" = error must stay at or below, "min" = agreement must reach).
 TOLERANCES = {
@@ -56,50 +54,6 @@ MOE_TOLERANCES = {
     "decode_logits": (1e-1, "max"),
     "top1_agreement": (0.8, "min"),
 }
-
-
-@dataclass
-class Check:
-    name: str
-    value: float
-    limit: float
-    kind: str  # "max" or "min"
-
-    @property
-    def ok(self) -> bool:
-        return self.value <= self.limit if self.kind == "max" else self.value >= self.limit
-
-
-@dataclass
-class VerifyReport:
-    checks: list[Check]
-    prompt_len: int
-    decode_steps: int
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
-
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok]
-
-    def to_json(self) -> str:
-        return json.dumps({"ok": self.ok, "prompt_len": self.prompt_len, "decode_steps": self.decode_steps,
-                           "checks": [asdict(c) | {"ok": c.ok} for c in self.checks]}, indent=2)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double().cpu()
-    return float((x.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def topk_overlap(topk: torch.Tensor, ref_topk: torch.Tensor) -> float:
-    """Mean over rows of |selected ∩ reference-selected| / |reference-selected| (−1 entries ignored)."""
-    scores = []
-    for row, ref_row in zip(topk.tolist(), ref_topk.tolist()):
-        ref_set = {i for i in ref_row if i >= 0}
-        scores.append(len(ref_set & {i for i in row if i >= 0}) / len(ref_set))
-    return sum(scores) / len(scores)
 
 
 def expert_agreement(expert_ids: torch.Tensor, ref_ids: torch.Tensor) -> float:

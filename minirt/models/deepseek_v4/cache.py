@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import formats
-from ..deepseek_v32.cache import CacheCapacity
+from ...runtime import CacheCapacity
 from ...errors import InputError
 from ...kernels import new_model1_cache
 from .config import DeepseekV4Config, LayerKind

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from rich.filesize import decimal
 
-from ..deepseek_v32.engine import DEFAULT_PREFILL_CHUNK
-from ..deepseek_v32.reference import ReferenceEngine
+from ...runtime import DEFAULT_PREFILL_CHUNK
+from ...backend import ReferenceEngine
 from .cache import cache_bytes_per_token, fixed_bytes_per_seq
 from .checkpoint import load_checkpoint, plan_load
 from .config import DeepseekV4Config
@@ -19,7 +19,7 @@ def load(path: str | Path, layers: int | None, device: torch.device, backend: st
          prefill_chunk: int | None = None) -> EngineV4 | ReferenceEngine:
     """The first ``layers`` layers (None: all) of the V4 checkpoint at ``path`` as a Backend: backend "triton"
     the kernel runtime :class:`EngineV4` (fp8 / fp4 weights as stored, prefill steps of ``prefill_chunk``
-    tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind ``minirt.models.deepseek_v32.reference.ReferenceEngine``."""
+    tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind ``minirt.backend.ReferenceEngine``."""
     if backend == "reference":
         cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModelV4(cfg, weights, layers, torch.float32, device))
