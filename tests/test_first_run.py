@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 import minirt
 from minirt.models.deepseek_v32.checkpoint import plan_load
 from minirt.cli import app
-from minirt.context import KVStash, decode_context, prefill_context
+from minirt.context import KVStash
+from minirt.models.deepseek_v32.context import decode_context, prefill_context
 from minirt.errors import InputError
 from minirt.generate import generate
 from minirt.models.deepseek_v32.layers import DecoderLayer
@@ -197,13 +198,14 @@ def test_generate_token_ids_plurals_and_strict_token_list(tiny_master):
 
 
 def test_verify_says_the_weights_are_fp32_in_memory_on_the_cpu(tiny_master, monkeypatch):
-    import minirt.models.deepseek_v32.verify
+    import minirt.models.deepseek_v32
+    import minirt.report
 
     def checked(engine, *args, **kwargs):  # the comparison itself is tested elsewhere: the header here
         assert next(engine.model.parameters()).dtype == torch.float32
         return minirt.report.VerifyReport([], 40, 1)
 
-    monkeypatch.setattr(minirt.models.deepseek_v32.verify, "run_verify", checked)
+    monkeypatch.setattr(minirt.models.deepseek_v32, "run_verify", checked)
     result = runner.invoke(app, ["verify", str(tiny_master), "--layers", "1", "--prompt-len", "40", "--decode-steps",
                                  "1", "--device", "cpu"])
     assert result.exit_code == 0, result.output

@@ -10,7 +10,8 @@ import torch
 from ...backend import check_prompts
 from .cache import PagedCache
 from ...config import ModelConfig
-from ...context import KVStash, PrefillTrace, decode_context, prefill_context
+from ...context import KVStash, PrefillTrace
+from .context import decode_context, prefill_context
 from ...errors import ConfigError, InputError, NumericalError
 from ...formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
 from .layers import Transformer

@@ -11,7 +11,8 @@ import torch
 
 from collections.abc import Callable
 
-from ...context import PrefillTrace, prefill_context
+from ...context import PrefillTrace
+from .context import prefill_context
 from .engine import Engine
 from ...errors import InputError
 from ...report import Check, VerifyReport, rel_err, topk_overlap
@@ -54,6 +55,11 @@ MOE_TOLERANCES = {
     "decode_logits": (1e-1, "max"),
     "top1_agreement": (0.8, "min"),
 }
+
+
+def default_prompt_len(cfg) -> int:
+    """Twice the indexer's top-k and more (32 for V3), so the top-k is sparse."""
+    return 2 * (cfg.index_topk or 32) + 8
 
 
 def expert_agreement(expert_ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
