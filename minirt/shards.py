@@ -5,6 +5,7 @@ tensors it expects (its layout) and how they become weights.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from .blockfp8 import FP8_DTYPE, dequantize_block_fp8
-from .errors import CheckpointError
+from .errors import CheckpointError, InputError
 from .files import MAX_HEADER_BYTES, MAX_INDEX_BYTES, is_present, member, open_regular, os_reason, read_json, shown, stat_regular
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -242,6 +243,26 @@ def locate_tensors(
         stored[name] = headers[shard][name]
         _check_stored(name, stored[name], dtypes, shape)
     return stored, shard_files
+
+
+def check_load_dtype(dtype: torch.dtype) -> None:
+    """InputError unless ``dtype`` is one a loader can return weights in (``UNQUANTIZED_DTYPES``)."""
+    if dtype not in UNQUANTIZED_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
+
+
+@contextlib.contextmanager
+def open_shards(plan: LoadPlan):
+    """The plan's shards open for unbuffered reading, {shard path: file}, all closed on leaving; CheckpointError
+    naming a shard that cannot be opened."""
+    with contextlib.ExitStack() as stack:
+        files = {}
+        for shard in plan.shard_files:
+            try:
+                files[shard] = stack.enter_context(open(shard, "rb", buffering=0))
+            except OSError as e:
+                raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
+        yield files
 
 
 def _first_nonfinite(t: torch.Tensor) -> int | None:

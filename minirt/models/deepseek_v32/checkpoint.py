@@ -9,7 +9,6 @@ A MoE layer's routed experts are stored one tensor per expert and projection; th
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from ...config import ModelConfig
 from ...device import available_memory, resolve_device
 from ...errors import CheckpointError, DeviceError, InputError
 from ...files import as_path
-from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_checkpoint_dir, load_tensor, locate_tensors)
+from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_checkpoint_dir, check_load_dtype, load_tensor,
+                       locate_tensors, open_shards)
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -291,8 +291,7 @@ def load_checkpoint(
     ``progress(done, total, name)``, if given, is called after each weight with bytes read so far and
     in total.
     """
-    if dtype not in UNQUANTIZED_DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
+    check_load_dtype(dtype)
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
     _check_fits(plan, device, dtype, fp8_as_stored)
@@ -309,13 +308,7 @@ def load_checkpoint(
             weights[name + SCALE_SUFFIX] = torch.empty(stacked_scale_shape(spec, block), dtype=torch.float32,
                                                        device=device)
     done = 0
-    with contextlib.ExitStack() as stack:
-        files = {}
-        for shard in plan.shard_files:
-            try:
-                files[shard] = stack.enter_context(open(shard, "rb", buffering=0))
-            except OSError as e:
-                raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
+    with open_shards(plan) as files:
 
         def read(name: str, dtype: torch.dtype, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
             stored = plan.stored[name]

@@ -15,7 +15,6 @@ index and header reading and finite checks; only the shards holding the requeste
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,8 @@ import torch
 
 from ...blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
 from ...device import resolve_device
-from ...shards import UNQUANTIZED_DTYPES, LoadPlan, Progress, check_finite, load_tensor, locate_tensors
+from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_finite, check_load_dtype, load_tensor, locate_tensors,
+                       open_shards)
 from ...errors import CheckpointError, InputError
 from .config import FP4_BLOCK, DeepseekV4Config, LayerKind, MODEL_TYPE
 from .quant import E8M0_DTYPE, check_pow2_scales, dequantize_fp4
@@ -206,19 +206,12 @@ def load_checkpoint(
     ``tid2eid`` entry outside [0, n_routed_experts), a value that overflows ``dtype``.
     ``progress(done, total, name)`` is called after each weight with bytes read so far and in total.
     """
-    if dtype not in UNQUANTIZED_DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
+    check_load_dtype(dtype)
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
     weights: dict[str, torch.Tensor] = {}
     done = 0
-    with contextlib.ExitStack() as stack:
-        files = {}
-        for shard in plan.shard_files:
-            try:
-                files[shard] = stack.enter_context(open(shard, "rb", buffering=0))
-            except OSError as e:
-                raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
+    with open_shards(plan) as files:
         cpu = torch.device("cpu")
         for name, spec in plan.specs.items():
             names = list(stored_layout(name, spec))
