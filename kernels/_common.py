@@ -58,6 +58,30 @@ def check_tensor(tensors: dict, name: str, t, dtypes, shape: tuple, *, optional:
     tensors[name] = t
 
 
+def check_slots(slots, leading: tuple) -> None:
+    """Raise InputError unless ``slots`` is an int32 / int64 tensor of shape ``leading``: a cache writer's
+    slot per written row (its inputs' leading shape)."""
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
+            or slots.shape != leading:
+        raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(leading)}, got "
+                         f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+
+
+def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` [..., width] as rows [N, width] with unit column stride (a copy only where needed)."""
+    t = t.reshape(-1, width)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+@triton.jit
+def writable_slot(slot_ptr, row, num_slots):
+    """(slot, valid) of a cache writer's row ``row``: its slot id int64, 0 where it is outside
+    [0, num_slots) (valid False: the row's stores are masked off, never out of bounds)."""
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    return tl.where(valid, slot, 0), valid
+
+
 def check_config(config, config_type: type) -> None:
     """Raise InputError unless config is None or a config_type (a launcher's launch shape)."""
     if config is not None and not isinstance(config, config_type):

@@ -35,7 +35,7 @@ import triton.language as tl
 from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, CACHE_BLOCK_SIZE, FP8_DTYPE, INDEX_KEY_BYTES, INDEX_KEY_DIM, quantize_groups
 
-from ._common import check_config, check_device
+from ._common import check_config, check_device, check_slots, rows_of, writable_slot
 from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 from .kv_cache_fp8 import CacheGeometry
@@ -193,9 +193,7 @@ def _check_keys(k) -> None:
 def _write_index_keys_kernel(cache_ptr, k_ptr, slot_ptr, block_size, num_slots, block_stride_16, stride_k,
                              DIM: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0)
+    slot, valid = writable_slot(slot_ptr, token, num_slots)
     page = cache_ptr + (slot // block_size) * block_stride_16 * 16
     offset = slot % block_size
 
@@ -225,13 +223,9 @@ def write_index_keys(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) 
     """
     geometry = _fp8_cache_geometry(cache)
     _check_keys(k)
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
-            or slots.shape != k.shape[:-1]:
-        raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(k.shape[:-1])}")
+    check_slots(slots, k.shape[:-1])
     check_device({"cache": cache, "k": k, "slots": slots})
-    k = k.reshape(-1, INDEX_KEY_DIM)
-    if k.stride(1) != 1:
-        k = k.contiguous()
+    k = rows_of(k, INDEX_KEY_DIM)
     slots = slots.reshape(-1).contiguous()
     if slots.numel() == 0:
         return

@@ -27,7 +27,7 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
-from ._common import check_device, check_tensors
+from ._common import check_device, check_slots, check_tensors, rows_of, writable_slot
 from ._fp8 import pow2_quantize_rows
 from ._launch import cdiv, described, launch, per_signature
 
@@ -265,9 +265,7 @@ def _checked_mapping(positions, block_table, kv_cache) -> CacheGeometry:
 def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, block_size, num_slots,
                          block_stride, stride_latent, stride_rope):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0)
+    slot, valid = writable_slot(slot_ptr, token, num_slots)
     row = cache_ptr + (slot // block_size) * block_stride + (slot % block_size) * TOKEN_BYTES
 
     tiles = tl.arange(0, TILES)
@@ -303,13 +301,9 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
     geometry, compiled = per_signature(
         _WRITES, lambda: (described(kv_cache), described(latent), described(k_rope), described(slots)),
         lambda: (_checked_write(kv_cache, latent, k_rope, slots), {}))
-    latent = latent.reshape(-1, formats.KV_LATENT_DIM)
-    rope = k_rope.reshape(-1, formats.KV_ROPE_DIM).view(torch.int16)
+    latent = rows_of(latent, formats.KV_LATENT_DIM)
+    rope = rows_of(k_rope, formats.KV_ROPE_DIM).view(torch.int16)
     slots = slots.reshape(-1).contiguous()
-    if latent.stride(1) != 1:
-        latent = latent.contiguous()
-    if rope.stride(1) != 1:
-        rope = rope.contiguous()
     if slots.numel() == 0:
         return
     launch(_write_kv_fp8_kernel, (slots.numel(),), (kv_cache, latent, rope, slots, geometry.block_size,
@@ -326,8 +320,6 @@ def _checked_write(kv_cache, latent, k_rope, slots) -> CacheGeometry:
     """write_kv_fp8's input checks (InputError); the cache's geometry."""
     geometry = cache_geometry(kv_cache)
     _check_token_inputs(latent, k_rope)
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
-            or slots.shape != latent.shape[:-1]:
-        raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(latent.shape[:-1])}")
+    check_slots(slots, latent.shape[:-1])
     check_device({"latent": latent, "k_rope": k_rope, "slots": slots, "kv_cache": kv_cache})
     return geometry

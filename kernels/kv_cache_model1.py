@@ -32,7 +32,7 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
-from ._common import check_device, check_tensors
+from ._common import check_device, check_slots, check_tensors, rows_of, writable_slot
 from ._fp8 import pow2_quantize_rows
 from ._launch import described, launch, per_signature
 from .kv_cache_fp8 import CacheGeometry
@@ -247,9 +247,8 @@ def model1_entry_addresses(cache_ptr, slot, block_size, block_stride):
 @triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride", "stride_kv"])
 def _write_kv_model1_kernel(cache_ptr, kv_ptr, slot_ptr, block_size, num_slots, block_stride, stride_kv):
     entry = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + entry).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots)
-    data, scales = model1_entry_addresses(cache_ptr, tl.where(valid, slot, 0), block_size, block_stride)
+    slot, valid = writable_slot(slot_ptr, entry, num_slots)
+    data, scales = model1_entry_addresses(cache_ptr, slot, block_size, block_stride)
 
     # The nope tiles as the rows 0..6 of an [8, 64] block (row 7 masked: the rope, stored as bits).
     tiles = tl.arange(0, 8)
@@ -285,9 +284,7 @@ def write_kv_model1(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
     """
     geometry, compiled = per_signature(_WRITES, lambda: (described(kv_cache), described(kv), described(slots)),
                                        lambda: (_checked_write(kv_cache, kv, slots), {}))
-    kv = kv.reshape(-1, formats.MODEL1_DIM)
-    if kv.stride(1) != 1:
-        kv = kv.contiguous()
+    kv = rows_of(kv, formats.MODEL1_DIM)
     slots = slots.reshape(-1).contiguous()
     if slots.numel() == 0:
         return
@@ -304,9 +301,6 @@ def _checked_write(kv_cache, kv, slots) -> CacheGeometry:
     """write_kv_model1's input checks (InputError); the cache's geometry."""
     geometry = model1_cache_geometry(kv_cache)
     _check_kv(kv)
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
-            or slots.shape != kv.shape[:-1]:
-        raise InputError(f"slots must be an int32/int64 tensor of shape {tuple(kv.shape[:-1])}, got "
-                         f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+    check_slots(slots, kv.shape[:-1])
     check_device({"kv": kv, "slots": slots, "kv_cache": kv_cache})
     return geometry

@@ -1,12 +1,12 @@
 """The kernels as torch custom ops (``torch.ops.minirt.*``), so ``torch.compile`` traces through them
 as single opaque nodes (no graph break, ``fullgraph=True`` works) and CUDA graphs capture them like any
-ATen op. ``minirt.layers`` and ``minirt.cache`` call the kernels through these ops, so a whole
+ATen op. ``minirt.models.deepseek_v32.layers`` and ``minirt.models.deepseek_v32.cache`` call the kernels through these ops, so a whole
 ``DecoderLayer`` compiles.
 
 Each op has the signature and semantics of the Python function it wraps (see that function's
-docstring), less the keyword-only ``out``/``config`` arguments; the registered fake implementation
-gives output shapes and dtypes without running a kernel (nor the wrapper's checks, which need real
-data pointers).
+docstring), less the keyword-only ``out``/``config`` arguments; a function without those is registered
+as it is (:func:`_registered`). The registered fake implementation gives output shapes and dtypes without
+running a kernel (nor the wrapper's checks, which need real data pointers).
 """
 from typing import Optional
 
@@ -25,6 +25,35 @@ from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8
 from .sparse_mla_prefill import sparse_mla_prefill
 from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources
+
+
+def _registered(fn, mutates_args=()):
+    """``fn`` as the custom op ``minirt::<its name>``, its schema from its annotations."""
+    return torch.library.custom_op(f"minirt::{fn.__name__}", fn, mutates_args=mutates_args)
+
+
+def _writes_in_place(*args):
+    return None
+
+
+write_kv_fp8_op = _registered(write_kv_fp8, ("kv_cache",))       # writes kv_cache in place
+write_kv_model1_op = _registered(write_kv_model1, ("kv_cache",))  # writes the MODEL1 cache in place
+write_index_keys_op = _registered(write_index_keys, ("cache",))   # writes the fp8 index cache in place
+for _op in (write_kv_fp8_op, write_kv_model1_op, write_index_keys_op):
+    _op.register_fake(_writes_in_place)
+indexer_topk_op = _registered(indexer_topk)  # [..., topk] int32
+quantize_act_fp8_op = _registered(quantize_act_fp8)  # (x_fp8 [M, K], scales [M, K / 128])
+
+
+@indexer_topk_op.register_fake
+def _(scores, topk):
+    return scores.new_empty(*scores.shape[:-1], topk, dtype=torch.int32)
+
+
+@quantize_act_fp8_op.register_fake
+def _(x):
+    m, k = x.shape
+    return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // FP8_GROUP, dtype=torch.float32)
 
 
 @torch.library.custom_op("minirt::sparse_mla_prefill", mutates_args=())
@@ -73,28 +102,6 @@ def mla_decode_fp8_op(q_absorbed: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def _(q_absorbed, kv_cache, block_table, topk_positions, sm_scale, d_v=512, attn_sink=None, topk_length=None):
     b, s_q, h_q, _ = q_absorbed.shape
     return q_absorbed.new_empty(b, s_q, h_q, d_v), q_absorbed.new_empty(b, h_q, s_q, dtype=torch.float32)
-
-
-@torch.library.custom_op("minirt::write_kv_fp8", mutates_args=("kv_cache",))
-def write_kv_fp8_op(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, slots: torch.Tensor) -> None:
-    """``minirt.kernels.write_kv_fp8`` as a custom op (writes kv_cache in place)."""
-    write_kv_fp8(kv_cache, latent, k_rope, slots)
-
-
-@write_kv_fp8_op.register_fake
-def _(kv_cache, latent, k_rope, slots):
-    return None
-
-
-@torch.library.custom_op("minirt::write_kv_model1", mutates_args=("kv_cache",))
-def write_kv_model1_op(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
-    """``minirt.kernels.write_kv_model1`` as a custom op (writes the MODEL1 cache in place)."""
-    write_kv_model1(kv_cache, kv, slots)
-
-
-@write_kv_model1_op.register_fake
-def _(kv_cache, kv, slots):
-    return None
 
 
 @torch.library.custom_op("minirt::sparse_mla_prefill_two_sources", mutates_args=())
@@ -160,17 +167,6 @@ def _(x, expert_ids, weights, w13, w13_scales, w2, w2_scales, format, swiglu_lim
     return x.new_empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("minirt::write_index_keys", mutates_args=("cache",))
-def write_index_keys_op(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) -> None:
-    """``minirt.kernels.write_index_keys`` as a custom op (writes the fp8 index cache in place)."""
-    write_index_keys(cache, k, slots)
-
-
-@write_index_keys_op.register_fake
-def _(cache, k, slots):
-    return None
-
-
 @torch.library.custom_op("minirt::paged_indexer_scores", mutates_args=())
 def paged_indexer_scores_op(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                             limit: torch.Tensor, n_keys: Optional[int] = None) -> torch.Tensor:
@@ -182,29 +178,6 @@ def paged_indexer_scores_op(q: torch.Tensor, weights: torch.Tensor, cache: torch
 def _(q, weights, cache, block_table, limit, n_keys=None):
     width = n_keys if n_keys is not None else block_table.shape[1] * cache.shape[1]  # pages × block_size
     return q.new_empty(q.shape[0], q.shape[1], width, dtype=torch.float32)
-
-
-@torch.library.custom_op("minirt::indexer_topk", mutates_args=())
-def indexer_topk_op(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """``minirt.kernels.indexer_topk`` as a custom op: [..., topk] int32."""
-    return indexer_topk(scores, topk)
-
-
-@indexer_topk_op.register_fake
-def _(scores, topk):
-    return scores.new_empty(*scores.shape[:-1], topk, dtype=torch.int32)
-
-
-@torch.library.custom_op("minirt::quantize_act_fp8", mutates_args=())
-def quantize_act_fp8_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``minirt.kernels.quantize_act_fp8`` as a custom op: (x_fp8 [M, K], scales [M, K / 128])."""
-    return quantize_act_fp8(x)
-
-
-@quantize_act_fp8_op.register_fake
-def _(x):
-    m, k = x.shape
-    return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // FP8_GROUP, dtype=torch.float32)
 
 
 @torch.library.custom_op("minirt::fp8_gemm", mutates_args=())

@@ -5,7 +5,9 @@
     logits = engine.prefill([[1, 2, 3], [4, 5]])  # [2, vocab]: next-token logits of each prompt
     logits = engine.decode(logits.argmax(-1))     # one step on the fp8 paged cache
 
-Kernels: ``minirt.kernels``. Layers for other projects: ``minirt.layers``. Oracle: ``minirt.reference``.
+Kernels: ``minirt.kernels``. Layers for other projects, and the eager
+reference (the oracle), per model family: ``minirt.models.deepseek_v32.layers`` / ``.reference``,
+``minirt.models.deepseek_v4.layers`` / ``.reference``.
 """
 from __future__ import annotations
 
@@ -56,25 +58,26 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     path: HF checkpoint directory; None uses the tiny synthetic default (created once).
     device: "cuda" or "cpu"; None picks cuda when available. On the CPU the Triton kernels run under
     the interpreter (TRITON_INTERPRET=1, set automatically when torch sees no GPU).
-    backend: "triton" (kernels, fp8 paged cache) or "reference" (the eager fp32 oracle). DeepSeek-V4
-    checkpoints (``minirt.models.deepseek_v4``) load through their family's loader (fp8 weights as stored).
+    backend: "triton" (kernels, fp8 paged cache) or "reference" (the eager fp32 oracle). The checkpoint's
+    model family (``minirt.models.family_of``) loads it; DeepSeek-V4 runs its fp8 weights as stored and an
+    exact indexer, so ``dtype``, ``indexer_precision`` and ``weights`` apply to DeepSeek-V3 / V3.2.
     dtype: weights/activations of the triton backend; default bf16 on cuda, fp32 on cpu.
     indexer_precision: "exact" (fp32 scores, default: what the reference computes, so verify can
     compare top-k sets) or "fp8" (the official Hadamard + fp8 path; near-ties may flip).
     prefill_chunk: prompt tokens per prefill step of the triton backend (default
-    ``engine.DEFAULT_PREFILL_CHUNK``); it bounds prefill's transient memory, not the results.
+    ``minirt.runtime.DEFAULT_PREFILL_CHUNK``); it bounds prefill's transient memory, not the results.
     weights: "fp8" keeps the checkpoint's block-fp8 linear weights as stored and computes with fp8
     GEMMs (activations quantised per token and 128 values), "bf16" dequantises them at load (to
     ``dtype``). Default: "fp8" for an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else
     "bf16". The reference backend always dequantises to fp32.
     Returns a ``minirt.backend.Backend``: ``prefill(prompts)`` and ``decode(tokens)`` (see
-    ``minirt.engine.Engine`` and ``minirt.reference.ReferenceEngine``).
+    ``minirt.models.deepseek_v32.engine.Engine`` and ``minirt.backend.ReferenceEngine``).
     """
-    from .checkpoint import load_checkpoint, resolve_device
-    from .engine import DEFAULT_PREFILL_CHUNK, build_engine, check_prefill_chunk
     from .config import load_config
+    from .device import resolve_device
+    from .files import as_path
     from .models import family_of
-    from .reference import ReferenceEngine, ReferenceModel
+    from .runtime import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 
     if backend not in ("triton", "reference"):
         raise InputError(f"backend must be 'triton' or 'reference', got {backend!r}")
@@ -83,26 +86,6 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     if weights not in (None, "fp8", "bf16"):
         raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    from .files import as_path
-
     path = as_path(path, "checkpoint path") if path is not None else default_checkpoint(progress)
-    family = family_of(load_config(path))
-    if family is not None:  # another model family (DeepSeek-V4): its own loader
-        if indexer_precision != "exact" or weights == "bf16":
-            raise InputError(f"DeepSeek-V4 runs fp8 weights and an exact indexer: indexer_precision="
-                             f"{indexer_precision!r} / weights={weights!r} apply to DeepSeek-V3.2 only")
-        return family.load(path, layers, dev, backend, progress, prefill_chunk=prefill_chunk)
-    if backend == "reference":
-        cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
-        return ReferenceEngine(ReferenceModel(cfg, tensors, layers, torch.float32, dev))
-    cfg = ModelConfig.from_file(path)
-    if weights is None:
-        weights = "fp8" if cfg.quantization and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0) \
-            else "bf16"
-    if weights == "fp8" and cfg.quantization is None:
-        raise InputError(f"{path} stores no fp8 weights: load it with weights='bf16'")
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress,
-                                   fp8_as_stored=weights == "fp8")
-    return build_engine(cfg, tensors, layers or cfg.num_hidden_layers, dev, dtype, indexer_precision, prefill_chunk,
-                        fp8_weights=weights == "fp8")
+    return family_of(load_config(path)).load(path, layers, dev, backend, progress, prefill_chunk, dtype=dtype,
+                                              indexer_precision=indexer_precision, weights=weights)

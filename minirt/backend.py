@@ -1,8 +1,9 @@
 """What both backends offer, and the input checks they share.
 
-``minirt.load`` returns a kernel :class:`minirt.engine.Engine` (``backend="triton"``) or the eager
-:class:`minirt.reference.ReferenceEngine` (``backend="reference"``); the CLI, ``generate`` and ``verify``
-use either through this interface alone.
+``minirt.load`` returns a family's kernel engine (``backend="triton"``, e.g.
+:class:`minirt.models.deepseek_v32.engine.Engine`) or the eager :class:`ReferenceEngine` around the family's
+reference model (``backend="reference"``); the CLI, ``generate`` and ``verify`` use either through this
+interface alone.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Protocol
 import torch
 
 from .config import ModelConfig
-from .errors import InputError
+from .errors import InputError, NumericalError
 
 
 class Backend(Protocol):
@@ -66,3 +67,41 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[lis
         if not p:
             raise InputError(f"prompt {i} is empty")
     return out
+
+
+class ReferenceEngine:
+    """The eager oracle behind a kernel engine's calls (``minirt.load(backend="reference")``): every step
+    recomputes whole sequences densely with ``model``, a family's reference model (``forward(tokens)``
+    returning ``logits`` and per layer ``hidden_states``)."""
+
+    backend = "reference"
+
+    def __init__(self, model):
+        self.model, self.cfg, self.device, self.num_layers = model, model.cfg, model.device, model.num_layers
+        self.sequences: list[list[int]] = []
+
+    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
+        """No cache: kept so callers can treat both backends alike."""
+
+    def _forward(self, tokens: list[int], stage: str):
+        """The model's forward; NumericalError naming the first layer whose output is non-finite when
+        the logits are."""
+        out = self.model.forward(torch.tensor(tokens))
+        if not bool(torch.isfinite(out.logits).all()):
+            bad = [i for i, h in enumerate(out.hidden_states) if not bool(torch.isfinite(h).all())]
+            raise NumericalError.in_logits(stage, f"layer {bad[0]} (model.layers.{bad[0]})" if bad
+                                           else "the final norm (model.norm) or lm_head")
+        return out
+
+    def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False) -> torch.Tensor:
+        self.sequences = check_prompts(prompts, self.cfg.vocab_size)
+        outs = [self._forward(p, "prefill").logits.float() for p in self.sequences]
+        return torch.cat(outs) if all_logits else torch.stack([o[-1] for o in outs])
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = check_tokens(tokens, self.cfg.vocab_size, "decode")
+        if not self.sequences or len(tokens) != len(self.sequences):
+            raise InputError(f"decode needs one token per prefilled sequence ({len(self.sequences)}), got {len(tokens)}")
+        for seq, t in zip(self.sequences, tokens):
+            seq.append(t)
+        return torch.stack([self._forward(s, "decode").logits[-1].float() for s in self.sequences])

@@ -21,7 +21,6 @@ from typing import Annotated, Optional
 import typer
 import typer.core
 from rich.console import Console
-from rich.filesize import decimal
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -29,7 +28,6 @@ from rich.spinner import Spinner
 from rich.table import Column, Table
 
 from . import default_weights_dir
-from .checkpoint import available_memory
 from .download import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
 from .errors import InputError, MinirtError, excerpt
 
@@ -272,7 +270,7 @@ def _checkpoint(weights: Path | None):
     """(directory, config) of the checkpoint argument, or the tiny default (written on first use); a
     path that is not a checkpoint directory is an error that says so, before anything else is read."""
     from . import default_checkpoint
-    from .checkpoint import check_checkpoint_dir
+    from .shards import check_checkpoint_dir
     from .config import load_config
 
     if weights is None:
@@ -339,56 +337,11 @@ def info(weights: WeightsArg = None, layers: LayersOpt = None):
     """Show a checkpoint's config, and what loading N layers takes: shards, disk, memory, cache per token.
 
     Needs only config.json and the index: shards not downloaded yet are listed with an estimate of their size."""
-    from .cache import cache_bytes_per_token
-    from .checkpoint import expert_bytes, plan_load
-    from .download import memory_text, plan_shards
-    from .files import is_present
     from .models import family_of
 
     _check_layers(layers)
     path, cfg = _checkpoint(weights)
-    family = family_of(cfg)
-    if family is not None:
-        return _print_rows(path, family.info_rows(path, cfg, layers))
-    shards = plan_shards(path, layers if layers is not None else cfg.num_hidden_layers)
-    n = shards.num_layers
-    missing = [s for s in shards.shards if not is_present(path / s)]  # a FIFO is there: plan_load refuses it
-    on_disk = sum((path / s).stat().st_size for s in shards.shards if s not in missing)
-    rows = [
-        ("model_type", cfg.model_type), ("layers (dense / total)", f"{cfg.num_dense_layers} / {cfg.num_hidden_layers}"),
-        ("hidden / heads", f"{cfg.hidden_size} / {cfg.num_attention_heads}"),
-        ("q_lora / kv_lora", f"{cfg.q_lora_rank} / {cfg.kv_lora_rank}"),
-        ("qk nope / rope / v", f"{cfg.qk_nope_head_dim} / {cfg.qk_rope_head_dim} / {cfg.v_head_dim}"),
-        ("indexer heads × dim, top-k", f"{cfg.index_n_heads} × {cfg.index_head_dim}, {cfg.index_topk}" if cfg.is_v32 else "none (V3)"),
-        ("softmax scale", f"{cfg.sm_scale:.6f}"),
-        ("quantization", f"fp8 e4m3, blocks {cfg.quantization.weight_block_size}" if cfg.quantization else "none"),
-        ("max positions", f"{cfg.max_position_embeddings:,}"),
-        ("layers to load", str(n)),
-        ("shards to open", f"{', '.join(shards.shards)} ({len(shards.shards)} of {shards.index_shards})"),
-    ]
-    if missing:
-        each = shards.estimated_shard_bytes()
-        estimate = f"; the {len(missing)} not here: about {decimal(each * len(missing))} more (the index's mean shard size)" if each else ""
-        rows.append(("disk", f"{decimal(on_disk)} here{estimate}"))
-        rows.append(("not downloaded", ", ".join(missing)))
-    else:
-        plan = plan_load(path, n)
-        rows += [("disk (those shards)", decimal(on_disk)),
-                 ("tensors / bytes to read", f"{len(plan.tensor_names)} / {decimal(plan.num_bytes)}")]
-    rows += [
-        ("parameters", f"{shards.num_parameters:,}"),
-        ("memory for the weights", memory_text(shards)),
-        ("cache per token", f"{cache_bytes_per_token(cfg, n, 'exact'):,} B (exact indexer) · "
-                            f"{cache_bytes_per_token(cfg, n, 'fp8'):,} B (fp8 indexer)"),
-    ]
-    moe_layers = [i for i in range(n) if cfg.is_moe_layer(i)]
-    if moe_layers:
-        moe = cfg.moe
-        rows += [("MoE layers loaded", f"{len(moe_layers)}: {', '.join(map(str, moe_layers))}"),
-                 ("routed experts per MoE layer", f"{moe.n_routed_experts} × width {moe.moe_intermediate_size}, "
-                  f"{moe.num_experts_per_tok} per token, {moe.n_shared_experts} shared: "
-                  f"{decimal(expert_bytes(cfg, moe_layers[0]))} in memory (as stored)")]
-    _print_rows(path, rows)
+    _print_rows(path, family_of(cfg).info_rows(path, cfg, layers))
 
 
 def _print_rows(path: Path, rows: list[tuple[str, str]]) -> None:
@@ -457,12 +410,10 @@ def _remove_if_nothing_fetched(new_dirs: list[Path]) -> None:
 
 def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
     from . import load
-    from .checkpoint import plan_load
     from .config import load_config
     from .models import family_of
 
-    family = family_of(load_config(path))
-    order = list((family.plan_load if family is not None else plan_load)(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
+    order = list(family_of(load_config(path)).plan_load(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
     with _ProgressBar(f"loading ({backend})", order, then=f"building the {backend} engine") as bar:
         return load(path, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
                     prefill_chunk=prefill_chunk, weights=weights, progress=bar)
@@ -566,10 +517,11 @@ def generate(
     import torch
 
     from .backend import check_tokens
-    from .checkpoint import resolve_device
+    from .device import resolve_device
     from .generate import check_generation_length
     from .generate import generate as run_generate
     from .generate import warm_up as run_warm_up
+    from .models import family_of
     from .sampling import SamplingParams
     from .tokenizer import IncrementalDecoder, load_tokenizer
 
@@ -600,7 +552,7 @@ def generate(
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_hidden_layers  # what the loader loads by default
     if backend == "triton":
-        _check_generate_fits(cfg, num_layers, batch, len(ids), n, dev)
+        family_of(cfg).check_generate_fits(cfg, num_layers, batch, len(ids), n, dev)
     engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format)
 
     out = _TextOut()
@@ -670,44 +622,6 @@ def _choice(value: str | None, option: str, choices: tuple[str, ...]) -> None:
         raise InputError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def generate_memory_bytes(cfg, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int, device) -> int:
-    """Estimated peak memory of ``minirt generate`` (triton backend) on ``device``: the weights (fp32 on
-    cpu, bf16 on cuda: an upper bound for fp8 ones), every sequence's cache blocks (capacity rounded up
-    to the block size), a prefill's bf16 latents of every prompt token per layer (``KVStash``), the
-    logits of a step and the loader's read chunks."""
-    import torch
-
-    from .cache import cache_bytes_per_token
-    from .checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
-    from .formats import CACHE_BLOCK_SIZE
-
-    weights = weight_memory_bytes(cfg, tensor_specs(cfg, num_layers),
-                                  torch.bfloat16 if device.type == "cuda" else torch.float32, fp8_as_stored=False)
-    capacity = -(-(prompt_len + max_new_tokens) // CACHE_BLOCK_SIZE) * CACHE_BLOCK_SIZE
-    cache = cache_bytes_per_token(cfg, num_layers) * batch * capacity
-    stash = batch * prompt_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * num_layers
-    logits = 3 * batch * cfg.vocab_size * 4  # the step's, its softmax in sampling, the sampled copy
-    return weights + cache + stash + logits + 8 * READ_CHUNK_BYTES
-
-
-def _check_generate_fits(cfg, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int, device) -> None:
-    """InputError, with the numbers and the largest --batch that fits, when generate's memory estimate
-    exceeds what the device has free: before anything is loaded (a checkpoint of another family: its loader checks)."""
-    from .models import family_of
-
-    if family_of(cfg) is not None:
-        return
-    need, free = generate_memory_bytes(cfg, num_layers, batch, prompt_len, max_new_tokens, device), available_memory(device)
-    if need <= free:
-        return
-    base = generate_memory_bytes(cfg, num_layers, 0, prompt_len, max_new_tokens, device)
-    per_sequence = (need - base) / batch
-    fits = int((free - base) // per_sequence) if free > base else 0
-    advice = f"at most --batch {fits} fits" if fits >= 1 else "not even one sequence fits"
-    raise InputError(f"generate --batch {batch} over {prompt_len} + {max_new_tokens} tokens needs about {decimal(need)} "
-                     f"on {device.type} (weights, cache, prefill latents), {decimal(free)} is available: {advice}")
-
-
 def _token_ids(text: str) -> list[int]:
     """--tokens as ints; the error shows an excerpt of a long list and the first item that is no int."""
     items = text.split(",")
@@ -716,49 +630,6 @@ def _token_ids(text: str) -> list[int]:
             where = f"; item {i + 1} of {len(items)} is {excerpt(item)}" if len(text) > 60 else ""
             raise InputError(f"--tokens must be comma-separated integers, got {excerpt(text)}{where}")
     return [int(t) for t in items]
-
-
-def verify_memory_bytes(cfg, num_layers: int, num_tokens: int, device) -> int:
-    """Estimated peak memory of ``minirt verify`` over ``num_tokens`` tokens on ``device``: both models'
-    weights (the runtime's bf16 on cuda, an upper bound for its fp8 weights, fp32 on cpu; the reference's
-    fp32; the routed experts of both as stored; loading holds one copy plus its read chunks), the runtime's cache and its two runs' logits, and the
-    eager reference's activations (``reference.forward_peak_bytes``)."""
-    import torch
-
-    from .cache import cache_bytes_per_token
-    from .checkpoint import READ_CHUNK_BYTES, tensor_specs, weight_memory_bytes
-    from .reference import forward_peak_bytes
-
-    specs = tensor_specs(cfg, num_layers)
-    weights = sum(weight_memory_bytes(cfg, specs, dtype, fp8_as_stored=False)
-                  for dtype in (torch.bfloat16 if device.type == "cuda" else torch.float32, torch.float32))
-    weights += 8 * READ_CHUNK_BYTES
-    runtime = cache_bytes_per_token(cfg, num_layers) * num_tokens + 2 * num_tokens * cfg.vocab_size * 4
-    return weights + runtime + forward_peak_bytes(cfg, num_layers, num_tokens)
-
-
-def _check_verify_fits(cfg, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
-    """InputError, with the numbers, when verify's tokens exceed the positions or its memory estimate
-    exceeds what the device has free: before anything is loaded."""
-    from .checkpoint import available_memory
-
-    total = prompt_len + decode_steps
-    if total > cfg.max_position_embeddings:
-        raise InputError(f"--prompt-len ({prompt_len}) + --decode-steps ({decode_steps}) = {total} tokens exceeds the "
-                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
-    need, free = verify_memory_bytes(cfg, num_layers, total, device), available_memory(device)
-    if need > free:
-        fits, low, high = 0, 1, total  # the largest token count that fits (the estimate grows with it)
-        while low <= high:
-            mid = (low + high) // 2
-            if verify_memory_bytes(cfg, num_layers, mid, device) <= free:
-                fits, low = mid, mid + 1
-            else:
-                high = mid - 1
-        advice = (f"at most --prompt-len {fits - decode_steps} with --decode-steps {decode_steps} fits"
-                  if fits > decode_steps else "not even one prompt token fits")
-        raise InputError(f"verify over {total} tokens needs about {decimal(need)} on {device.type} (the eager reference "
-                         f"holds [heads, T, T] attention scores), {decimal(free)} is available: {advice}")
 
 
 def _weights_in_memory(engine) -> str:
@@ -814,10 +685,9 @@ def verify(
     a length past max_position_embeddings or one whose eager reference would not fit in memory."""
     import torch
 
-    from .checkpoint import resolve_device, tensor_specs
+    from .device import resolve_device
     from .models import family_of
     from .sampling import check_seed
-    from .verify import run_verify
 
     chunk = _whole_number(prefill_chunk, "--prefill-chunk", 1)
     _check_layers(layers)
@@ -826,26 +696,24 @@ def verify(
     family = family_of(cfg)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_hidden_layers
-    # more layers than the model has: the loader's error, now
-    (family.tensor_specs if family is not None else tensor_specs)(cfg, num_layers)
+    family.tensor_specs(cfg, num_layers)  # more layers than the model has: the loader's error, now
     if prompt_len is None:
-        prompt_len = family.default_prompt_len(cfg) if family is not None else 2 * (cfg.index_topk or 32) + 8
+        prompt_len = family.default_prompt_len(cfg)
     if prompt_len < 1 or decode_steps < 0:
         raise InputError(f"need --prompt-len >= 1 and --decode-steps >= 0, got {prompt_len}, {decode_steps}")
     check_seed(seed)
-    if family is None:
-        _check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
-    elif prompt_len + decode_steps > cfg.max_position_embeddings:
-        raise InputError(f"--prompt-len + --decode-steps exceeds max_position_embeddings ({cfg.max_position_embeddings})")
-    if family is not None:
-        run_verify = family.run_verify
+    total = prompt_len + decode_steps
+    if total > cfg.max_position_embeddings:
+        raise InputError(f"--prompt-len ({prompt_len}) + --decode-steps ({decode_steps}) = {total} tokens exceeds the "
+                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
+    family.check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
 
     engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)
     oracle = _load(path, num_layers, str(dev), "reference")
     stage = _VerifyStages(prompt_len)
     with Live(console=console, transient=True) as live:  # the stage now running, redrawn at once
         stage.live = live
-        report = run_verify(engine, oracle, prompt_len, decode_steps, seed, progress=stage,
+        report = family.run_verify(engine, oracle, prompt_len, decode_steps, seed, progress=stage,
                             on_prefill=stage.prefill)
     failures = report.failures()
     if as_json:

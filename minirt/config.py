@@ -132,16 +132,19 @@ class ModelConfig:
              if k not in ("rope_scaling", "quantization", "moe") and v is not None}
         if self.moe is not None:
             d |= asdict(self.moe)
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = {"type": "yarn", **asdict(self.rope_scaling)}
-        if self.quantization is not None:
-            q = self.quantization
-            d["quantization_config"] = {
-                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(q.weight_block_size),
-                **({"scale_fmt": q.scale_fmt} if q.scale_fmt else {}),
-            }
-        return d
+        return d | rope_and_quantization_json(self.rope_scaling, self.quantization)
+
+
+def rope_and_quantization_json(rope_scaling: YarnScaling | None, quantization) -> dict[str, Any]:
+    """The config.json keys every family's ``to_dict`` writes for a YaRN rope (the legacy ``rope_scaling``
+    spelling, read by every version) and an fp8 ``quantization_config`` (a dataclass: its fields that are set)."""
+    d: dict[str, Any] = {}
+    if rope_scaling is not None:
+        d["rope_scaling"] = {"type": "yarn", **asdict(rope_scaling)}
+    if quantization is not None:
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(quantization).items() if v is not None}
+        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", **fields}
+    return d
 
 
 _MAY_BE_ZERO = ("first_k_dense_replace", "bos_token_id", "eos_token_id", "mscale", "mscale_all_dim",

@@ -20,7 +20,8 @@ from pathlib import Path
 from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
 
 from .blockfp8 import block_scale_shape
-from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, plan_load, read_weight_map, tensor_specs
+from .models.deepseek_v32.checkpoint import SCALE_SUFFIX, plan_load, tensor_specs
+from .shards import INDEX_FILE, Progress, read_weight_map
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, MinirtError, WriteError, excerpt
 from .files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_TOKENIZER_BYTES, as_path, is_present, read_json, shown

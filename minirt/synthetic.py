@@ -32,7 +32,9 @@ from typing import Any, Iterator
 import torch
 
 from .blockfp8 import FP8_DTYPE, block_scale_shape, quantize_block_fp8
-from .checkpoint import INDEX_FILE, SCALE_SUFFIX, Progress, TensorSpec, plan_load, resolve_device, tensor_specs
+from .models.deepseek_v32.checkpoint import SCALE_SUFFIX, TensorSpec, plan_load, tensor_specs
+from .device import resolve_device
+from .shards import INDEX_FILE, Progress
 from .config import INT_LIMITS, Fp8Quantization, ModelConfig, MoeConfig, YarnScaling
 from .errors import InputError, MinirtError, WriteError
 from .files import as_path

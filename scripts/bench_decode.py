@@ -235,6 +235,29 @@ def gather_ceiling(cache, slots) -> float:
     return best
 
 
+def measure(run, device) -> tuple:
+    """One variant: (out, lse of its first call, the MiB that call allocated at its peak beyond what was
+    allocated before, graph-replay ms, eager ms: called from Python with L2 cleared before each call, as
+    for the graph, so the host's share shows)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out, lse = run()
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+    return out, lse, peak_mib, bench_ms(run), triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+
+
+def rates(flops: int, bytes_: int, ms: float, peak_tflops: float, copy_gbps: float) -> tuple[float, str]:
+    """(TFLOP/s, the table's "TFLOP/s (% of matmul) | eff. GB/s (% of copy)" cells) of a variant's time."""
+    tflops, gbps = flops / ms / 1e9, bytes_ / ms / 1e6
+    return tflops, f"{tflops:.1f} ({100 * tflops / peak_tflops:.0f}%) | {gbps:.0f} ({100 * gbps / copy_gbps:.0f}%)"
+
+
+def wrong_mark(rel: float, lse_diff: float) -> str:
+    return "" if rel < WRONG_REL and lse_diff < WRONG_REL else " **WRONG**"
+
+
 def error_row(shape: str, label: str, splits: int, exc: Exception) -> str:
     """The table row of a variant that failed to compile or launch."""
     return (f"{shape}| {label} | {splits} | error: {type(exc).__name__}: "
@@ -359,22 +382,16 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
         label = kernel_label(q, kind) + (f", {forced_splits} splits forced" if forced_splits else "")
         run = lambda: sparse_mla_decode_fp8(q, window, slots, sm_scale, attn_sink=sink, config=config,  # noqa: E731
                                             num_splits=forced_splits, **extra)
-        try:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            out, lse = run()
-            torch.cuda.synchronize()
-            peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+        def check(out, lse):
             seqs = torch.linspace(0, b - 1, min(REF_SEQUENCES, b), device=device).long()
             r_out, r_lse = reference_model1(q[seqs], [(c, sl[seqs], None if ln is None else ln[seqs])
                                                       for c, sl, ln in sources], sm_scale, sink)
-            diff = out[seqs].float() - r_out
-            rel = (diff.norm() / r_out.norm().clamp_min(1e-30)).item()
-            lse_diff = torch.where(r_lse.isinf() & (lse[seqs] == r_lse), 0.0, lse[seqs] - r_lse).abs().max().item()
-            ms = bench_ms(run)
-            # Called from Python (L2 cleared before each call, as for the graph): the host's share shows.
-            eager_ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+            rel = ((out[seqs].float() - r_out).norm() / r_out.norm().clamp_min(1e-30)).item()
+            return rel, torch.where(r_lse.isinf() & (lse[seqs] == r_lse), 0.0, lse[seqs] - r_lse).abs().max().item()
+
+        try:
+            out, lse, peak_mib, ms, eager_ms = measure(run, device)
+            rel, lse_diff = check(out, lse)
         except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
             rows.append(error_row(shape, label, splits, exc))
             print(rows[-1], flush=True)
@@ -384,10 +401,9 @@ def v4_rows(b: int, device, peak_tflops: float, copy_gbps: float, deadline: floa
         attended = b * s_q * V4_WINDOW_TOPK + used_extra
         flops = 2 * attended * h_q * (formats.MODEL1_DIM + D_V)
         bytes_ = attended * formats.MODEL1_ENTRY_BYTES + b * s_q * h_q * (formats.MODEL1_DIM + D_V) * 2
-        tflops, gbps = flops / ms / 1e9, bytes_ / ms / 1e6
-        wrong = "" if rel < WRONG_REL and lse_diff < WRONG_REL else " **WRONG**"
-        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {eager_ms * 1e3:.1f} | {tflops:.1f} ({100 * tflops / peak_tflops:.0f}%) | "
-                    f"{gbps:.0f} ({100 * gbps / copy_gbps:.0f}%) | {peak_mib:.1f} | {rel:.2e}{wrong} | {lse_diff:.2e} |")
+        _, cells = rates(flops, bytes_, ms, peak_tflops, copy_gbps)
+        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {eager_ms * 1e3:.1f} | {cells} | {peak_mib:.1f} | "
+                    f"{rel:.2e}{wrong_mark(rel, lse_diff)} | {lse_diff:.2e} |")
         print(rows[-1], flush=True)
         del out, lse
     return (f"DeepSeek-V4 (MODEL1 cache): b = {b}, s_q = {s_q}, window {V4_TOKENS} tokens per sequence in pages of "
@@ -434,12 +450,8 @@ def v32_report(args, device, peak_tflops: float, copy_gbps: float, t_start: floa
             run = lambda: sparse_mla_decode_fp8(q, cache, slots, SM_SCALE, topk_length=topk_length,  # noqa: E731
                                                 config=config)
         try:
-            out, lse = run()
-            torch.cuda.synchronize()
+            out, lse, _, ms, _ = measure(run, device)
             rel, out_diff, lse_diff = check_rows(out, lse, q, cache, slots, SM_SCALE, topk_length)
-            ms = bench_ms(run)
-            # Called from Python (L2 cleared before each call, as for the graph): the host's share shows.
-            eager_ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
         except Exception as exc:   # a variant that fails to compile or launch is a result, not a crash
             rows.append(error_row(shape, label, splits, exc))
             print(rows[-1], flush=True)
@@ -447,11 +459,9 @@ def v32_report(args, device, peak_tflops: float, copy_gbps: float, t_start: floa
         attended = b * s_q * TOPK if topk_length is None else int(topk_length.long().sum()) * s_q
         flops = 2 * attended * h_q * (D_QK + D_V)
         bytes_ = attended * KV_TOKEN_BYTES + b * s_q * h_q * (D_QK + D_V) * 2
-        tflops, gbps = flops / ms / 1e9, bytes_ / ms / 1e6
-        wrong = "" if rel < WRONG_REL and lse_diff < WRONG_REL else " **WRONG**"
-        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {ms * 1e3 / s_q:.1f} | {tflops:.1f} "
-                    f"({100 * tflops / peak_tflops:.0f}%) | {gbps:.0f} ({100 * gbps / copy_gbps:.0f}%) | "
-                    f"{rel:.2e}{wrong} | {out_diff:.2e} | {lse_diff:.2e} |")
+        tflops, cells = rates(flops, bytes_, ms, peak_tflops, copy_gbps)
+        rows.append(f"{shape}| {label} | {splits} | {ms * 1e3:.1f} | {ms * 1e3 / s_q:.1f} | {cells} | "
+                    f"{rel:.2e}{wrong_mark(rel, lse_diff)} | {out_diff:.2e} | {lse_diff:.2e} |")
         print(rows[-1], flush=True)
         if kind == DEFAULT:
             per_token[(h_q, s_q, with_length)] = ms * 1e3 / s_q

@@ -34,7 +34,7 @@ from triton.testing import do_bench
 from ceilings import measure_ceilings, write_report
 
 from minirt.blockfp8 import dequantize_block_fp8, quantize_block_fp8
-from minirt.checkpoint import tensor_specs
+from minirt.models.deepseek_v32.checkpoint import tensor_specs
 from minirt.kernels.mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
 from minirt.synthetic import preset_config
 

@@ -81,7 +81,7 @@ def check(got, expected, fmt) -> str:
 
 
 def runtime_decode_ms(q, weights, cache, table, limit) -> float:
-    """Today's decode indexer (minirt/layers.py): fp32 keys of every slot the table holds, einsums,
+    """Today's decode indexer (minirt/models/deepseek_v32/layers.py): fp32 keys of every slot the table holds, einsums,
     a full stable sort of each row."""
     keys = cache if cache.dtype == torch.float32 else dequantize_index_cache(cache)
     flat = keys.view(-1, D)

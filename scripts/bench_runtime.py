@@ -13,7 +13,7 @@ prefill and decode compile every kernel first. ``--split`` profiles one prefill 
 context and splits its kernel time into indexer / attention / linear / other.
 
 DeepSeek-V4 checkpoints run in their one mode (fp8 linears as stored, fp4 experts, exact fp32 indexer
-keys; ``--modes`` is ignored), e.g. V4-Flash's first 4 layers:
+keys: of ``--modes`` only fp8/exact loads, the others are skipped), e.g. V4-Flash's first 4 layers:
 
     minirt init /tmp/minirt-v4-flash --preset v4-flash --device cuda
     python3 scripts/bench_runtime.py /tmp/minirt-v4-flash --context 1024,131072,1048576 --batch 1,64 \
@@ -31,8 +31,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import minirt
-from minirt.config import load_config
-from minirt.models import family_of
+from minirt.errors import InputError
 from ceilings import measure_ceilings, write_report
 
 GIB = 2**30
@@ -128,15 +127,18 @@ def main() -> None:
              f"checkpoint {args.weights_dir}",
              f"ceilings measured in the same run: bf16 matmul {matmul_tflops:.0f} TFLOP/s, device copy "
              f"{copy_gbps:.0f} GB/s", ""]
-    v4 = family_of(load_config(args.weights_dir)) is not None
-    for mode in ["fp8/exact"] if v4 else args.modes.split(","):
+    for mode in args.modes.split(","):
         weights, precision = mode.split("/")
         torch.cuda.empty_cache()
-        engine = minirt.load(args.weights_dir, device="cuda", weights=weights, indexer_precision=precision)
+        try:
+            engine = minirt.load(args.weights_dir, device="cuda", weights=weights, indexer_precision=precision)
+        except InputError as e:  # a mode this checkpoint's family does not offer
+            print(f"skipping {mode}: {e}", flush=True)
+            continue
         weight_gib = torch.cuda.memory_allocated() / GIB
         cfg = engine.cfg
         warm_up(engine)
-        label = "DeepSeek-V4: fp8 linears, fp4 experts, fp32 indexer keys" if v4 else f"weights {weights}, indexer {precision}"
+        label = f"{cfg.model_type}: weights {weights}, indexer {precision}"
         lines += [f"### {label}: {engine.num_layers} layers (hidden {cfg.hidden_size}, "
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",

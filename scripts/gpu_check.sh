@@ -84,7 +84,7 @@ for stage in "$@"; do
     runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --split --out "$OUT/runtime.md" ${RUNTIME_BENCH_ARGS:-} ;;
     v32)
       run v32-verify minirt verify $V32 --json
-      run v32-verify-bf16 python3 -c "import json, minirt; from minirt.verify import run_verify
+      run v32-verify-bf16 python3 -c "import json, minirt; from minirt.models.deepseek_v32.verify import run_verify
 e = minirt.load('$V32', weights='bf16', prefill_chunk=1024); o = minirt.load('$V32', backend='reference')
 print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
     v32-generate)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minirt.blockfp8 import block_scale_shape, dequantize_block_fp8, quantize_block_fp8
-from minirt.checkpoint import INDEX_FILE, load_checkpoint, plan_load, read_safetensors_header, tensor_specs
+from minirt.models.deepseek_v32.checkpoint import load_checkpoint, plan_load, tensor_specs
+from minirt.shards import INDEX_FILE, read_safetensors_header
 from minirt.config import ModelConfig
 from minirt.errors import CheckpointError, InputError
 from minirt.synthetic import preset_config

@@ -21,8 +21,8 @@ import torch
 from typer.testing import CliRunner
 
 import minirt
-from minirt.cache import cache_bytes_per_token
-from minirt.checkpoint import plan_load
+from minirt.models.deepseek_v32.cache import cache_bytes_per_token
+from minirt.models.deepseek_v32.checkpoint import plan_load
 from minirt.cli import _ProgressBar, app, escape_controls
 from minirt.generate import generate
 from minirt.sampling import SamplingParams
@@ -105,7 +105,7 @@ def test_verify_refuses_more_tokens_than_positions(tiny_master, no_loading):
 
 PEAK_SCRIPT = """
 import sys, torch, minirt
-from minirt.reference import forward_peak_bytes
+from minirt.models.deepseek_v32.reference import forward_peak_bytes
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
 oracle = minirt.load(sys.argv[1], backend="reference", device=sys.argv[2])

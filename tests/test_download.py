@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from minirt.checkpoint import INDEX_FILE, plan_load
+from minirt.models.deepseek_v32.checkpoint import plan_load
+from minirt.shards import INDEX_FILE
 from minirt.download import download_checkpoint, plan_shards
 from minirt.errors import WriteError
 

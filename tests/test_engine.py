@@ -8,7 +8,8 @@ from minirt.context import PrefillTrace
 from minirt.errors import DeviceError, InputError
 from minirt.generate import generate
 from minirt.sampling import SamplingParams
-from minirt.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, rel_err, run_verify, tolerances, top1_agreement
+from minirt.models.deepseek_v32.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, run_verify, tolerances
+from minirt.report import rel_err, top1_agreement
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,13 @@ from test_cli_defects import SGR, _env, no_loading, run  # noqa: F401  (no_loadi
 from typer.testing import CliRunner
 
 import minirt
-from minirt.checkpoint import plan_load
+from minirt.models.deepseek_v32.checkpoint import plan_load
 from minirt.cli import app
-from minirt.context import KVStash, decode_context, prefill_context
+from minirt.context import KVStash
+from minirt.models.deepseek_v32.context import decode_context, prefill_context
 from minirt.errors import InputError
 from minirt.generate import generate
-from minirt.layers import DecoderLayer
+from minirt.models.deepseek_v32.layers import DecoderLayer
 from minirt.sampling import SamplingParams
 
 runner = CliRunner()
@@ -99,7 +100,7 @@ def test_prefill_of_a_flat_token_list_names_the_expected_nesting(tiny_engine):
 
 
 def test_verify_with_engines_of_different_layer_counts_is_an_input_error(tiny_master):
-    from minirt.verify import run_verify
+    from minirt.models.deepseek_v32.verify import run_verify
 
     engine = minirt.load(tiny_master, layers=1, device=DEVICE)
     oracle = minirt.load(tiny_master, layers=2, device=DEVICE, backend="reference")
@@ -197,13 +198,14 @@ def test_generate_token_ids_plurals_and_strict_token_list(tiny_master):
 
 
 def test_verify_says_the_weights_are_fp32_in_memory_on_the_cpu(tiny_master, monkeypatch):
-    import minirt.verify
+    import minirt.models.deepseek_v32
+    import minirt.report
 
     def checked(engine, *args, **kwargs):  # the comparison itself is tested elsewhere: the header here
         assert next(engine.model.parameters()).dtype == torch.float32
-        return minirt.verify.VerifyReport([], 40, 1)
+        return minirt.report.VerifyReport([], 40, 1)
 
-    monkeypatch.setattr(minirt.verify, "run_verify", checked)
+    monkeypatch.setattr(minirt.models.deepseek_v32, "run_verify", checked)
     result = runner.invoke(app, ["verify", str(tiny_master), "--layers", "1", "--prompt-len", "40", "--decode-steps",
                                  "1", "--device", "cpu"])
     assert result.exit_code == 0, result.output

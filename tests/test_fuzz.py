@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from conftest import DEVICE
-from minirt.checkpoint import INDEX_FILE, load_checkpoint, read_safetensors_header
+from minirt.models.deepseek_v32.checkpoint import load_checkpoint
+from minirt.shards import INDEX_FILE, read_safetensors_header
 from minirt.errors import CheckpointError
 from minirt.kernels import dequantize_kv_fp8, mla_decode_fp8, quantize_kv_fp8, sparse_mla_decode_fp8, sparse_mla_prefill
 from minirt.kernels.sparse_mla_decode import DecodeConfig

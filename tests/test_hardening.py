@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 import minirt
 import minirt.synthetic as synthetic
-from minirt.checkpoint import INDEX_FILE, load_checkpoint, plan_load, read_safetensors_header
+from minirt.models.deepseek_v32.checkpoint import load_checkpoint, plan_load
+from minirt.shards import INDEX_FILE, read_safetensors_header
 from minirt.cli import app
 from minirt.config import ModelConfig
 from minirt.errors import CheckpointError, ConfigError, DeviceError, InputError, MinirtError, WriteError

@@ -5,9 +5,9 @@ import torch
 import minirt
 from conftest import DEVICE
 from minirt.context import PrefillTrace
-from minirt.layers import hadamard_rotate
+from minirt.models.deepseek_v32.layers import hadamard_rotate
 from minirt.rope import rope_cos_sin
-from minirt.verify import topk_overlap
+from minirt.report import topk_overlap
 
 
 def test_hadamard_rotation_is_orthonormal():

@@ -10,15 +10,15 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import minirt
-import minirt.checkpoint as checkpoint
+import minirt.models.deepseek_v32.checkpoint as checkpoint
 from minirt.blockfp8 import dequantize_block_fp8
-from minirt.checkpoint import (INDEX_FILE, expert_bytes, load_checkpoint, stacked_expert_specs,
-                               tensor_specs)
+from minirt.models.deepseek_v32.checkpoint import expert_bytes, load_checkpoint, stacked_expert_specs, tensor_specs
+from minirt.shards import INDEX_FILE
 from minirt.cli import app
 from minirt.config import ModelConfig
-from minirt.engine import build_engine
+from minirt.models.deepseek_v32.engine import build_engine
 from minirt.errors import ConfigError, DeviceError
-from minirt.reference import ReferenceModel, expert_weight, moe, route_experts
+from minirt.models.deepseek_v32.reference import ReferenceModel, expert_weight, moe, route_experts
 from minirt.synthetic import preset_config, write_synthetic_checkpoint
 
 from conftest import DEVICE

@@ -11,7 +11,7 @@ import torch
 
 from minirt.config import ModelConfig, YarnScaling
 from minirt.errors import CheckpointError, InputError
-from minirt.reference import ReferenceModel, attention_mask, select_topk
+from minirt.models.deepseek_v32.reference import ReferenceModel, attention_mask, select_topk
 from minirt.rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin, rope_inv_freq
 
 THETA = 10000.0
@@ -416,7 +416,7 @@ def test_bad_inputs_raise():
 
 
 def test_reference_runs_on_synthetic_tiny_checkpoint(tiny_master):
-    from minirt.checkpoint import load_checkpoint
+    from minirt.models.deepseek_v32.checkpoint import load_checkpoint
 
     cfg, weights = load_checkpoint(tiny_master)
     T = cfg.index_topk + 8  # longer than top-k: the sparse selection drops keys

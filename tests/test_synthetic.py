@@ -8,7 +8,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 import minirt.synthetic as synthetic
-from minirt.checkpoint import INDEX_FILE, load_checkpoint, plan_load
+from minirt.models.deepseek_v32.checkpoint import load_checkpoint, plan_load
+from minirt.shards import INDEX_FILE
 from minirt.config import ModelConfig
 from minirt.errors import InputError
 from minirt.synthetic import PRESETS, preset_config, write_synthetic_checkpoint

@@ -28,7 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import minirt
-from minirt.checkpoint import INDEX_FILE, load_checkpoint, plan_load, resolve_device
+from minirt.models.deepseek_v32.checkpoint import load_checkpoint, plan_load
+from minirt.device import resolve_device
+from minirt.shards import INDEX_FILE
 from minirt.cli import app
 from minirt.config import ModelConfig
 from minirt.download import download_checkpoint
@@ -567,7 +569,7 @@ def test_symlink_loop_is_named_as_one(tiny, tmp_path):
 
 
 def test_weights_larger_than_the_memory_are_refused_before_reading(tiny, monkeypatch):
-    import minirt.checkpoint as checkpoint
+    import minirt.models.deepseek_v32.checkpoint as checkpoint
 
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: 1_000_000)
     read = []

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from minirt.checkpoint import INDEX_FILE
+from minirt.shards import INDEX_FILE
 from minirt.cli import app
 from minirt.errors import CheckpointError
 from minirt.models.deepseek_v4 import V4Quantization

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import formats
-from ...cache import CacheCapacity, check_cache_fits
+from ...runtime import CacheCapacity, check_cache_fits
 from ...errors import InputError
 from ...kernels import new_model1_cache
 from .config import DeepseekV4Config, LayerKind

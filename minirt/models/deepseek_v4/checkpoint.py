@@ -10,12 +10,11 @@ MoE ``ffn.gate.*``, ``ffn.experts.{e}.w{1,2,3}``, ``ffn.shared_experts.w{1,2,3}`
 Stored formats (:class:`V4TensorSpec.fmt`): "fp8" e4m3 weights with a ``<module>.scale`` of ue8m0 128×128
 block scales; "fp4" experts (e2m1 packed in int8 [out, in/2], ``.scale`` [out, in/32]); "bf16" norms,
 embeddings, head, router and the compressor / indexer projections; "fp32" mHC parameters, sinks, the
-compressors' ``ape`` and the router bias; "int64" ``tid2eid``. Loading reuses ``minirt.checkpoint``'s
+compressors' ``ape`` and the router bias; "int64" ``tid2eid``. Loading reuses ``minirt.shards``'s
 index and header reading and finite checks; only the shards holding the requested tensors are opened.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,9 @@ from pathlib import Path
 import torch
 
 from ...blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
-from ...checkpoint import (UNQUANTIZED_DTYPES, Progress, StoredTensor, _check_finite, _load_tensor, locate_tensors,
-                           resolve_device)
+from ...device import resolve_device
+from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_finite, check_load_dtype, load_tensor, locate_tensors,
+                       open_shards)
 from ...errors import CheckpointError, InputError
 from .config import FP4_BLOCK, DeepseekV4Config, LayerKind, MODEL_TYPE
 from .quant import E8M0_DTYPE, check_pow2_scales, dequantize_fp4
@@ -156,26 +156,7 @@ def _accepted_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     return (dtype,)
 
 
-@dataclass(frozen=True)
-class V4LoadPlan:
-    """What :func:`load_checkpoint` reads: ``specs`` (weight name → V4TensorSpec), ``stored`` (every stored
-    tensor, scales included → StoredTensor), ``shard_files`` (only the shards holding them) and ``num_bytes``."""
-
-    path: Path
-    config: DeepseekV4Config
-    num_layers: int
-    specs: dict[str, V4TensorSpec]
-    stored: dict[str, StoredTensor]
-    shard_files: tuple[Path, ...]
-    num_parameters: int
-    num_bytes: int
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]:
-        return tuple(self.stored)
-
-
-def plan_load(path: str | Path, num_layers: int | None = None) -> V4LoadPlan:
+def plan_load(path: str | Path, num_layers: int | None = None) -> LoadPlan:
     """Plan loading the first ``num_layers`` layers (None: all) of the V4 checkpoint directory ``path``
     from config.json, the index and the headers of the shards needed: every tensor mapped to an existing
     shard, present there with an accepted dtype and the expected shape. ConfigError for a bad config,
@@ -193,7 +174,7 @@ def plan_load(path: str | Path, num_layers: int | None = None) -> V4LoadPlan:
     expected = {n: (_accepted_dtypes(dtype), shape) for name, spec in specs.items()
                 for n, (dtype, shape) in stored_layout(name, spec).items()}
     stored, shard_files = locate_tensors(path, expected)
-    return V4LoadPlan(path, cfg, num_layers, specs, stored, shard_files,
+    return LoadPlan(path, cfg, num_layers, specs, stored, shard_files,
                       num_parameters=sum(math.prod(s.shape) for s in specs.values()),
                       num_bytes=sum(t.nbytes for t in stored.values()))
 
@@ -225,23 +206,16 @@ def load_checkpoint(
     ``tid2eid`` entry outside [0, n_routed_experts), a value that overflows ``dtype``.
     ``progress(done, total, name)`` is called after each weight with bytes read so far and in total.
     """
-    if dtype not in UNQUANTIZED_DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
+    check_load_dtype(dtype)
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
     weights: dict[str, torch.Tensor] = {}
     done = 0
-    with contextlib.ExitStack() as stack:
-        files = {}
-        for shard in plan.shard_files:
-            try:
-                files[shard] = stack.enter_context(open(shard, "rb", buffering=0))
-            except OSError as e:
-                raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
+    with open_shards(plan) as files:
         cpu = torch.device("cpu")
         for name, spec in plan.specs.items():
             names = list(stored_layout(name, spec))
-            raw = [_load_tensor(files[plan.stored[n].shard], plan.stored[n], n, cpu, plan.stored[n].dtype) for n in names]
+            raw = [load_tensor(files[plan.stored[n].shard], plan.stored[n], n, cpu, plan.stored[n].dtype) for n in names]
             if spec.fmt in ("fp8", "fp4"):
                 check_pow2_scales(raw[1], names[1])
             if spec.fmt in ("fp8", "fp4") and as_stored:
@@ -249,13 +223,13 @@ def load_checkpoint(
             elif spec.fmt in ("fp8", "fp4"):
                 weights[name] = (dequantize_block_fp8(raw[0], raw[1].float(), (128, 128), torch.float32)
                                  if spec.fmt == "fp8" else dequantize_fp4(raw[0], raw[1])).to(device=device, dtype=dtype)
-                _check_finite(weights[name], name, plan.stored[name].shard, f"value after conversion to {dtype}")
+                check_finite(weights[name], name, plan.stored[name].shard, f"value after conversion to {dtype}")
             elif spec.fmt == "int64":
                 _check_tid2eid(raw[0], name, plan.config.n_routed_experts)
                 weights[name] = raw[0].to(device=device, dtype=torch.int64)
             else:
                 weights[name] = raw[0].to(device=device, dtype=dtype)
-                _check_finite(weights[name], name, plan.stored[name].shard, f"value after conversion to {dtype}")
+                check_finite(weights[name], name, plan.stored[name].shard, f"value after conversion to {dtype}")
             done += sum(plan.stored[n].nbytes for n in names)
             if progress is not None:
                 progress(done, plan.num_bytes, name)

@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...config import YarnScaling, _get, _parse_rope, _parse_quantization as parse_fp8_quantization
+from ...config import YarnScaling, _get, _parse_rope, _parse_quantization as parse_fp8_quantization, rope_and_quantization_json
 from ...errors import ConfigError
 
 MODEL_TYPE = "deepseek_v4"
@@ -129,16 +129,7 @@ class DeepseekV4Config:
         """The config.json keys a checkpoint writer stores (the legacy rope spelling)."""
         d = {k: v for k, v in asdict(self).items() if k not in ("rope_scaling", "quantization") and v is not None}
         d["compress_ratios"] = list(self.compress_ratios)
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = {"type": "yarn", **asdict(self.rope_scaling)}
-        if self.quantization is not None:
-            q = self.quantization
-            d["quantization_config"] = {
-                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(q.weight_block_size), "scale_fmt": q.scale_fmt,
-                "expert_dtype": q.expert_dtype,
-            }
-        return d
+        return d | rope_and_quantization_json(self.rope_scaling, self.quantization)
 
 
 _MAY_BE_ZERO = ("num_hash_layers", "num_nextn_predict_layers", "bos_token_id", "eos_token_id", "n_shared_experts")

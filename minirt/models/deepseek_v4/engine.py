@@ -1,7 +1,7 @@
 """The DeepSeek-V4 kernel runtime: :class:`EngineV4`, what ``minirt.load`` returns for a V4 checkpoint.
 
-It plugs into V3.2's :class:`minirt.engine.Engine` for what both families share (``decode``'s checks and
-its CUDA-graph capture and replay, ``plan_chunks``) and brings V4's own caches (:class:`.cache.V4Cache`),
+It shares :class:`minirt.runtime.KernelRuntime` with V3.2's engine (``decode``'s checks, its CUDA-graph
+capture and replay, ``plan_chunks``) and brings V4's own caches (:class:`.cache.V4Cache`),
 step context (:class:`.layers.V4Step`) and layers (:class:`.layers.V4Layer`).
 """
 from __future__ import annotations
@@ -13,16 +13,16 @@ import torch.nn.functional as F
 
 from ...backend import check_prompts
 from ...context import KVStash, PrefillTrace, Segment
-from ...engine import DECODE_HEADROOM, DEFAULT_PREFILL_CHUNK, Engine, check_prefill_chunk, plan_chunks
+from ...runtime import DEFAULT_PREFILL_CHUNK, KernelRuntime, check_prefill_chunk, plan_chunks
 from ...errors import ConfigError, InputError, NumericalError
-from ...reference import rmsnorm
+from ...norms import rmsnorm
 from .cache import V4Cache
 from .config import DeepseekV4Config, LayerKind
 from .layers import V4Layer, V4Step
 from .reference import hc_head, rope_cos_sin
 
 
-class EngineV4(Engine):
+class EngineV4(KernelRuntime):
     """Kernel runtime for the first ``len(layers)`` DeepSeek-V4 layers. ``prefill`` starts a batch of
     prompts (different lengths allowed) in steps of at most ``prefill_chunk`` tokens, ``decode`` appends
     one token per sequence; both return next-token logits [b, vocab] fp32.
@@ -91,9 +91,7 @@ class EngineV4(Engine):
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
-        if self.cache is None or not (self._sized_by_user or self.cache.has_room(lens)):
-            self._allocate_cache(len(prompts), max(lens) + DECODE_HEADROOM)
-        self.cache.check_room(lens)
+        self._fit_cache(lens)
         self.cache.seq_lens.zero_()
         dev, W = self.device, self.cfg.sliding_window
         tokens = torch.tensor([t for p in prompts for t in p], device=dev)

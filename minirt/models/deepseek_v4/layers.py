@@ -34,7 +34,7 @@ from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decod
 from ...kernels import mhc
 from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
 from ...kernels.moe_routing import route_hash, route_topk
-from ...reference import rmsnorm
+from ...norms import rmsnorm
 from .cache import CompressorState, LayerState, V4Cache
 from .checkpoint import scale_name
 from .config import DeepseekV4Config, LayerKind

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from rich.filesize import decimal
 
-from ...engine import DEFAULT_PREFILL_CHUNK
-from ...reference import ReferenceEngine
+from ...runtime import DEFAULT_PREFILL_CHUNK
+from ...backend import ReferenceEngine
+from ...errors import InputError
 from .cache import cache_bytes_per_token, fixed_bytes_per_seq
 from .checkpoint import load_checkpoint, plan_load
 from .config import DeepseekV4Config
@@ -16,10 +17,16 @@ from .engine import EngineV4, build_engine_v4
 from .reference import ReferenceModelV4
 
 def load(path: str | Path, layers: int | None, device: torch.device, backend: str, progress=None,
-         prefill_chunk: int | None = None) -> EngineV4 | ReferenceEngine:
+         prefill_chunk: int | None = None, *, dtype: torch.dtype | None = None, indexer_precision: str = "exact",
+         weights: str | None = None) -> EngineV4 | ReferenceEngine:
     """The first ``layers`` layers (None: all) of the V4 checkpoint at ``path`` as a Backend: backend "triton"
     the kernel runtime :class:`EngineV4` (fp8 / fp4 weights as stored, prefill steps of ``prefill_chunk``
-    tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind ``minirt.reference.ReferenceEngine``."""
+    tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind
+    ``minirt.backend.ReferenceEngine``. InputError for V3.2's options: a ``dtype``, ``indexer_precision``
+    other than "exact", ``weights`` "bf16"."""
+    if dtype is not None or indexer_precision != "exact" or weights == "bf16":
+        raise InputError(f"DeepSeek-V4 runs fp8 weights, bf16 activations and an exact indexer: dtype={dtype}, "
+                         f"indexer_precision={indexer_precision!r} / weights={weights!r} apply to DeepSeek-V3.2 only")
     if backend == "reference":
         cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModelV4(cfg, weights, layers, torch.float32, device))
@@ -66,3 +73,13 @@ def cache_rows(cfg: DeepseekV4Config, num_layers: int) -> list[tuple[str, str]]:
             for k in sorted(set(kinds))]
     total = sum(per_token[k.name] for k in kinds)
     return rows + [(f"cache, {num_layers} layers", f"{total:.1f} B/token, {decimal(int(total * (1 << 20)))} at 1M tokens")]
+
+
+def check_generate_fits(cfg: DeepseekV4Config, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int,
+                        device) -> None:
+    """DeepSeek-V4 has no memory estimate yet: nothing is refused before loading (what does not fit fails
+    in torch's allocator)."""
+
+
+def check_verify_fits(cfg: DeepseekV4Config, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
+    """As :func:`check_generate_fits`: no estimate of the eager reference's memory yet, nothing refused."""

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ...config import YarnScaling
 from ...errors import CheckpointError, InputError
-from ...reference import rmsnorm
+from ...norms import rmsnorm
 from ...rope import apply_rope_interleaved, rope_inv_freq
 from .checkpoint import tensor_specs
 from .config import DeepseekV4Config, LayerKind

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint import INDEX_FILE, Progress, TensorSpec
+from ..deepseek_v32.checkpoint import TensorSpec
+from ...shards import INDEX_FILE, Progress
 from ...config import YarnScaling
 from ...errors import InputError
 from ...synthetic import (GENERATOR_KEY, Preset, _generator_record, _nbytes, _row_chunks, _SafetensorsWriter,

@@ -1,7 +1,7 @@
 """``minirt verify`` for DeepSeek-V4: the kernel runtime (:class:`.engine.EngineV4`) against the eager fp32
 :class:`.reference.ReferenceModelV4` on the same random tokens.
 
-Rows (relative norms ‖runtime − reference‖ / ‖reference‖ over whole tensors, as V3.2's ``minirt.verify``):
+Rows (relative norms ‖runtime − reference‖ / ‖reference‖ over whole tensors, as V3.2's, :mod:`minirt.report`):
 ``hidden[i]`` the residual state [T, hc, D] after layer i and ``attention[i]`` its attention output, with
 the runtime attending the reference's CSA top-k (numerics, not near-tie flips); ``topk_overlap[i]`` (CSA
 layers) the runtime's own indexer selection against the reference's; ``prefill_logits`` and
@@ -26,8 +26,8 @@ import torch
 
 from ...context import PrefillTrace
 from ...errors import InputError
-from ...reference import ReferenceEngine
-from ...verify import Check, VerifyReport, rel_err, top1_agreement, topk_overlap
+from ...backend import ReferenceEngine
+from ...report import Check, VerifyReport, rel_err, top1_agreement, topk_overlap
 from .config import LayerKind
 from .engine import EngineV4
 

@@ -7,14 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rich.filesize import decimal
-
-from .checkpoint import available_memory
-from .config import ModelConfig
-from .errors import DeviceError, InputError
-from .formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
-from .kernels import new_index_cache, new_kv_cache
-from .kernels.ops import write_index_keys_op as write_index_keys  # a custom op: compilable
+from ...config import ModelConfig
+from ...errors import InputError
+from ...formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
+from ...kernels import new_index_cache, new_kv_cache
+from ...kernels.ops import write_index_keys_op as write_index_keys  # a custom op: compilable
+from ...runtime import CacheCapacity, check_cache_fits
 
 
 def cache_bytes_per_token(cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact") -> int:
@@ -40,35 +38,6 @@ class LayerCache:
             write_index_keys(self.index_keys, keys, slots)
         else:
             self.index_keys.view(-1, keys.shape[-1])[slots] = keys
-
-
-class CacheCapacity:
-    """Room for ``max_batch`` sequences of ``max_seq_len`` tokens: what every model family's cache is sized
-    by, and what the engine checks a prefill's prompt lengths against."""
-
-    max_batch: int
-    max_seq_len: int
-
-    def has_room(self, lengths: list[int]) -> bool:
-        return len(lengths) <= self.max_batch and max(lengths) <= self.max_seq_len
-
-    def check_room(self, lengths: list[int]) -> None:
-        if len(lengths) > self.max_batch:
-            raise InputError(f"batch of {len(lengths)} sequences exceeds the cache's max_batch {self.max_batch}")
-        if max(lengths) > self.max_seq_len:
-            raise InputError(
-                f"a sequence needs {max(lengths)} cached tokens, the cache holds {self.max_seq_len} per sequence "
-                "(raise max_seq_len, or shorten the prompt / max_new_tokens)"
-            )
-
-
-def check_cache_fits(nbytes: int, max_batch: int, max_seq_len: int, device: torch.device | str) -> None:
-    """DeviceError, before anything is allocated, when a cache of ``nbytes`` for ``max_batch`` sequences
-    of ``max_seq_len`` tokens exceeds what ``device`` can still allocate."""
-    free = available_memory(torch.device(device))
-    if nbytes > free:
-        raise DeviceError(f"a cache for {max_batch} x {max_seq_len:,} tokens needs {decimal(nbytes)} on "
-                          f"{torch.device(device).type}, {decimal(free)} is free: lower max_batch or max_seq_len")
 
 
 class PagedCache(CacheCapacity):

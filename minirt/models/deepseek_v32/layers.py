@@ -7,7 +7,7 @@ project can build a layer from a ``ModelConfig`` and load it straight from a Dee
     layer.load_state_dict({k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
                            if k.startswith(f"model.layers.{i}.")})
 
-Every module runs ``forward(x, ctx)`` with a :class:`minirt.context.StepContext` (positions, rope,
+Every module runs ``forward(x, ctx)`` with a :class:`minirt.models.deepseek_v32.context.StepContext` (positions, rope,
 caches, the prefill's segments or a decode step's block table). The attention runs in the absorbed
 (MQA) form over the 576-wide latent (512 normalised latent + 64 roped key), the form the sparse kernels
 take: prefill through ``sparse_mla_prefill`` on the bf16 latents of the prompt so far, decode through
@@ -21,19 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from ...config import ModelConfig
 from .context import StepContext
-from .errors import InputError
-from .fp8_linear import Fp8Linear
+from ...errors import InputError
+from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
-from .kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
+from ...kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
                           mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
                           paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
                           sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
-from .blockfp8 import block_scale_shape
-from .formats import FP8_DTYPE
-from .kernels import ExpertWeights, moe_experts, route_topk
-from .rope import apply_rope_half, apply_rope_interleaved
+from ...blockfp8 import block_scale_shape
+from ...formats import FP8_DTYPE
+from ...kernels import ExpertWeights, moe_experts, route_topk
+from ...rope import apply_rope_half, apply_rope_interleaved
 
 
 class RMSNorm(nn.Module):
@@ -375,7 +375,7 @@ class DecoderLayer(nn.Module):
         """x [N, hidden] float (the residual stream of a step's N tokens: a prefill step's segments back
         to back, or one token per sequence in a decode step) -> [N, hidden], x's dtype.
 
-        ctx: the step's ``StepContext`` (``minirt.context.prefill_context`` / ``decode_context``) with N
+        ctx: the step's ``StepContext`` (``minirt.models.deepseek_v32.context.prefill_context`` / ``decode_context``) with N
         positions. The layer writes the new tokens' latents and indexer keys to
         ``ctx.cache.layers[layer_index]`` and reads that cache (decode) or ``ctx.stash`` (prefill);
         ``ctx.topk_override[layer_index]``, when given, replaces the indexer's choice.

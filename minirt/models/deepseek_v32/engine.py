@@ -1,49 +1,25 @@
-"""The runtime: the first N layers (dense and MoE) of a DeepSeek-V3.2 checkpoint, an fp8 paged cache, prefill in
-bounded chunks and decode through the Triton kernels. ``minirt.load`` builds one."""
+"""The DeepSeek-V3.2 kernel runtime: the first N layers (dense and MoE) of a checkpoint, an fp8 paged cache,
+prefill in bounded chunks and decode through the Triton kernels (``decode``'s checks and CUDA graphs:
+:class:`minirt.runtime.KernelRuntime`). ``minirt.load`` builds one."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .backend import check_prompts, check_tokens
+from ...backend import check_prompts
 from .cache import PagedCache
-from .config import ModelConfig
-from .context import KVStash, PrefillTrace, decode_context, prefill_context
-from .errors import ConfigError, InputError, NumericalError
-from .formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
+from ...config import ModelConfig
+from ...context import KVStash, PrefillTrace
+from .context import decode_context, prefill_context
+from ...errors import ConfigError, InputError, NumericalError
+from ...formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
 from .layers import Transformer
-from .rope import rope_cos_sin
-
-DECODE_HEADROOM = 256        # decode steps a cache the engine sizes itself leaves room for
-DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill step: bounds the [chunk, context] indexer scores
+from ...rope import rope_cos_sin
+from ...runtime import DEFAULT_PREFILL_CHUNK, KernelRuntime, check_prefill_chunk, plan_chunks
 
 
-def check_prefill_chunk(chunk) -> int:
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise InputError(f"prefill chunk must be a positive whole number of tokens, got {chunk!r}")
-    return chunk
-
-
-def plan_chunks(lengths: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
-    """The prompts packed back to back, cut into steps of at most ``chunk`` tokens: per step its
-    segments (sequence, first position, length), in token order."""
-    steps, current, room = [], [], chunk
-    for seq, n in enumerate(lengths):
-        start = 0
-        while start < n:
-            take = min(room, n - start)
-            current.append((seq, start, take))
-            start, room = start + take, room - take
-            if room == 0:
-                steps.append(current)
-                current, room = [], chunk
-    if current:
-        steps.append(current)
-    return steps
-
-
-class Engine:
+class Engine(KernelRuntime):
     """Kernel runtime. ``prefill`` starts a batch of prompts (different lengths allowed), ``decode``
     appends one token to every sequence; both return next-token logits [b, vocab] fp32.
 
@@ -110,9 +86,7 @@ class Engine:
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         lens = [len(p) for p in prompts]
-        if self.cache is None or not (self._sized_by_user or self.cache.has_room(lens)):
-            self._allocate_cache(len(prompts), max(lens) + DECODE_HEADROOM)
-        self.cache.check_room(lens)
+        self._fit_cache(lens)
         tokens = torch.tensor([t for p in prompts for t in p], device=self.device)
 
         def run(trace: PrefillTrace | None, progress) -> torch.Tensor:
@@ -145,33 +119,6 @@ class Engine:
         self.cache.seq_lens.zero_()
         self.cache.seq_lens[: len(lens)] = torch.tensor(lens, device=self.device)
         self._lens = lens
-        return logits
-
-    @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor] | None = None,
-               expert_override: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
-        """Append tokens [b] (one per sequence of the last prefill) and return logits [b, vocab].
-        ``topk_override``: per layer [b, k] positions that replace the indexer's choice;
-        ``expert_override``: per layer None or (weights, expert ids) [b, k] that replace a MoE layer's
-        routing (both run the step eagerly)."""
-        ids = check_tokens(tokens, self.cfg.vocab_size, "decode")
-        b = len(self._lens) if self.cache is not None else 0
-        if b == 0 or len(ids) != b:
-            raise InputError(f"decode needs one token per prefilled sequence ({b}), got {len(ids)}")
-        tokens = torch.tensor(ids, device=self.device)
-        lens = [n + 1 for n in self._lens]
-        self.cache.check_room(lens)
-        self._lens = lens
-        if topk_override is not None or expert_override is not None or not self.use_cuda_graph:
-            logits, finite = self._decode_step(tokens, topk_override, expert_override), None
-        else:
-            logits, finite = self._decode_graphed(tokens)
-
-        def rerun() -> torch.Tensor:  # the same step again: it rewrites the slot it wrote
-            self.cache.seq_lens[: tokens.shape[0]] -= 1
-            return self._decode_step(tokens, topk_override, expert_override)
-
-        self._check_finite(logits, "decode", rerun, finite)
         return logits
 
     def _check_finite(self, logits: torch.Tensor, stage: str, rerun, finite: torch.Tensor | None = None) -> None:
@@ -208,28 +155,6 @@ class Engine:
         h = self.model(tokens, ctx)
         self.cache.seq_lens[: tokens.shape[0]] += 1
         return self.model.logits(h)
-
-    def _decode_graphed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, whether all are finite: a bool tensor the graph computes, None on the capturing call)."""
-        b = tokens.shape[0]
-        if b not in self._graphs:
-            # The first step runs eagerly on a side stream (it compiles the kernels and warms cuBLAS),
-            # then the same step is captured; capturing executes nothing, so the cache is untouched.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                logits = self._decode_step(tokens)
-            torch.cuda.current_stream().wait_stream(side)
-            graph, static_tokens = torch.cuda.CUDAGraph(), tokens.clone()
-            with torch.cuda.graph(graph):
-                static_logits = self._decode_step(static_tokens)
-                static_finite = torch.isfinite(static_logits).all()
-            self._graphs[b] = (graph, static_tokens, static_logits, static_finite)
-            return logits, None
-        graph, static_tokens, static_logits, static_finite = self._graphs[b]
-        static_tokens.copy_(tokens)
-        graph.replay()
-        return static_logits.clone(), static_finite
 
 
 def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,

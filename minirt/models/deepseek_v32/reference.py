@@ -30,20 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import check_prompts, check_tokens
-from .blockfp8 import dequantize_block_fp8
+from ...blockfp8 import dequantize_block_fp8
 from .checkpoint import SCALE_SUFFIX, stacked_expert_name, stacked_expert_specs, stacked_scale_shape, tensor_specs
-from .config import ModelConfig, MoeConfig
-from .errors import CheckpointError, InputError, NumericalError
-from .rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
+from ...config import ModelConfig, MoeConfig
+from ...errors import CheckpointError, InputError
+from ...norms import rmsnorm
+from ...rope import apply_rope_half, apply_rope_interleaved, rope_cos_sin
 
 # The official indexer builds its k LayerNorm with the default eps, not the config's rms_norm_eps.
 INDEXER_LAYERNORM_EPS = 1e-6
-
-
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight · x / sqrt(mean(x²) + eps)`` over the last dim; x ``[..., d]``, weight ``[d]``."""
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def mlp(x: Tensor, w: Mapping[str, Tensor], prefix: str = "mlp") -> Tensor:
@@ -371,43 +366,6 @@ class ReferenceModel:
         logits = F.linear(rmsnorm(h, self.weights["model.norm.weight"], cfg.rms_norm_eps), self.weights["lm_head.weight"])
         return ReferenceOutput(logits, hidden_states, topk_indices, attn_outputs, index_scores, moe_inputs,
                                moe_outputs, expert_ids, expert_weights)
-
-
-class ReferenceEngine:
-    """The eager oracle behind the kernel Engine's calls (``minirt.load(backend="reference")``): every
-    step recomputes whole sequences densely with :class:`ReferenceModel`; ``model`` is that model."""
-
-    backend = "reference"
-
-    def __init__(self, model: ReferenceModel):
-        self.model, self.cfg, self.device, self.num_layers = model, model.cfg, model.device, model.num_layers
-        self.sequences: list[list[int]] = []
-
-    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
-        """No cache: kept so callers can treat both backends alike."""
-
-    def _forward(self, tokens: list[int], stage: str) -> ReferenceOutput:
-        """The model's forward; NumericalError naming the first layer whose output is non-finite when
-        the logits are."""
-        out = self.model.forward(torch.tensor(tokens))
-        if not bool(torch.isfinite(out.logits).all()):
-            bad = [i for i, h in enumerate(out.hidden_states) if not bool(torch.isfinite(h).all())]
-            raise NumericalError.in_logits(stage, f"layer {bad[0]} (model.layers.{bad[0]})" if bad
-                                           else "the final norm (model.norm) or lm_head")
-        return out
-
-    def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False) -> Tensor:
-        self.sequences = check_prompts(prompts, self.cfg.vocab_size)
-        outs = [self._forward(p, "prefill").logits.float() for p in self.sequences]
-        return torch.cat(outs) if all_logits else torch.stack([o[-1] for o in outs])
-
-    def decode(self, tokens: Tensor) -> Tensor:
-        tokens = check_tokens(tokens, self.cfg.vocab_size, "decode")
-        if not self.sequences or len(tokens) != len(self.sequences):
-            raise InputError(f"decode needs one token per prefilled sequence ({len(self.sequences)}), got {len(tokens)}")
-        for seq, t in zip(self.sequences, tokens):
-            seq.append(t)
-        return torch.stack([self._forward(s, "decode").logits[-1].float() for s in self.sequences])
 
 
 def forward_peak_bytes(cfg: ModelConfig, num_layers: int, num_tokens: int, dtype: torch.dtype = torch.float32) -> int:
