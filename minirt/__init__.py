@@ -48,7 +48,7 @@ def default_checkpoint(progress=None) -> Path:
 
 def load(path: str | Path | None = None, layers: int | None = None, device: str | None = None,
          backend: str = "triton", dtype: torch.dtype | None = None, indexer_precision: str = "exact",
-         prefill_chunk: int | None = None, weights: str | None = None, progress=None):
+         prefill_chunk: int | None = None, weights: str | None = None, progress=None, tp: int | None = None):
     """Load the first ``layers`` layers of a checkpoint (None: all, ``num_hidden_layers``; dense and MoE)
     for inference; the weights must fit in the device's free memory (else DeviceError with the largest
     layer count that fits).
@@ -67,6 +67,13 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     GEMMs (activations quantised per token and 128 values), "bf16" dequantises them at load (to
     ``dtype``). Default: "fp8" for an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else
     "bf16". The reference backend always dequantises to fp32.
+    tp: tensor parallelism over the ``tp`` processes of the initialised ``torch.distributed`` process
+    group (``minirt.parallel``: attention heads, dense MLP width and vocabulary split, routed experts
+    split as expert parallelism): every process calls ``load`` and then the engine's methods with the
+    same arguments and gets the same logits; each reads only its shard of the checkpoint. device None
+    is then ``cuda:LOCAL_RANK`` (or the CPU, with gloo). InputError when no process group is
+    initialised, its size is not ``tp``, ``tp`` does not divide the attention heads, or with
+    backend="reference" (the oracle is single-process). None or 1: one process.
     Returns a ``minirt.backend.Backend``: ``prefill(prompts)`` and ``decode(tokens)`` (see
     ``minirt.engine.Engine`` and ``minirt.reference.ReferenceEngine``).
     """
@@ -74,6 +81,7 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     from .engine import DEFAULT_PREFILL_CHUNK, build_engine, check_prefill_chunk
     from .config import load_config
     from .models import family_of
+    from .parallel import TensorParallel, check_tensor_parallel, local_device
     from .reference import ReferenceEngine, ReferenceModel
 
     if backend not in ("triton", "reference"):
@@ -82,11 +90,18 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
         prefill_chunk = check_prefill_chunk(DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
     if weights not in (None, "fp8", "bf16"):
         raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
+    group = TensorParallel.current(1 if tp is None else tp)
+    if group.world > 1 and backend == "reference":
+        raise InputError("the reference backend runs in one process: load it without tp")
+    if group.world > 1 and device is None:
+        device = str(local_device())
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     from .files import as_path
 
     path = as_path(path, "checkpoint path") if path is not None else default_checkpoint(progress)
     family = family_of(load_config(path))
+    if family is not None and group.world > 1:
+        raise InputError("tensor parallelism (tp) runs DeepSeek-V3 / V3.2 checkpoints; DeepSeek-V4 loads in one process")
     if family is not None:  # another model family (DeepSeek-V4): its own loader
         if indexer_precision != "exact" or weights == "bf16":
             raise InputError(f"DeepSeek-V4 runs fp8 weights and an exact indexer: indexer_precision="
@@ -96,6 +111,7 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
         cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModel(cfg, tensors, layers, torch.float32, dev))
     cfg = ModelConfig.from_file(path)
+    check_tensor_parallel(cfg, group)
     if weights is None:
         weights = "fp8" if cfg.quantization and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0) \
             else "bf16"
@@ -103,6 +119,6 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
         raise InputError(f"{path} stores no fp8 weights: load it with weights='bf16'")
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     cfg, tensors = load_checkpoint(path, layers, device=dev, dtype=dtype, progress=progress,
-                                   fp8_as_stored=weights == "fp8")
+                                   fp8_as_stored=weights == "fp8", tp=group)
     return build_engine(cfg, tensors, layers or cfg.num_hidden_layers, dev, dtype, indexer_precision, prefill_chunk,
-                        fp8_weights=weights == "fp8")
+                        fp8_weights=weights == "fp8", tp=group)

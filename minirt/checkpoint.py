@@ -26,6 +26,7 @@ from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
 from .blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
 from .config import ModelConfig
 from .errors import CheckpointError, DeviceError, InputError, excerpt
+from .parallel import SINGLE, Shard, TensorParallel, expert_range, local_specs, weight_shard
 from .files import (MAX_HEADER_BYTES, MAX_INDEX_BYTES, as_path, is_present, member, open_regular, os_reason, read_json,
                     shown, stat_regular)
 
@@ -92,16 +93,18 @@ def stacked_expert_name(name: str) -> tuple[str, int, int] | None:
     return stacked, int(expert), int(proj == "up_proj")
 
 
-def stacked_expert_specs(cfg: ModelConfig, layer: int) -> dict[str, TensorSpec]:
+def stacked_expert_specs(cfg: ModelConfig, layer: int, n_experts: int | None = None) -> dict[str, TensorSpec]:
     """MoE layer ``layer``'s stacked experts as the loader returns them: ``...mlp.experts.gate_up_proj.weight``
     [E, 2I, D] (gate rows, then up rows) and ``...mlp.experts.down_proj.weight`` [E, D, I], each with a
-    float32 ``_scale_inv`` [E, rows / 128, cols / 128] when quantised; empty for a dense layer."""
+    float32 ``_scale_inv`` [E, rows / 128, cols / 128] when quantised; empty for a dense layer.
+    E: ``n_experts`` (a rank's share), default ``n_routed_experts``."""
     if not cfg.is_moe_layer(layer):
         return {}
     moe, hidden, fp8 = cfg.moe, cfg.hidden_size, cfg.quantization is not None
+    e = moe.n_routed_experts if n_experts is None else n_experts
     prefix = f"model.layers.{layer}.mlp.experts"
-    return {f"{prefix}.gate_up_proj.weight": TensorSpec((moe.n_routed_experts, 2 * moe.moe_intermediate_size, hidden), fp8),
-            f"{prefix}.down_proj.weight": TensorSpec((moe.n_routed_experts, hidden, moe.moe_intermediate_size), fp8)}
+    return {f"{prefix}.gate_up_proj.weight": TensorSpec((e, 2 * moe.moe_intermediate_size, hidden), fp8),
+            f"{prefix}.down_proj.weight": TensorSpec((e, hidden, moe.moe_intermediate_size), fp8)}
 
 
 def stacked_scale_shape(spec: TensorSpec, block: tuple[int, int]) -> tuple[int, int, int]:
@@ -460,21 +463,26 @@ def _read_rows(file, stored: StoredTensor, name: str, first_row: int, rows: int)
 
 
 def _load_tensor(file, stored: StoredTensor, name: str, device: torch.device, dtype: torch.dtype,
-                 scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+                 scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                 shard: Shard | None = None) -> torch.Tensor:
     """One stored tensor as a new ``dtype`` tensor on ``device``, dequantised with ``scale_inv`` (its
-    block scales) when given. It is read, checked finite (before and after the cast) and converted
-    ``READ_CHUNK_BYTES`` of stored data at a time, straight into the result: loading holds the result
-    and one chunk, never a second full-size copy (nor a memory map of the shard)."""
-    out = torch.empty(stored.shape, dtype=dtype, device=device)
+    block scales, whole) when given; with ``shard`` only those rows or columns of it. It is read,
+    checked finite (before and after the cast) and converted ``READ_CHUNK_BYTES`` of stored data at a
+    time, straight into the result: loading holds the result and one chunk, never a second full-size
+    copy (nor a memory map of the shard). A row shard reads only its rows (from the first whole scale
+    block when dequantised); a column shard reads the rows chunk by chunk and keeps its columns."""
+    out = torch.empty(stored.shape if shard is None else shard.shape(stored.shape), dtype=dtype, device=device)
     rows = stored.shape[0] if stored.shape else 1
     if rows == 0:
         return out
+    first, last = (shard.start, shard.stop) if shard is not None and shard.dim == 0 else (0, rows)
     step = max(1, READ_CHUNK_BYTES // max(1, stored.nbytes // rows))
     if scale_inv is not None:
         step = max(block[0], step // block[0] * block[0])  # whole scale blocks per chunk
+        first, last = first // block[0] * block[0], min(rows, -(-last // block[0]) * block[0])
     per_row = math.prod(stored.shape[1:])
-    for start in range(0, rows, step):
-        n = min(step, rows - start)
+    for start in range(first, last, step):
+        n = min(step, last - start)
         raw = _read_rows(file, stored, name, start, n)
         _check_finite(raw, name, stored.shard, first=start * per_row)
         raw = raw.to(device)
@@ -484,7 +492,12 @@ def _load_tensor(file, stored: StoredTensor, name: str, device: torch.device, dt
             value = raw.to(dtype)
         if value.dtype != stored.dtype:
             _check_finite(value, name, stored.shard, f"value after conversion to {dtype}", first=start * per_row)
-        if stored.shape:
+        if shard is not None and shard.dim == 1:
+            value = value[:, shard.start : shard.stop]
+        if shard is not None and shard.dim == 0:  # the rows of this chunk inside the shard
+            lo, hi = max(start, shard.start), min(start + n, shard.stop)
+            out[lo - shard.start : hi - shard.start].copy_(value[lo - start : hi - start])
+        elif stored.shape:
             out[start : start + n].copy_(value)
         else:
             out.copy_(value)
@@ -577,10 +590,12 @@ def weight_memory_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: t
     return top + sum(layers)
 
 
-def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as_stored: bool) -> None:
+def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as_stored: bool,
+                specs: dict[str, TensorSpec] | None = None) -> None:
     """DeviceError, with both numbers and the largest layer count that fits, when the weights of
-    ``plan`` exceed the free memory of ``device``: before anything is read."""
-    top, layers = layer_memory_bytes(plan.config, plan.specs, dtype, fp8_as_stored)
+    ``plan`` (or ``specs``, a rank's share of them) exceed the free memory of ``device``: before
+    anything is read."""
+    top, layers = layer_memory_bytes(plan.config, plan.specs if specs is None else specs, dtype, fp8_as_stored)
     need, free = top + sum(layers), available_memory(device)
     if need <= free:
         return
@@ -600,6 +615,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     fp8_as_stored: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load the first ``num_layers`` layers (None: every layer) plus embeddings, final norm and
     lm_head from the HF checkpoint directory ``path``.
@@ -618,18 +634,21 @@ def load_checkpoint(
     ``...mlp.experts.down_proj.weight`` [E, D, I] with their ``_scale_inv``; in ``dtype`` for an
     unquantised checkpoint), copied in expert by expert so that no second copy is ever held.
     ``progress(done, total, name)``, if given, is called after each weight with bytes read so far and
-    in total.
+    in total. ``tp`` (``minirt.parallel``): only this rank's part of each sharded weight
+    (``weight_shard``; its ``_scale_inv`` likewise, in blocks, with ``fp8_as_stored``) and of the
+    routed experts (``expert_range``, stacked from 0); the other experts are never read.
     """
     if dtype not in UNQUANTIZED_DTYPES:
         raise InputError(f"dtype must be one of {', '.join(map(str, UNQUANTIZED_DTYPES))}, got {dtype!r}")
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
-    _check_fits(plan, device, dtype, fp8_as_stored)
     cfg = plan.config
+    _check_fits(plan, device, dtype, fp8_as_stored, local_specs(cfg, plan.specs, tp))
     block = cfg.quantization.weight_block_size if cfg.quantization else None
+    my_experts = expert_range(cfg, tp)
     stacked: dict[str, TensorSpec] = {}
     for i in range(plan.num_layers):
-        stacked |= stacked_expert_specs(cfg, i)
+        stacked |= stacked_expert_specs(cfg, i, len(my_experts))
 
     weights: dict[str, torch.Tensor] = {}
     for name, spec in stacked.items():  # filled expert by expert below
@@ -646,25 +665,35 @@ def load_checkpoint(
             except OSError as e:
                 raise CheckpointError(f"{shard}: cannot open safetensors file ({e.strerror or e})") from None
 
-        def read(name: str, dtype: torch.dtype, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+        def read(name: str, dtype: torch.dtype, scale_inv: torch.Tensor | None = None,
+                 shard: Shard | None = None) -> torch.Tensor:
             stored = plan.stored[name]
-            return _load_tensor(files[stored.shard], stored, name, device, dtype, scale_inv, block)
+            return _load_tensor(files[stored.shard], stored, name, device, dtype, scale_inv, block, shard)
 
         for name, spec in plan.specs.items():
             names = (name, name + SCALE_SUFFIX) if spec.quantized else (name,)
+            slot = stacked_expert_name(name)
+            if slot is not None and slot[1] not in my_experts:  # another rank's expert
+                done += sum(plan.stored[n].nbytes for n in names)
+                continue
+            shard = weight_shard(cfg, name, tp)
             scale = read(name + SCALE_SUFFIX, torch.float32) if spec.quantized else None
             if scale is not None and cfg.quantization.scale_fmt == "ue8m0":
                 _check_ue8m0(scale, name + SCALE_SUFFIX, plan.stored[name + SCALE_SUFFIX].shard)
-            slot = stacked_expert_name(name)
             if slot is not None:  # a routed expert: as stored, into its rows of the stacked tensors
+                slot = (slot[0], slot[1] - my_experts.start, slot[2])
                 _copy_expert(weights, slot, [read(name, FP8_DTYPE if spec.quantized else dtype)] +
                              ([scale] if scale is not None else []))
             elif scale is None:
-                weights[name] = read(name, torch.float32 if spec.fp32 else dtype)
+                weights[name] = read(name, torch.float32 if spec.fp32 else dtype, shard=shard)
             elif fp8_as_stored:
-                weights[name], weights[name + SCALE_SUFFIX] = read(name, FP8_DTYPE), scale
+                weights[name] = read(name, FP8_DTYPE, shard=shard)
+                if shard is not None:
+                    scale_shard = shard.in_blocks(block, name)
+                    scale = scale.narrow(shard.dim, scale_shard.start, scale_shard.stop - scale_shard.start).clone()
+                weights[name + SCALE_SUFFIX] = scale
             else:
-                weights[name] = read(name, dtype, scale)
+                weights[name] = read(name, dtype, scale, shard)
             done += sum(plan.stored[n].nbytes for n in names)
             if progress is not None:
                 progress(done, plan.num_bytes, name)
