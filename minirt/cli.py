@@ -186,9 +186,10 @@ def _errors_to_exit_code(fn):
         try:
             return fn(*args, **kwargs)
         except MinirtError as e:
-            if _state["debug"]:
-                traceback.print_exc()
-            print(f"minirt: error: {e}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":  # under torchrun (--tp) rank 0 speaks for all
+                if _state["debug"]:
+                    traceback.print_exc()
+                print(f"minirt: error: {e}", file=sys.stderr)
             raise typer.Exit(2) from None
         except Terminated:
             raise typer.Exit(128 + signal.SIGTERM) from None

@@ -93,3 +93,35 @@ def test_cli_tp_bad_input_is_one_line_exit_2(tiny_moe3, monkeypatch, command, ar
     assert result.exit_code == 2, result.output
     assert result.output.startswith("minirt: error:") and len(result.output.strip().splitlines()) == 1, result.output
     assert message in result.output
+
+
+@pytest.mark.parametrize("fp8_as_stored", [False, True])
+def test_each_rank_loads_its_shard(tiny_moe3, fp8_as_stored):
+    """load_checkpoint(tp=...) gives a rank exactly its rows / columns / experts of the whole tensors
+    (their block scales too, when kept fp8), and nothing else; the loader needs no process group.
+    Rank 1 of 2: its shards start inside the tensors (a dequantised row shard reads from a whole
+    scale block)."""
+    from minirt.checkpoint import SCALE_SUFFIX, load_checkpoint
+    from minirt.parallel import TensorParallel, expert_range, weight_shard
+
+    cfg, whole = load_checkpoint(tiny_moe3, fp8_as_stored=fp8_as_stored)
+    tp = TensorParallel(1, 2)
+    _, mine = load_checkpoint(tiny_moe3, fp8_as_stored=fp8_as_stored, tp=tp)
+    assert mine.keys() == whole.keys()
+    experts = expert_range(cfg, tp)
+    assert experts == range(8, 16)
+    kinds = set()
+    for name, t in mine.items():
+        shard = weight_shard(cfg, name.removesuffix(SCALE_SUFFIX), tp)
+        expect = whole[name]
+        if ".mlp.experts." in name:
+            expect, kind = expect[experts.start : experts.stop], "experts"
+        elif shard is not None:
+            block = 128 if name.endswith(SCALE_SUFFIX) else 1
+            expect = expect.narrow(shard.dim, shard.start // block, (shard.stop - shard.start) // block)
+            kind = f"dim {shard.dim}"
+        else:
+            kind = "whole"
+        kinds.add(kind)
+        assert t.dtype == expect.dtype and torch.equal(t.view(torch.uint8), expect.contiguous().view(torch.uint8)), name
+    assert kinds == {"experts", "dim 0", "dim 1", "whole"}
