@@ -463,18 +463,17 @@ def _remove_if_nothing_fetched(new_dirs: list[Path]) -> None:
 def _tensor_parallel(tp: int | None, cfg):
     """The process group of --tp, initialised from torchrun's environment (None without --tp), after
     the checks that need none; from here on the ranks other than 0 print nothing."""
-    from .parallel import init_from_env
+    from .models import family_of
+    from .parallel import TensorParallel, check_tensor_parallel, init_from_env
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp is None:
         if world > 1:
             raise InputError(f"started as {world} processes (torchrun): pass --tp {world}")
         return None
-    if tp < 1:
-        raise InputError(f"--tp must be >= 1, got {tp}")
-    if cfg.num_attention_heads % tp:
-        raise InputError(f"--tp {tp} does not divide the {cfg.num_attention_heads} attention heads "
-                         "(num_attention_heads): use a divisor of it")
+    if family_of(cfg) is not None:
+        raise InputError("--tp runs DeepSeek-V3 / V3.2 checkpoints; DeepSeek-V4 runs in one process")
+    check_tensor_parallel(cfg, TensorParallel(0, tp))
     group = init_from_env(tp)
     if group.rank != 0:
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the life of this rank's process)

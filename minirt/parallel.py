@@ -39,15 +39,19 @@ class TensorParallel:
     world: int = 1
     group: object = None
 
+    def __post_init__(self):
+        if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
+            raise InputError(f"tp must be a whole number >= 1, got {self.world!r}")
+        if not 0 <= self.rank < self.world:
+            raise InputError(f"rank {self.rank!r} is outside [0, {self.world})")
+
     @classmethod
     def current(cls, tp: int) -> "TensorParallel":
         """The view of the initialised default process group for ``tp`` ranks; ``SINGLE`` for tp 1 (this
         process alone, even inside a group). InputError when ``tp`` is not a whole number >= 1, when
         tp > 1 and no process group is initialised (run under torchrun), or when the group's world
         size is not ``tp``."""
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise InputError(f"tp must be a whole number >= 1, got {tp!r}")
-        if tp == 1:
+        if TensorParallel(0, tp).world == 1:
             return SINGLE
         if not (dist.is_available() and dist.is_initialized()):
             raise InputError(f"tp={tp} needs an initialised torch.distributed process group of {tp} processes "
@@ -92,8 +96,7 @@ def init_from_env(tp: int) -> TensorParallel:
     MASTER_ADDR/PORT) for ``tp`` ranks: NCCL when CUDA is available (each rank on ``cuda:LOCAL_RANK``),
     else gloo. A group already initialised is used as it is. InputError when the environment names no
     group (not started by torchrun) or a world size other than ``tp``."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise InputError(f"--tp must be a whole number >= 1, got {tp!r}")
+    TensorParallel(0, tp)  # a valid tp
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             if tp == 1:

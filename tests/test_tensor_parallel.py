@@ -72,9 +72,16 @@ def test_two_ranks_match_one_process(tiny_moe3, tmp_path):
     assert rel_err(rank0["logits"][2:], single["logits"][2:]) < 1e-2   # decode
 
 
-def test_tp_needs_a_process_group(tiny_moe3):
+def test_load_tp_bad_input(tiny_moe3):
+    """tp outside a process group, tp < 1, a tp not dividing the heads: InputError naming it."""
     with pytest.raises(InputError, match="process group"):
         minirt.load(tiny_moe3, device="cpu", tp=2)
+    with pytest.raises(InputError, match="tp must be a whole number >= 1"):
+        minirt.load(tiny_moe3, device="cpu", tp=0)
+    from minirt.config import ModelConfig
+    from minirt.parallel import TensorParallel, check_tensor_parallel
+    with pytest.raises(InputError, match="tp=3 does not divide the 4 attention heads"):
+        check_tensor_parallel(ModelConfig.from_file(tiny_moe3), TensorParallel(0, 3))
 
 
 @pytest.mark.parametrize("command", ["generate", "verify"])
@@ -82,7 +89,7 @@ def test_tp_needs_a_process_group(tiny_moe3):
     (["--tp", "2"], None, "torchrun --nproc-per-node 2"),                  # no process group
     (["--tp", "2"], "3", "torchrun started 3 process(es)"),              # world size != --tp
     ([], "2", "pass --tp 2"),
-    (["--tp", "3"], None, "--tp 3 does not divide the 4 attention heads"),
+    (["--tp", "3"], None, "tp=3 does not divide the 4 attention heads"),
 ])
 def test_cli_tp_bad_input_is_one_line_exit_2(tiny_moe3, monkeypatch, command, args, world_size, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
