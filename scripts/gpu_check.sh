@@ -23,6 +23,8 @@
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
 #               both weight and indexer modes, peak memory, the split of one long prefill;
 #               RUNTIME_BENCH_ARGS: more flags)
+# tp:           (2 GPUs) a v32 checkpoint with a MoE layer (3 dense + 1 MoE, /tmp/minirt-v32-moe), `minirt
+#               verify` on 1 GPU and at --tp 2 under torchrun (NCCL), then bench_runtime.py --tp 2 beside 1 GPU
 # Tables and plots go to $OUT (default /tmp/minirt-out), each step's output to $OUT/<step>.log, its exit
 # status and time to $OUT/summary.txt; the script exits 1 if any step failed. A step still running
 # DEADLINE seconds after the start (default 570) is stopped and later ones are skipped, so a job with a
@@ -86,6 +88,13 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       prompt=$(python3 -c 'print(",".join(str((i * 7919) % 129280) for i in range(512)))')
       run v32-generate-b1 minirt generate $V32 --tokens "$prompt" -n 64 --batch 1
       run v32-generate-b64 minirt generate $V32 --tokens "$prompt" -n 64 --batch 64 ;;
+    tp)
+      V32M=/tmp/minirt-v32-moe
+      [ -f $V32M/config.json ] || run v32-moe-init minirt init $V32M --preset v32 --layers 4 --device cuda
+      run tp-verify-1gpu minirt verify $V32M --json
+      run tp-verify-2gpu python3 -m torch.distributed.run --nproc-per-node 2 -m minirt verify $V32M --tp 2 --json
+      run tp-bench python3 -m torch.distributed.run --nproc-per-node 2 scripts/bench_runtime.py $V32M --tp 2 \
+        --modes fp8/exact --context 1024,8192 --batch 1,16 --out "$OUT/runtime_tp2.md" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
