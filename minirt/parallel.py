@@ -76,12 +76,16 @@ class TensorParallel:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[world, *x.shape]: every rank's x, in rank order."""
+        if self.world == 1:
+            return x[None]
         out = x.new_empty(self.world * x.numel())
         _all_gather_single(out, x.contiguous().flatten(), group=self.group)
         return out.view(self.world, *x.shape)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [world, ...]: row d goes to rank d; returns [world, ...] whose row s came from rank s."""
+        if self.world == 1:
+            return x
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x.contiguous(), group=self.group)
         return out
