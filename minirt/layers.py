@@ -179,11 +179,12 @@ class MLAAttention(nn.Module):
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """o_latent [T, H, kv_lora_rank] -> [T, hidden] (summed over the ranks' heads)."""
         if self.fp8_weights:
-            return self.tp.all_reduce(self.o_proj(mla_value_proj_fp8(o_latent.to(torch.bfloat16), self.kv_b_proj.weight,
-                                                                     self.kv_b_proj.weight_scale_inv, self.nope,
-                                                                     self.v_dim)))
-        o = torch.einsum("thc,hvc->thv", o_latent.to(self.kv_b_proj.weight.dtype), self._kv_b()[:, self.nope :])
-        return self.tp.all_reduce(self.o_proj(o.flatten(1)))
+            out = self.o_proj(mla_value_proj_fp8(o_latent.to(torch.bfloat16), self.kv_b_proj.weight,
+                                                 self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim))
+        else:
+            o = torch.einsum("thc,hvc->thv", o_latent.to(self.kv_b_proj.weight.dtype), self._kv_b()[:, self.nope :])
+            out = self.o_proj(o.flatten(1))
+        return self.tp.all_reduce(out)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [N, hidden] (the normed layer input) -> attention output [N, hidden].
