@@ -50,7 +50,7 @@ def default_checkpoint(progress=None) -> Path:
 
 def load(path: str | Path | None = None, layers: int | None = None, device: str | None = None,
          backend: str = "triton", dtype: torch.dtype | None = None, indexer_precision: str = "exact",
-         prefill_chunk: int | None = None, weights: str | None = None, progress=None):
+         prefill_chunk: int | None = None, weights: str | None = None, progress=None, tp: int | None = None):
     """Load the first ``layers`` layers of a checkpoint (None: all, ``num_hidden_layers``; dense and MoE)
     for inference; the weights must fit in the device's free memory (else DeviceError with the largest
     layer count that fits).
@@ -70,6 +70,13 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     GEMMs (activations quantised per token and 128 values), "bf16" dequantises them at load (to
     ``dtype``). Default: "fp8" for an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else
     "bf16". The reference backend always dequantises to fp32.
+    tp: tensor parallelism over the ``tp`` processes of the initialised ``torch.distributed`` process
+    group (``minirt.parallel``: attention heads, dense MLP width and vocabulary split, routed experts
+    split as expert parallelism): every process calls ``load`` and then the engine's methods with the
+    same arguments and gets the same logits; each reads only its shard of the checkpoint. device None
+    is then ``cuda:LOCAL_RANK`` (or the CPU, with gloo). InputError when no process group is
+    initialised, its size is not ``tp``, ``tp`` does not divide the attention heads, or with
+    backend="reference" (the oracle is single-process). None or 1: one process.
     Returns a ``minirt.backend.Backend``: ``prefill(prompts)`` and ``decode(tokens)`` (see
     ``minirt.models.deepseek_v32.engine.Engine`` and ``minirt.backend.ReferenceEngine``).
     """
@@ -77,6 +84,7 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     from .device import resolve_device
     from .files import as_path
     from .models import family_of
+    from .parallel import TensorParallel, local_device
     from .runtime import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 
     if backend not in ("triton", "reference"):
@@ -85,7 +93,12 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
         prefill_chunk = check_prefill_chunk(DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
     if weights not in (None, "fp8", "bf16"):
         raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
+    group = TensorParallel.current(1 if tp is None else tp)
+    if group.world > 1 and backend == "reference":
+        raise InputError("the reference backend runs in one process: load it without tp")
+    if group.world > 1 and device is None:
+        device = str(local_device())
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     path = as_path(path, "checkpoint path") if path is not None else default_checkpoint(progress)
     return family_of(load_config(path)).load(path, layers, dev, backend, progress, prefill_chunk, dtype=dtype,
-                                              indexer_precision=indexer_precision, weights=weights)
+                                              indexer_precision=indexer_precision, weights=weights, tp=group)

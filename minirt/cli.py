@@ -141,6 +141,10 @@ WeightsOpt = Annotated[Optional[str], typer.Option(
 PrefillChunkOpt = Annotated[Optional[str], typer.Option(
     "--prefill-chunk", metavar="N", show_default=False,
     help="Prompt tokens per prefill step (default 2048): bounds prefill's memory, not its results.")]
+TpOpt = Annotated[Optional[int], typer.Option(
+    "--tp", metavar="N", show_default=False,
+    help="Tensor + expert parallelism over N processes: run under `torchrun --nproc-per-node N -m minirt ...` "
+    "(NCCL on GPUs, gloo on the CPU); only rank 0 prints.")]
 
 
 def _version(value: bool) -> None:
@@ -180,9 +184,10 @@ def _errors_to_exit_code(fn):
         try:
             return fn(*args, **kwargs)
         except MinirtError as e:
-            if _state["debug"]:
-                traceback.print_exc()
-            print(f"minirt: error: {e}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":  # under torchrun (--tp) rank 0 speaks for all
+                if _state["debug"]:
+                    traceback.print_exc()
+                print(f"minirt: error: {e}", file=sys.stderr)
             raise typer.Exit(2) from None
         except Terminated:
             raise typer.Exit(128 + signal.SIGTERM) from None
@@ -408,7 +413,25 @@ def _remove_if_nothing_fetched(new_dirs: list[Path]) -> None:
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None):
+def _tensor_parallel(tp: int | None, cfg):
+    """The process group of --tp, initialised from torchrun's environment (None without --tp), after
+    the checks that need none; from here on the ranks other than 0 print nothing."""
+    from .models import family_of
+    from .parallel import TensorParallel, init_from_env
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp is None:
+        if world > 1:
+            raise InputError(f"started as {world} processes (torchrun): pass --tp {world}")
+        return None
+    family_of(cfg).check_tensor_parallel(cfg, TensorParallel(0, tp))
+    group = init_from_env(tp)
+    if group.rank != 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the life of this rank's process)
+    return group
+
+
+def _load(path, layers, device, backend, indexer_precision="exact", prefill_chunk=None, weights=None, tp=None):
     from . import load
     from .config import load_config
     from .models import family_of
@@ -416,7 +439,7 @@ def _load(path, layers, device, backend, indexer_precision="exact", prefill_chun
     order = list(family_of(load_config(path)).plan_load(path, layers).specs)  # the loader's reading order, for the bar's tensor in flight
     with _ProgressBar(f"loading ({backend})", order, then=f"building the {backend} engine") as bar:
         return load(path, layers=layers, device=device, backend=backend, indexer_precision=indexer_precision,
-                    prefill_chunk=prefill_chunk, weights=weights, progress=bar)
+                    prefill_chunk=prefill_chunk, weights=weights, progress=bar, tp=tp)
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls, DEL; tab and newline stay
@@ -509,6 +532,7 @@ def generate(
         "--warm-up", metavar="auto|yes|no",
         help="Run the prompt once untimed first, so the figures leave out Triton's compilation and the CUDA-graph "
         "capture (seconds on a GPU). auto: yes with the triton backend on a GPU.")] = "auto",
+    tp: TpOpt = None,
 ):
     """Generate text (or token ids) and report why it stopped and the prefill and decode tokens/s.
 
@@ -549,11 +573,12 @@ def generate(
         ids = tokenizer.encode(prompt if prompt is not None else DEFAULT_PROMPT)
     check_tokens(ids, cfg.vocab_size, "--tokens" if tokens is not None else "--prompt")
     check_generation_length(cfg, len(ids), n)
+    group = _tensor_parallel(tp, cfg)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_hidden_layers  # what the loader loads by default
-    if backend == "triton":
+    if backend == "triton" and group is None:  # (a rank's share: the loader checks its weights fit)
         family_of(cfg).check_generate_fits(cfg, num_layers, batch, len(ids), n, dev)
-    engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format)
+    engine = _load(path, layers, device, backend, indexer_precision, chunk, weights_format, tp)
 
     out = _TextOut()
     as_text = tokenizer is not None and tokens is None  # token ids in, token ids out
@@ -678,6 +703,7 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     prefill_chunk: PrefillChunkOpt = None,
     weights_format: WeightsOpt = None,
+    tp: TpOpt = None,
 ):
     """Run the kernel runtime and the eager reference on the same random tokens and compare them.
 
@@ -694,6 +720,10 @@ def verify(
     _choice(weights_format, "--weights", ("fp8", "bf16"))
     path, cfg = _checkpoint(weights)
     family = family_of(cfg)
+    if _tensor_parallel(tp, cfg) is not None and device is None:  # every rank checks against its own reference
+        from .parallel import local_device
+
+        device = str(local_device())
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     num_layers = layers if layers is not None else cfg.num_hidden_layers
     family.tensor_specs(cfg, num_layers)  # more layers than the model has: the loader's error, now
@@ -708,7 +738,7 @@ def verify(
                          f"model's max_position_embeddings ({cfg.max_position_embeddings})")
     family.check_verify_fits(cfg, num_layers, prompt_len, decode_steps, dev)
 
-    engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format)
+    engine = _load(path, num_layers, str(dev), "triton", prefill_chunk=chunk, weights=weights_format, tp=tp)
     oracle = _load(path, num_layers, str(dev), "reference")
     stage = _VerifyStages(prompt_len)
     with Live(console=console, transient=True) as live:  # the stage now running, redrawn at once

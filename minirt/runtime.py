@@ -12,6 +12,7 @@ from rich.filesize import decimal
 from .backend import check_tokens
 from .device import available_memory
 from .errors import DeviceError, InputError
+from .parallel import SINGLE, TensorParallel
 
 DECODE_HEADROOM = 256        # decode steps a cache the engine sizes itself leaves room for
 DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill step: bounds the [chunk, context] indexer scores
@@ -76,7 +77,10 @@ class KernelRuntime:
     ``cache.seq_lens``), ``_graphs`` (a dict, emptied with each new cache), ``_sized_by_user`` and
     ``use_cuda_graph``, and defines ``_allocate_cache(max_batch, max_seq_len)``,
     ``_decode_step(tokens, topk_override, expert_override)`` (static shapes, no host sync) and
-    ``_check_finite(logits, stage, rerun, finite)``."""
+    ``_check_finite(logits, stage, rerun, finite)``. ``tp``: the process group the model is split over
+    (``minirt.parallel``; one process unless the family's loader was given one)."""
+
+    tp: TensorParallel = SINGLE
 
     def _fit_cache(self, lens: list[int]) -> None:
         """A cache with room for sequences of ``lens`` tokens: the one ``setup_cache`` sized (InputError

@@ -19,6 +19,7 @@ import torch
 
 from .blockfp8 import FP8_DTYPE, dequantize_block_fp8
 from .errors import CheckpointError, InputError
+from .parallel import Shard
 from .files import MAX_HEADER_BYTES, MAX_INDEX_BYTES, is_present, member, open_regular, os_reason, read_json, shown, stat_regular
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -301,15 +302,46 @@ def _read_rows(file, stored: StoredTensor, name: str, first_row: int, rows: int)
 
 
 def load_tensor(file, stored: StoredTensor, name: str, device: torch.device, dtype: torch.dtype,
-                 scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+                scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                shard: Shard | None = None) -> torch.Tensor:
     """One stored tensor as a new ``dtype`` tensor on ``device``, dequantised with ``scale_inv`` (its
-    block scales) when given. It is read, checked finite (before and after the cast) and converted
-    ``READ_CHUNK_BYTES`` of stored data at a time, straight into the result: loading holds the result
-    and one chunk, never a second full-size copy (nor a memory map of the shard)."""
-    out = torch.empty(stored.shape, dtype=dtype, device=device)
+    block scales, whole) when given; with ``shard`` (``minirt.parallel``) only those rows or columns of
+    it. It is read, checked finite (before and after the cast) and converted ``READ_CHUNK_BYTES`` of
+    stored data at a time, straight into the result: loading holds the result and one chunk, never a
+    second full-size copy (nor a memory map of the shard). A row shard reads only its rows (from the
+    first whole scale block when dequantised); a column shard reads the rows chunk by chunk and keeps
+    its columns."""
+    out = torch.empty(stored.shape if shard is None else shard.shape(stored.shape), dtype=dtype, device=device)
     rows = stored.shape[0] if stored.shape else 1
     if rows == 0:
         return out
+    first, last = (shard.start, shard.stop) if shard is not None and shard.dim == 0 else (0, rows)
+    step = max(1, READ_CHUNK_BYTES // max(1, stored.nbytes // rows))
+    if scale_inv is not None:
+        step = max(block[0], step // block[0] * block[0])  # whole scale blocks per chunk
+        first, last = first // block[0] * block[0], min(rows, -(-last // block[0]) * block[0])
+    per_row = math.prod(stored.shape[1:])
+    for start in range(first, last, step):
+        n = min(step, last - start)
+        raw = _read_rows(file, stored, name, start, n)
+        check_finite(raw, name, stored.shard, first=start * per_row)
+        raw = raw.to(device)
+        if scale_inv is not None:
+            value = dequantize_block_fp8(raw, scale_inv[start // block[0] : -(-(start + n) // block[0])], block, dtype)
+        else:
+            value = raw.to(dtype)
+        if value.dtype != stored.dtype:
+            check_finite(value, name, stored.shard, f"value after conversion to {dtype}", first=start * per_row)
+        if shard is not None and shard.dim == 1:
+            value = value[:, shard.start : shard.stop]
+        if shard is not None and shard.dim == 0:  # the rows of this chunk inside the shard
+            lo, hi = max(start, shard.start), min(start + n, shard.stop)
+            out[lo - shard.start : hi - shard.start].copy_(value[lo - start : hi - start])
+        elif stored.shape:
+            out[start : start + n].copy_(value)
+        else:
+            out.copy_(value)
+    return out
     step = max(1, READ_CHUNK_BYTES // max(1, stored.nbytes // rows))
     if scale_inv is not None:
         step = max(block[0], step // block[0] * block[0])  # whole scale blocks per chunk

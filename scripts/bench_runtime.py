@@ -12,6 +12,14 @@ CUDA-graph decode step at that context, next to one eager step and the sum of it
 prefill and decode compile every kernel first. ``--split`` profiles one prefill of the longest b 1
 context and splits its kernel time into indexer / attention / linear / other.
 
+Several GPUs (``--tp N``, under torchrun; NCCL): the model split over N GPUs (``minirt.parallel``: heads,
+MLP width and vocabulary per rank, experts as expert parallelism), every row beside the same row on one
+GPU (rank 0 alone, after the others), with the peak memory of the fullest GPU and the device time of
+the collectives (NCCL kernels) in one eager decode step and in one prefill:
+
+    torchrun --nproc-per-node 2 scripts/bench_runtime.py /tmp/minirt-v32 --tp 2 --modes fp8/exact \
+        --context 1024,8192 --batch 1,16
+
 DeepSeek-V4 checkpoints run in their one mode (fp8 linears as stored, fp4 experts, exact fp32 indexer
 keys: of ``--modes`` only fp8/exact loads, the others are skipped), e.g. V4-Flash's first 4 layers:
 
@@ -78,6 +86,11 @@ def random_prompts(engine, batch: int, length: int, seed: int) -> list[list[int]
     return torch.randint(0, engine.cfg.vocab_size, (batch, length), generator=gen).tolist()
 
 
+def collective_seconds(times: dict[str, float]) -> float:
+    """Device seconds of the NCCL kernels (all-reduce, all-gather, all-to-all) among ``kernel_times``."""
+    return sum(t for name, t in times.items() if "nccl" in name.lower())
+
+
 def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     prompts = random_prompts(engine, batch, context, seed)
     engine.setup_cache(batch, context + 2 * steps + 8)
@@ -87,14 +100,22 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device=engine.device)
     engine.decode(tokens)  # the first step of a batch size captures the graph
     step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
-    peak = torch.cuda.max_memory_allocated()
+    tp = engine.tp
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=engine.device)
+    if tp.world > 1:
+        torch.distributed.all_reduce(peak, torch.distributed.ReduceOp.MAX)  # the fullest GPU's
     engine.use_cuda_graph = False
     eager_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(3))
-    kernels_s = sum(kernel_times(lambda: engine.decode(tokens)).values())
+    step_kernels = kernel_times(lambda: engine.decode(tokens))
+    kernels_s = sum(step_kernels.values())
     engine.use_cuda_graph = True
-    return {"batch": batch, "context": context, "prefill_ms": prefill_s * 1e3,
-            "prefill_tok_s": batch * context / prefill_s, "peak_gib": peak / GIB, "step_ms": step_s * 1e3,
-            "eager_ms": eager_s * 1e3, "kernels_ms": kernels_s * 1e3, "graph_over_kernels": step_s / kernels_s}
+    row = {"batch": batch, "context": context, "prefill_ms": prefill_s * 1e3,
+           "prefill_tok_s": batch * context / prefill_s, "peak_gib": peak.item() / GIB, "step_ms": step_s * 1e3,
+           "eager_ms": eager_s * 1e3, "kernels_ms": kernels_s * 1e3, "graph_over_kernels": step_s / kernels_s}
+    if tp.world > 1:
+        row["step_collectives_ms"] = collective_seconds(step_kernels) * 1e3
+        row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
+    return row
 
 
 def warm_up(engine) -> None:
@@ -119,7 +140,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per row")
     ap.add_argument("--split", action="store_true", help="profile the longest b 1 prefill: indexer/attention/linear")
     ap.add_argument("--out", default="-", help="markdown report file (- for stdout)")
+    ap.add_argument("--tp", type=int, default=1, help="GPUs (tensor + expert parallelism; run under torchrun "
+                    "--nproc-per-node N), each row beside one GPU's")
     args = ap.parse_args()
+    if args.tp > 1:
+        bench_tensor_parallel(args)
+        return
     contexts = [int(c) for c in args.context.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
     matmul_tflops, copy_gbps = measure_ceilings()
@@ -156,9 +182,7 @@ def main() -> None:
                     engine.cache = None
                     torch.cuda.empty_cache()
                     continue
-                lines.append(f"| {batch} | {context:,} | {r['prefill_ms']:,.1f} | {r['prefill_tok_s']:,.0f} | "
-                             f"{r['peak_gib']:.1f} | {r['step_ms']:.2f} | {r['eager_ms']:.2f} | "
-                             f"{r['kernels_ms']:.2f} | {r['graph_over_kernels']:.2f} |")
+                lines.append(row_line(r) + f"{r['graph_over_kernels']:.2f} |")
                 print(lines[-1], flush=True)
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)
@@ -171,6 +195,58 @@ def main() -> None:
         lines.append("")
         del engine
     write_report("\n".join(lines) + "\n", args.out)
+
+
+def row_line(r: dict) -> str:
+    """A row's cells up to the kernel sum, as the tables print them (the last cells follow)."""
+    return (f"| {r['batch']} | {r['context']:,} | {r['prefill_ms']:,.1f} | {r['prefill_tok_s']:,.0f} | "
+            f"{r['peak_gib']:.1f} | {r['step_ms']:.2f} | {r['eager_ms']:.2f} | {r['kernels_ms']:.2f} | ")
+
+
+def bench_tensor_parallel(args) -> None:
+    """--tp N: each mode's rows on N GPUs (every rank runs them in step; rank 0 reports), then the same
+    rows on rank 0's GPU alone while the other ranks wait at a barrier."""
+    from minirt.parallel import init_from_env, local_device
+
+    group = init_from_env(args.tp)
+    contexts = [int(c) for c in args.context.split(",")]
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = [(b, c, i) for b in batches for i, c in enumerate(contexts) if b * c <= args.max_tokens]
+    lines = [f"runtime over {args.tp} GPUs (tensor + expert parallelism, NCCL) beside 1 GPU, "
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.date.today()}; "
+             f"checkpoint {args.weights_dir}", ""]
+    for mode in args.modes.split(","):
+        weights, precision = mode.split("/")
+        results = {}
+        for tp in (args.tp, 1):
+            if tp == 1 and group.rank != 0:
+                torch.distributed.barrier()  # rank 0 runs the 1-GPU rows meanwhile
+                continue
+            torch.cuda.empty_cache()
+            engine = minirt.load(args.weights_dir, device=str(local_device()), weights=weights,
+                                 indexer_precision=precision, tp=tp)
+            results[tp, "weights"] = torch.cuda.memory_allocated() / GIB
+            warm_up(engine)
+            for batch, context, seed in rows:
+                results[tp, batch, context] = bench_row(engine, batch, context, args.steps, seed)
+            del engine
+            if tp == 1:
+                torch.distributed.barrier()
+        if group.rank != 0:
+            continue
+        lines += [f"### weights {weights}, indexer {precision}: weights in memory per GPU "
+                  f"{results[args.tp, 'weights']:.2f} GiB at tp {args.tp}, {results[1, 'weights']:.2f} GiB on 1 GPU", "",
+                  "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "
+                  "| kernel sum ms | collectives ms (step / prefill) | GPUs |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for batch, context, _ in rows:
+            r = results[args.tp, batch, context]
+            lines.append(row_line(r) + f"{r['step_collectives_ms']:.2f} / {r['prefill_collectives_ms']:,.1f} | "
+                         f"{args.tp} |")
+            lines.append(row_line(results[1, batch, context]) + "– | 1 |")
+        lines.append("")
+    if group.rank == 0:
+        write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

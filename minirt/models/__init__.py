@@ -4,8 +4,9 @@ kernel runtime, eager reference and ``verify`` rows. ``deepseek_v32`` serves Dee
 
 Every family offers the same small interface, which ``minirt.load`` and the CLI use alone:
 ``plan_load(path, layers)`` (a ``minirt.shards.LoadPlan``), ``tensor_specs(cfg, layers)``,
-``load(path, layers, device, backend, progress, prefill_chunk=None, *, dtype, indexer_precision, weights)``
-(a ``minirt.backend.Backend``), ``info_rows(path, cfg, layers)`` (``minirt info``),
+``load(path, layers, device, backend, progress, prefill_chunk=None, *, dtype, indexer_precision, weights, tp)``
+(a ``minirt.backend.Backend``; ``tp`` a ``minirt.parallel.TensorParallel``, refused by
+``check_tensor_parallel(cfg, tp)`` where the family cannot split that way), ``info_rows(path, cfg, layers)`` (``minirt info``),
 ``run_verify(engine, oracle, prompt_len, decode_steps, seed, progress, on_prefill)`` with
 ``default_prompt_len(cfg)``, and the refusals before loading ``check_generate_fits(cfg, layers, batch,
 prompt_len, max_new_tokens, device)`` / ``check_verify_fits(cfg, layers, prompt_len, decode_steps, device)``.

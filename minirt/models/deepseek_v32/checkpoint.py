@@ -24,6 +24,7 @@ from ...errors import CheckpointError, DeviceError, InputError
 from ...files import as_path
 from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_checkpoint_dir, check_load_dtype, load_tensor,
                        locate_tensors, open_shards)
+from ...parallel import SINGLE, Shard, TensorParallel, expert_range, local_specs, weight_shard
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -71,16 +72,18 @@ def stacked_expert_name(name: str) -> tuple[str, int, int] | None:
     return stacked, int(expert), int(proj == "up_proj")
 
 
-def stacked_expert_specs(cfg: ModelConfig, layer: int) -> dict[str, TensorSpec]:
+def stacked_expert_specs(cfg: ModelConfig, layer: int, n_experts: int | None = None) -> dict[str, TensorSpec]:
     """MoE layer ``layer``'s stacked experts as the loader returns them: ``...mlp.experts.gate_up_proj.weight``
     [E, 2I, D] (gate rows, then up rows) and ``...mlp.experts.down_proj.weight`` [E, D, I], each with a
-    float32 ``_scale_inv`` [E, rows / 128, cols / 128] when quantised; empty for a dense layer."""
+    float32 ``_scale_inv`` [E, rows / 128, cols / 128] when quantised; empty for a dense layer.
+    E: ``n_experts`` (a rank's share), default ``n_routed_experts``."""
     if not cfg.is_moe_layer(layer):
         return {}
     moe, hidden, fp8 = cfg.moe, cfg.hidden_size, cfg.quantization is not None
+    e = moe.n_routed_experts if n_experts is None else n_experts
     prefix = f"model.layers.{layer}.mlp.experts"
-    return {f"{prefix}.gate_up_proj.weight": TensorSpec((moe.n_routed_experts, 2 * moe.moe_intermediate_size, hidden), fp8),
-            f"{prefix}.down_proj.weight": TensorSpec((moe.n_routed_experts, hidden, moe.moe_intermediate_size), fp8)}
+    return {f"{prefix}.gate_up_proj.weight": TensorSpec((e, 2 * moe.moe_intermediate_size, hidden), fp8),
+            f"{prefix}.down_proj.weight": TensorSpec((e, hidden, moe.moe_intermediate_size), fp8)}
 
 
 def stacked_scale_shape(spec: TensorSpec, block: tuple[int, int]) -> tuple[int, int, int]:
@@ -248,10 +251,12 @@ def weight_memory_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: t
     return top + sum(layers)
 
 
-def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as_stored: bool) -> None:
+def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as_stored: bool,
+                specs: dict[str, TensorSpec] | None = None) -> None:
     """DeviceError, with both numbers and the largest layer count that fits, when the weights of
-    ``plan`` exceed the free memory of ``device``: before anything is read."""
-    top, layers = layer_memory_bytes(plan.config, plan.specs, dtype, fp8_as_stored)
+    ``plan`` (or ``specs``, a rank's share of them) exceed the free memory of ``device``: before
+    anything is read."""
+    top, layers = layer_memory_bytes(plan.config, plan.specs if specs is None else specs, dtype, fp8_as_stored)
     need, free = top + sum(layers), available_memory(device)
     if need <= free:
         return
@@ -271,6 +276,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     fp8_as_stored: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load the first ``num_layers`` layers (None: every layer) plus embeddings, final norm and
     lm_head from the HF checkpoint directory ``path``.
@@ -289,17 +295,20 @@ def load_checkpoint(
     ``...mlp.experts.down_proj.weight`` [E, D, I] with their ``_scale_inv``; in ``dtype`` for an
     unquantised checkpoint), copied in expert by expert so that no second copy is ever held.
     ``progress(done, total, name)``, if given, is called after each weight with bytes read so far and
-    in total.
+    in total. ``tp`` (``minirt.parallel``): only this rank's part of each sharded weight
+    (``weight_shard``; its ``_scale_inv`` likewise, in blocks, with ``fp8_as_stored``) and of the
+    routed experts (``expert_range``, stacked from 0); the other experts are never read.
     """
     check_load_dtype(dtype)
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
-    _check_fits(plan, device, dtype, fp8_as_stored)
     cfg = plan.config
+    _check_fits(plan, device, dtype, fp8_as_stored, local_specs(cfg, plan.specs, tp))
     block = cfg.quantization.weight_block_size if cfg.quantization else None
+    my_experts = expert_range(cfg, tp)
     stacked: dict[str, TensorSpec] = {}
     for i in range(plan.num_layers):
-        stacked |= stacked_expert_specs(cfg, i)
+        stacked |= stacked_expert_specs(cfg, i, len(my_experts))
 
     weights: dict[str, torch.Tensor] = {}
     for name, spec in stacked.items():  # filled expert by expert below
@@ -310,25 +319,35 @@ def load_checkpoint(
     done = 0
     with open_shards(plan) as files:
 
-        def read(name: str, dtype: torch.dtype, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+        def read(name: str, dtype: torch.dtype, scale_inv: torch.Tensor | None = None,
+                 shard: Shard | None = None) -> torch.Tensor:
             stored = plan.stored[name]
-            return load_tensor(files[stored.shard], stored, name, device, dtype, scale_inv, block)
+            return load_tensor(files[stored.shard], stored, name, device, dtype, scale_inv, block, shard)
 
         for name, spec in plan.specs.items():
             names = (name, name + SCALE_SUFFIX) if spec.quantized else (name,)
+            slot = stacked_expert_name(name)
+            if slot is not None and slot[1] not in my_experts:  # another rank's expert
+                done += sum(plan.stored[n].nbytes for n in names)
+                continue
+            shard = weight_shard(cfg, name, tp)
             scale = read(name + SCALE_SUFFIX, torch.float32) if spec.quantized else None
             if scale is not None and cfg.quantization.scale_fmt == "ue8m0":
                 _check_ue8m0(scale, name + SCALE_SUFFIX, plan.stored[name + SCALE_SUFFIX].shard)
-            slot = stacked_expert_name(name)
             if slot is not None:  # a routed expert: as stored, into its rows of the stacked tensors
+                slot = (slot[0], slot[1] - my_experts.start, slot[2])
                 _copy_expert(weights, slot, [read(name, FP8_DTYPE if spec.quantized else dtype)] +
                              ([scale] if scale is not None else []))
             elif scale is None:
-                weights[name] = read(name, torch.float32 if spec.fp32 else dtype)
+                weights[name] = read(name, torch.float32 if spec.fp32 else dtype, shard=shard)
             elif fp8_as_stored:
-                weights[name], weights[name + SCALE_SUFFIX] = read(name, FP8_DTYPE), scale
+                weights[name] = read(name, FP8_DTYPE, shard=shard)
+                if shard is not None:
+                    scale_shard = shard.in_blocks(block, name)
+                    scale = scale.narrow(shard.dim, scale_shard.start, scale_shard.stop - scale_shard.start).clone()
+                weights[name + SCALE_SUFFIX] = scale
             else:
-                weights[name] = read(name, dtype, scale)
+                weights[name] = read(name, dtype, scale, shard)
             done += sum(plan.stored[n].nbytes for n in names)
             if progress is not None:
                 progress(done, plan.num_bytes, name)

@@ -17,6 +17,7 @@ from ...formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
 from .layers import Transformer
 from ...rope import rope_cos_sin
 from ...runtime import DEFAULT_PREFILL_CHUNK, KernelRuntime, check_prefill_chunk, plan_chunks
+from ...parallel import SINGLE, TensorParallel
 
 
 class Engine(KernelRuntime):
@@ -28,13 +29,15 @@ class Engine(KernelRuntime):
     the same numbers, and transient memory follows the chunk, not the prompt. On CUDA a decode step is
     captured once per batch size as a CUDA graph and replayed; ``use_cuda_graph = False`` runs every
     step eagerly. A step whose logits hold a NaN or ±Inf raises NumericalError naming the first module
-    (embedding, layer i, final norm, lm_head) whose output was non-finite."""
+    (embedding, layer i, final norm, lm_head) whose output was non-finite. ``tp``: the group the model
+    is split over (``minirt.parallel``; world 1 when it is not)."""
 
     backend = "triton"
 
     def __init__(self, cfg: ModelConfig, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 indexer_precision: str = "exact", prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        self.cfg, self.model, self.device, self.dtype = cfg, model, device, dtype
+                 indexer_precision: str = "exact", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 tp: TensorParallel = SINGLE):
+        self.cfg, self.model, self.device, self.dtype, self.tp = cfg, model, device, dtype, tp
         self.indexer_precision = indexer_precision
         self.weights = "fp8" if model.model.layers[0].self_attn.fp8_weights else "bf16"
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
@@ -159,11 +162,13 @@ class Engine(KernelRuntime):
 
 def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
                  dtype: torch.dtype, indexer_precision: str = "exact", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 fp8_weights: bool = False) -> Engine:
+                 fp8_weights: bool = False, tp: TensorParallel = SINGLE) -> Engine:
     """An Engine from a config and HF-named weights already on ``device``: dequantised, or with
     ``fp8_weights`` the block-fp8 linear weights as stored with their ``_scale_inv`` partners
     (``load_checkpoint(..., fp8_as_stored=True)``). Parameters are cast to ``dtype``; fp8 weights and
-    their scales stay as stored."""
+    their scales stay as stored. ``tp``: the weights are this rank's shards (``load_checkpoint(...,
+    tp=tp)``); every rank builds its engine and then calls ``prefill`` / ``decode`` with the same
+    arguments (their collectives pair up), and every rank gets the same logits."""
     for key, need in (("kv_lora_rank", KV_LATENT_DIM), ("qk_rope_head_dim", KV_ROPE_DIM)):
         if getattr(cfg, key) != need:
             raise ConfigError(f"key '{key}' is {getattr(cfg, key)}: the Triton kernels and the fp8 cache layout "
@@ -172,11 +177,11 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers:
         raise ConfigError("the MoE kernels run block-fp8 experts, and this checkpoint stores its experts unquantised "
                           "(no quantization_config): backend='reference' runs it")
     with torch.device("meta"):
-        model = Transformer(cfg, num_layers, indexer_precision, fp8_weights)
+        model = Transformer(cfg, num_layers, indexer_precision, fp8_weights, tp)
     wanted = model.state_dict().keys()
     missing = [k for k in wanted if k not in weights]
     if missing:
         raise InputError(f"weights lack {len(missing)} tensors, e.g. '{missing[0]}'")
     params = dict(model.named_parameters()).keys()
     model.load_state_dict({k: weights[k].to(device, dtype if k in params else None) for k in wanted}, assign=True)
-    return Engine(cfg, model.eval(), device, dtype, indexer_precision, prefill_chunk)
+    return Engine(cfg, model.eval(), device, dtype, indexer_precision, prefill_chunk, tp)

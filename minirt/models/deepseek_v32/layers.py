@@ -33,6 +33,7 @@ from ...kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op a
 from ...blockfp8 import block_scale_shape
 from ...formats import FP8_DTYPE
 from ...kernels import ExpertWeights, moe_experts, route_topk
+from ...parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead, expert_parallel_moe
 from ...rope import apply_rope_half, apply_rope_interleaved
 
 
@@ -135,14 +136,15 @@ class MLAAttention(nn.Module):
     last ``qk_rope_head_dim`` dims of each head. ``layer_index`` picks this layer's cache, stash and
     top-k override out of the step context. ``fp8_weights``: the projections keep the checkpoint's
     block-fp8 weights (``Fp8Linear``); kv_b's per-head products run on its stored fp8 weight and the
-    value projection hands o_proj its fp8 input directly.
+    value projection hands o_proj its fp8 input directly. ``tp``: this rank's H / N heads
+    (``minirt.parallel``); o_proj's partial sums are all-reduced.
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact",
-                 fp8_weights: bool = False):
+                 fp8_weights: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.layer_index, self.fp8_weights = layer_index, fp8_weights
-        self.n_heads = cfg.num_attention_heads
+        self.layer_index, self.fp8_weights, self.tp = layer_index, fp8_weights, tp
+        self.n_heads = cfg.num_attention_heads // tp.world
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.sm_scale = cfg.sm_scale
@@ -175,12 +177,14 @@ class MLAAttention(nn.Module):
         return torch.cat([q_latent, q_rope], dim=-1), latent, k_rope, qr
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
-        """o_latent [T, H, kv_lora_rank] -> [T, hidden]."""
+        """o_latent [T, H, kv_lora_rank] -> [T, hidden] (summed over the ranks' heads)."""
         if self.fp8_weights:
-            return self.o_proj(mla_value_proj_fp8(o_latent.to(torch.bfloat16), self.kv_b_proj.weight,
-                                                  self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim))
-        o = torch.einsum("thc,hvc->thv", o_latent.to(self.kv_b_proj.weight.dtype), self._kv_b()[:, self.nope :])
-        return self.o_proj(o.flatten(1))
+            out = self.o_proj(mla_value_proj_fp8(o_latent.to(torch.bfloat16), self.kv_b_proj.weight,
+                                                 self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim))
+        else:
+            o = torch.einsum("thc,hvc->thv", o_latent.to(self.kv_b_proj.weight.dtype), self._kv_b()[:, self.nope :])
+            out = self.o_proj(o.flatten(1))
+        return self.tp.all_reduce(out)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [N, hidden] (the normed layer input) -> attention output [N, hidden].
@@ -259,17 +263,20 @@ class MLAAttention(nn.Module):
 
 class DenseMLP(nn.Module):
     """SwiGLU down(silu(gate(x)) · up(x)) of width ``intermediate_size`` (default the config's: a
-    dense layer's MLP; a MoE layer's shared experts pass theirs)."""
+    dense layer's MLP; a MoE layer's shared experts pass theirs). ``tp``: this rank's 1 / N of the
+    width, the down projection's partial sums all-reduced."""
 
-    def __init__(self, cfg: ModelConfig, fp8_weights: bool = False, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, fp8_weights: bool = False, intermediate_size: int | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        width = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.tp = tp
+        width = (cfg.intermediate_size if intermediate_size is None else intermediate_size) // tp.world
         self.gate_proj = _linear(cfg.hidden_size, width, fp8_weights)
         self.up_proj = _linear(cfg.hidden_size, width, fp8_weights)
         self.down_proj = _linear(width, cfg.hidden_size, fp8_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class TopkRouter(nn.Module):
@@ -333,24 +340,32 @@ class MoE(nn.Module):
     and ``swiglu_limit``. ``shared_experts``: a module on every token, or None. forward(x [T, hidden],
     routing=None) -> [T, hidden] in x's dtype; ``routing`` = (weights, expert ids) replaces the gate's
     choice (to compare the experts' numerics on a reference's routing). No host sync (CUDA-graph
-    capturable when the gate is).
+    capturable when the gate is). ``tp`` (expert parallelism): ``experts`` holds this rank's
+    ``n_experts / N`` of the ``n_experts`` routed experts; the tokens are dispatched and combined with
+    ``all_to_all_single`` (``minirt.parallel.expert_parallel_moe``), the shared experts replicated.
     """
 
-    def __init__(self, gate: nn.Module, experts: RoutedExperts, shared_experts: nn.Module | None):
+    def __init__(self, gate: nn.Module, experts: RoutedExperts, shared_experts: nn.Module | None,
+                 tp: TensorParallel = SINGLE, n_experts: int | None = None):
         super().__init__()
         self.gate, self.experts, self.shared_experts = gate, experts, shared_experts
+        self.tp, self.n_experts = tp, n_experts
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, fp8_weights: bool = False) -> "MoE":
-        """V3 / V3.2's MoE layer: the grouped top-k router, ``n_routed_experts`` fp8 experts and
-        ``n_shared_experts`` experts' worth of a dense SwiGLU (as fp8 or float linears, as ``fp8_weights``)."""
+    def from_config(cls, cfg: ModelConfig, fp8_weights: bool = False, tp: TensorParallel = SINGLE) -> "MoE":
+        """V3 / V3.2's MoE layer: the grouped top-k router, ``n_routed_experts`` fp8 experts (this rank's
+        share of them under ``tp``) and ``n_shared_experts`` experts' worth of a dense SwiGLU (as fp8 or
+        float linears, as ``fp8_weights``)."""
         moe = cfg.moe
         shared = DenseMLP(cfg, fp8_weights, moe.n_shared_experts * moe.moe_intermediate_size) \
             if moe.n_shared_experts else None
-        return cls(TopkRouter(cfg), RoutedExperts(moe.n_routed_experts, cfg.hidden_size, moe.moe_intermediate_size),
-                   shared)
+        return cls(TopkRouter(cfg), RoutedExperts(moe.n_routed_experts // tp.world, cfg.hidden_size,
+                                                  moe.moe_intermediate_size), shared, tp, moe.n_routed_experts)
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.tp.world > 1:
+            return expert_parallel_moe(x, self.gate, self.experts, self.shared_experts, routing, self.n_experts,
+                                       self.tp)
         weights, expert_ids = self.gate(x) if routing is None else routing
         out = self.experts(x, expert_ids.to(torch.int32), weights.float()).to(x.dtype)
         return out if self.shared_experts is None else out + self.shared_experts(x).to(x.dtype)
@@ -360,16 +375,18 @@ class DecoderLayer(nn.Module):
     """One decoder layer: x + attn(norm(x)), then + mlp(norm(·)), the MLP dense or, where
     ``cfg.is_moe_layer(layer_index)``, a ``MoE``. ``layer_index`` is its place in the model (which
     cache, stash and top-k override of the step context it uses); ``fp8_weights`` keeps the linear
-    weights block-fp8 as the checkpoint stores them (routed experts always are)."""
+    weights block-fp8 as the checkpoint stores them (routed experts always are). ``tp``: this rank's
+    heads, MLP width or experts (``minirt.parallel``)."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact",
-                 fp8_weights: bool = False):
+                 fp8_weights: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_index = layer_index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer_index, indexer_precision, fp8_weights)
+        self.self_attn = MLAAttention(cfg, layer_index, indexer_precision, fp8_weights, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE.from_config(cfg, fp8_weights) if cfg.is_moe_layer(layer_index) else DenseMLP(cfg, fp8_weights)
+        self.mlp = MoE.from_config(cfg, fp8_weights, tp) if cfg.is_moe_layer(layer_index) \
+            else DenseMLP(cfg, fp8_weights, tp=tp)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [N, hidden] float (the residual stream of a step's N tokens: a prefill step's segments back
@@ -406,16 +423,21 @@ def _check_layer_input(x, ctx: StepContext, layer_index: int, hidden: int) -> No
 
 
 class Transformer(nn.Module):
-    """Embedding → decoder layers → norm → lm_head; parameter names are the checkpoint's names."""
+    """Embedding → decoder layers → norm → lm_head; parameter names are the checkpoint's names.
+    ``tp``: every module holds this rank's shard (``minirt.parallel``); inputs and outputs are whole,
+    the same on every rank."""
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact", fp8_weights: bool = False):
+    def __init__(self, cfg: ModelConfig, num_layers: int, indexer_precision: str = "exact", fp8_weights: bool = False,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i, indexer_precision, fp8_weights)
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp.world == 1 \
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i, indexer_precision, fp8_weights, tp)
                                           for i in range(num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp.world == 1 \
+            else VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp)
 
     def forward(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """tokens [N] -> the last layer's residual stream [N, hidden]."""

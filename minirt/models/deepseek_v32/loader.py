@@ -10,6 +10,7 @@ from ...backend import ReferenceEngine
 from ...config import ModelConfig
 from ...errors import InputError
 from ...files import is_present
+from ...parallel import SINGLE, TensorParallel, check_tensor_parallel
 from .cache import cache_bytes_per_token
 from .checkpoint import expert_bytes, load_checkpoint, plan_load
 from .engine import Engine, build_engine
@@ -18,16 +19,19 @@ from .reference import ReferenceModel
 
 def load(path: Path, layers: int | None, device: torch.device, backend: str, progress=None,
          prefill_chunk: int | None = None, *, dtype: torch.dtype | None = None, indexer_precision: str = "exact",
-         weights: str | None = None) -> Engine | ReferenceEngine:
+         weights: str | None = None, tp: TensorParallel = SINGLE) -> Engine | ReferenceEngine:
     """The first ``layers`` layers (None: all) of the checkpoint at ``path`` as a Backend (``minirt.load``
     checked the arguments): backend "reference" the eager fp32 :class:`ReferenceModel` behind
     ``minirt.backend.ReferenceEngine``, "triton" the kernel :class:`Engine` with ``weights`` "fp8" (as stored)
     or "bf16" (dequantised to ``dtype``; None: bf16 on cuda, fp32 on cpu). ``weights`` None: "fp8" for
-    an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else "bf16"."""
+    an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else "bf16". ``tp``: this process's
+    place in the tensor-parallel group (``minirt.parallel``; ``check_tensor_parallel``), which it loads
+    its shards for."""
     if backend == "reference":
         cfg, tensors = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModel(cfg, tensors, layers, torch.float32, device))
     cfg = ModelConfig.from_file(path)
+    check_tensor_parallel(cfg, tp)
     if weights is None:
         weights = "fp8" if cfg.quantization and device.type == "cuda" and \
             torch.cuda.get_device_capability(device) >= (9, 0) else "bf16"
@@ -35,9 +39,9 @@ def load(path: Path, layers: int | None, device: torch.device, backend: str, pro
         raise InputError(f"{path} stores no fp8 weights: load it with weights='bf16'")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg, tensors = load_checkpoint(path, layers, device=device, dtype=dtype, progress=progress,
-                                   fp8_as_stored=weights == "fp8")
+                                   fp8_as_stored=weights == "fp8", tp=tp)
     return build_engine(cfg, tensors, layers or cfg.num_hidden_layers, device, dtype, indexer_precision, prefill_chunk,
-                        fp8_weights=weights == "fp8")
+                        fp8_weights=weights == "fp8", tp=tp)
 
 
 def info_rows(path: Path, cfg: ModelConfig, layers: int | None) -> list[tuple[str, str]]:

@@ -7,11 +7,12 @@ compares the two.
 """
 from .checkpoint import load_checkpoint, plan_load, tensor_specs
 from .config import DeepseekV4Config, LayerKind, V4Quantization
-from .loader import check_generate_fits, check_verify_fits, info_rows, load
+from .loader import check_generate_fits, check_tensor_parallel, check_verify_fits, info_rows, load
 from .engine import EngineV4, build_engine_v4
 from .reference import ReferenceModelV4, ReferenceOutputV4
 from .verify import default_prompt_len, run_verify
 
 __all__ = ["DeepseekV4Config", "LayerKind", "V4Quantization", "load_checkpoint", "plan_load", "tensor_specs",
            "load", "info_rows", "ReferenceModelV4", "ReferenceOutputV4", "EngineV4",
-           "build_engine_v4", "run_verify", "default_prompt_len", "check_generate_fits", "check_verify_fits"]
+           "build_engine_v4", "run_verify", "default_prompt_len", "check_generate_fits", "check_verify_fits",
+           "check_tensor_parallel"]

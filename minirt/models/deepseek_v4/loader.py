@@ -10,6 +10,7 @@ from rich.filesize import decimal
 from ...runtime import DEFAULT_PREFILL_CHUNK
 from ...backend import ReferenceEngine
 from ...errors import InputError
+from ...parallel import SINGLE, TensorParallel
 from .cache import cache_bytes_per_token, fixed_bytes_per_seq
 from .checkpoint import load_checkpoint, plan_load
 from .config import DeepseekV4Config
@@ -18,12 +19,14 @@ from .reference import ReferenceModelV4
 
 def load(path: str | Path, layers: int | None, device: torch.device, backend: str, progress=None,
          prefill_chunk: int | None = None, *, dtype: torch.dtype | None = None, indexer_precision: str = "exact",
-         weights: str | None = None) -> EngineV4 | ReferenceEngine:
+         weights: str | None = None, tp: TensorParallel = SINGLE) -> EngineV4 | ReferenceEngine:
     """The first ``layers`` layers (None: all) of the V4 checkpoint at ``path`` as a Backend: backend "triton"
     the kernel runtime :class:`EngineV4` (fp8 / fp4 weights as stored, prefill steps of ``prefill_chunk``
     tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind
     ``minirt.backend.ReferenceEngine``. InputError for V3.2's options: a ``dtype``, ``indexer_precision``
-    other than "exact", ``weights`` "bf16"."""
+    other than "exact", ``weights`` "bf16", and a ``tp`` group of more than one process
+    (``check_tensor_parallel``)."""
+    check_tensor_parallel(None, tp)
     if dtype is not None or indexer_precision != "exact" or weights == "bf16":
         raise InputError(f"DeepSeek-V4 runs fp8 weights, bf16 activations and an exact indexer: dtype={dtype}, "
                          f"indexer_precision={indexer_precision!r} / weights={weights!r} apply to DeepSeek-V3.2 only")
@@ -75,10 +78,18 @@ def cache_rows(cfg: DeepseekV4Config, num_layers: int) -> list[tuple[str, str]]:
     return rows + [(f"cache, {num_layers} layers", f"{total:.1f} B/token, {decimal(int(total * (1 << 20)))} at 1M tokens")]
 
 
+def check_tensor_parallel(cfg: DeepseekV4Config | None, tp: TensorParallel) -> None:
+    """InputError for a group of more than one process: DeepSeek-V4's heads, ``wo_a`` groups and experts
+    are not split over processes (yet), so it loads in one (``cfg`` is not needed)."""
+    if tp.world > 1:
+        raise InputError("tensor parallelism (--tp / tp) runs DeepSeek-V3 / V3.2 checkpoints; DeepSeek-V4 loads "
+                         "in one process")
+
+
 def check_generate_fits(cfg: DeepseekV4Config, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int,
                         device) -> None:
-    """DeepSeek-V4 has no memory estimate yet: nothing is refused before loading (what does not fit fails
-    in torch's allocator)."""
+    """DeepSeek-V4 has no estimate of its weights' memory yet, so nothing is refused before loading; the
+    caches are checked against the free memory when they are allocated (``V4Cache``: DeviceError)."""
 
 
 def check_verify_fits(cfg: DeepseekV4Config, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:

@@ -1,0 +1,134 @@
+"""Tensor + expert parallelism (minirt.parallel) over 2 gloo processes on the CPU: the same logits as one
+process, prefill and decode, on the tiny preset's dense and MoE layers; and the bad-input errors."""
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from typer.testing import CliRunner
+
+import minirt
+from minirt.context import PrefillTrace
+from minirt.cli import app
+from minirt.errors import InputError
+
+PROMPTS = [[1, 2, 3], [4, 5]]              # 5 tokens: the MoE's token shares are padded (3 + 2)
+DECODE_TOKENS = [[10, 11], [12, 13]]       # fixed, so both runs decode the same tokens
+
+
+def run(engine) -> dict[str, torch.Tensor]:
+    """Prefill logits [2, vocab] and each decode step's [2, vocab] ("logits", stacked), and the residual
+    stream of the prefill's tokens after each layer ("hidden", [layers, 5, hidden])."""
+    trace = PrefillTrace()
+    logits = [engine.prefill(PROMPTS, trace=trace)]
+    logits += [engine.decode(torch.tensor(t)) for t in DECODE_TOKENS]
+    return {"logits": torch.cat(logits), "hidden": torch.stack(trace.hidden_states)}
+
+
+def _rank(rank: int, world: int, init_file: str, checkpoint: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(run(minirt.load(checkpoint, device="cpu", tp=world)), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe3(tmp_path_factory):
+    """tiny's 2 dense layers and its first MoE layer."""
+    from minirt.synthetic import write_synthetic_checkpoint
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("tp") / "tiny", preset="tiny", seed=5, num_layers=3)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_two_ranks_match_one_process(tiny_moe3, tmp_path):
+    """Heads, MLP width, vocabulary and experts split over 2 ranks (each reading only its shards):
+    every rank's outputs equal the other's bit for bit and one process's to float tolerance. The dense
+    layers differ in summation order only, which can flip the bf16 rounding of a kernel input (the
+    attention kernels take bf16 queries); the MoE layer's routed experts return a bf16 partial sum per
+    rank (one bf16 rounding more than one process's), hence the looser bound after it."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "init"), str(tiny_moe3), str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    single = run(minirt.load(tiny_moe3, device="cpu"))  # meanwhile
+    for p in procs:
+        p.join(timeout=180)
+        assert p.exitcode == 0, f"a rank failed (exit code {p.exitcode})"
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for key in ("logits", "hidden"):
+        assert torch.equal(rank0[key], rank1[key])
+        assert rank0[key].shape == single[key].shape and torch.isfinite(rank0[key]).all()
+    for layer in (0, 1):  # dense
+        assert rel_err(rank0["hidden"][layer], single["hidden"][layer]) < 3e-4, layer
+    assert rel_err(rank0["hidden"][2], single["hidden"][2]) < 1e-2
+    assert rel_err(rank0["logits"][:2], single["logits"][:2]) < 1e-2   # prefill
+    assert rel_err(rank0["logits"][2:], single["logits"][2:]) < 1e-2   # decode
+
+
+def test_load_tp_bad_input(tiny_moe3):
+    """tp outside a process group, tp < 1, a tp not dividing the heads: InputError naming it."""
+    with pytest.raises(InputError, match="process group"):
+        minirt.load(tiny_moe3, device="cpu", tp=2)
+    with pytest.raises(InputError, match="tp must be a whole number >= 1"):
+        minirt.load(tiny_moe3, device="cpu", tp=0)
+    from minirt.config import ModelConfig
+    from minirt.parallel import TensorParallel, check_tensor_parallel
+    with pytest.raises(InputError, match="tp=3 does not divide the 4 attention heads"):
+        check_tensor_parallel(ModelConfig.from_file(tiny_moe3), TensorParallel(0, 3))
+
+
+@pytest.mark.parametrize("command", ["generate", "verify"])
+@pytest.mark.parametrize("args, world_size, message", [
+    (["--tp", "2"], None, "torchrun --nproc-per-node 2"),                  # no process group
+    (["--tp", "2"], "3", "torchrun started 3 process(es)"),              # world size != --tp
+    ([], "2", "pass --tp 2"),
+    (["--tp", "3"], None, "tp=3 does not divide the 4 attention heads"),
+])
+def test_cli_tp_bad_input_is_one_line_exit_2(tiny_moe3, monkeypatch, command, args, world_size, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if world_size is not None:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    extra = ["--tokens", "1,2", "-n", "1"] if command == "generate" else []
+    result = CliRunner().invoke(app, [command, str(tiny_moe3), "--device", "cpu", *extra, *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("minirt: error:") and len(result.output.strip().splitlines()) == 1, result.output
+    assert message in result.output
+
+
+@pytest.mark.parametrize("fp8_as_stored", [False, True])
+def test_each_rank_loads_its_shard(tiny_moe3, fp8_as_stored):
+    """load_checkpoint(tp=...) gives a rank exactly its rows / columns / experts of the whole tensors
+    (their block scales too, when kept fp8), and nothing else; the loader needs no process group.
+    Rank 1 of 2: its shards start inside the tensors (a dequantised row shard reads from a whole
+    scale block)."""
+    from minirt.checkpoint import SCALE_SUFFIX, load_checkpoint
+    from minirt.parallel import TensorParallel, expert_range, weight_shard
+
+    cfg, whole = load_checkpoint(tiny_moe3, fp8_as_stored=fp8_as_stored)
+    tp = TensorParallel(1, 2)
+    _, mine = load_checkpoint(tiny_moe3, fp8_as_stored=fp8_as_stored, tp=tp)
+    assert mine.keys() == whole.keys()
+    experts = expert_range(cfg, tp)
+    assert experts == range(8, 16)
+    kinds = set()
+    for name, t in mine.items():
+        shard = weight_shard(cfg, name.removesuffix(SCALE_SUFFIX), tp)
+        expect = whole[name]
+        if ".mlp.experts." in name:
+            expect, kind = expect[experts.start : experts.stop], "experts"
+        elif shard is not None:
+            block = 128 if name.endswith(SCALE_SUFFIX) else 1
+            expect = expect.narrow(shard.dim, shard.start // block, (shard.stop - shard.start) // block)
+            kind = f"dim {shard.dim}"
+        else:
+            kind = "whole"
+        kinds.add(kind)
+        assert t.dtype == expect.dtype and torch.equal(t.view(torch.uint8), expect.contiguous().view(torch.uint8)), name
+    assert kinds == {"experts", "dim 0", "dim 1", "whole"}
