@@ -36,7 +36,8 @@ from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, CACHE_BLOCK_SIZE, FP8_DTYPE, INDEX_KEY_BYTES, INDEX_KEY_DIM, quantize_groups
 
 from ._common import check_config, check_device
-from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
+from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, launch_shape, program_tile, query_tile,
+                             split_query)
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 from .kv_cache_fp8 import CacheGeometry
 from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config
@@ -256,7 +257,7 @@ def _paged_scores_kernel(
     stride_tb, stride_lb, stride_lt,
     stride_ob, stride_ot, stride_os,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    FP8: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
     batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
@@ -264,6 +265,8 @@ def _paged_scores_kernel(
         q_ptr, w_ptr, limit_ptr, batch, t_tile, n_queries, n_heads, n_keys,
         stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_lb, stride_lt,
         HEAD_DIM, BLOCK_T, BLOCK_H, True, INTERPRETED)
+    # float32 keys (exact mode): three bf16 products of split operands (_indexer_tiles).
+    q_hi, q_lo = split_query(q_t, not FP8, INTERPRETED)
     tile_last = tl.max(last_key)
     chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
@@ -294,7 +297,7 @@ def _paged_scores_kernel(
                         + in_page[:, None] * HEAD_DIM + offs_d[None, :], mask=has_key[:, None], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        scores = head_sum(tl.dot(k, q_t, input_precision=DOT_PRECISION), w, BLOCK_S, BLOCK_T, BLOCK_H)
+        scores = head_sum(key_logits(k, q_hi, q_lo, not FP8, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
         if FP8:
             # relu(q . k_fp8 * s) = relu(q . k_fp8) * s for the positive scale s: one multiply per key.
             scores = scores * k_scale[:, None]
@@ -366,10 +369,9 @@ def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometr
         weights.stride(0), weights.stride(1), weights.stride(2),
         table.stride(0), limit.stride(0), limit.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim, FP8=fp8,
         # fp8: e4m3 products are exact, sums fp32 (Hopper's fp8 MMA accumulates with fewer bits).
-        # float32: three tf32 tensor-core products, as lightning_indexer_scores.
-        DOT_PRECISION="ieee" if fp8 else "tf32x3", **tile_args,
+        # float32: three bf16 tensor-core products of split operands, as lightning_indexer_scores.
+        HEAD_DIM=head_dim, FP8=fp8, **tile_args,
     )
     return out
 

@@ -12,7 +12,8 @@ import triton.language as tl
 from minirt.errors import InputError
 
 from ._common import INTERPRET, check_config, check_device, check_tensor, check_tensors
-from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
+from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, launch_shape, program_tile, query_tile,
+                             split_query)
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -43,7 +44,7 @@ def _indexer_scores_kernel(
     stride_lb, stride_lt,
     stride_ob, stride_ot, stride_os,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, BF16X3: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
     batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
@@ -51,6 +52,7 @@ def _indexer_scores_kernel(
         q_ptr, w_ptr, limit_ptr, batch, t_tile, n_queries, n_heads, n_keys,
         stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_lb, stride_lt,
         HEAD_DIM, BLOCK_T, BLOCK_H, HAS_LIMIT, INTERPRETED)
+    q_hi, q_lo = split_query(q_t, BF16X3, INTERPRETED)
     chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
     k_rows = k_ptr + batch * stride_kb
@@ -66,7 +68,7 @@ def _indexer_scores_kernel(
                     mask=s_mask[:, None], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        scores = head_sum(tl.dot(k, q_t, input_precision=DOT_PRECISION), w, BLOCK_S, BLOCK_T, BLOCK_H)
+        scores = head_sum(key_logits(k, q_hi, q_lo, BF16X3, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
         scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
                  mask=s_mask[:, None] & t_mask[None, :] & (i < n_computed))
@@ -144,10 +146,10 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
         limit_arg.stride(0), limit_arg.stride(1),
         out3.stride(0), out3.stride(1), out3.stride(2),
         HEAD_DIM=head_dim, HAS_LIMIT=lim2 is not None,
-        # 16-bit inputs: exact products, fp32 sums. float32 inputs: three tf32 tensor-core products
-        # (hi*hi + hi*lo + lo*hi, ~2^-21 relative per product) instead of the fp32 FMA path, which
-        # ran at 0.9 TFLOP/s and made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "ieee", **tile_args,
+        # 16-bit inputs: exact products, fp32 sums. float32 inputs: three bf16 tensor-core products of
+        # split operands (_indexer_tiles) instead of the fp32 FMA path, which ran at 0.9 TFLOP/s and
+        # made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
+        BF16X3=q.dtype == torch.float32, **tile_args,
     )
     return out
 
