@@ -426,8 +426,9 @@ def paged_indexer_scores(
         out: [b, t, S] float32. Masked entries are exactly -inf, valid ones finite for finite
             inputs. fp8: products of e4m3 values are exact, sums fp32 when interpreted; Hopper's fp8
             tensor cores accumulate with fewer bits than fp32 (the tests allow 2^-8 of the terms'
-            magnitude sum_h |w| sum_d |q k|). exact: float32 products as three tf32 products (about
-            2^-21 relative each), fp32 sums.
+            magnitude sum_h |w| sum_d |q k|). exact: float32 products as three bf16 products of
+            operands split into high and low bf16 parts (each within 3 * 2^-16 of |q_d k_d|), fp32
+            sums, as lightning_indexer_scores.
 
     Raises:
         minirt.errors.InputError: wrong type, dtype, shape, alignment or device; q not matching the
