@@ -157,12 +157,16 @@ def split_query(q_t, BF16X3: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def key_logits(k, q_hi, q_lo, BF16X3: tl.constexpr, INTERPRETED: tl.constexpr):
+def key_logits(k, k_lo, q_hi, q_lo, BF16X3: tl.constexpr, KEYS_SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
     """[BLOCK_S, D] keys . the [D, BLOCK_T * BLOCK_H] q tile (split_query's parts), float32. BF16X3:
-    k split as q is, three bf16 products, the small ones first; else one product of 16-bit or fp8
-    operands (exact, float32 sums)."""
+    three bf16 products, the small ones first, of q's parts and k's: (k, k_lo) as loaded when
+    KEYS_SPLIT, else float32 k split here (k_lo unused); else one product of 16-bit or fp8 operands
+    (exact, float32 sums)."""
     if BF16X3:
-        k_hi, k_lo = split_bf16(k, INTERPRETED)
+        if KEYS_SPLIT:
+            k_hi = k
+        else:
+            k_hi, k_lo = split_bf16(k, INTERPRETED)
         logits = tl.dot(k_lo, q_hi, input_precision="ieee")
         logits = tl.dot(k_hi, q_lo, logits, input_precision="ieee")
         logits = tl.dot(k_hi, q_hi, logits, input_precision="ieee")

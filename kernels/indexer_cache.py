@@ -249,7 +249,7 @@ def write_index_keys(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) 
 @triton.jit(do_not_specialize=["n_queries", "n_keys", "n_heads", "n_t_tiles", "n_chunks", "tiles_per_chunk",
                                "block_size", "num_blocks", "max_blocks", "block_stride_16"])
 def _paged_scores_kernel(
-    q_ptr, w_ptr, cache_ptr, table_ptr, limit_ptr, out_ptr,
+    q_ptr, w_ptr, cache_ptr, cache_lo_ptr, table_ptr, limit_ptr, out_ptr,
     n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
     block_size, num_blocks, max_blocks, block_stride_16,
     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -257,7 +257,7 @@ def _paged_scores_kernel(
     stride_tb, stride_lb, stride_lt,
     stride_ob, stride_ot, stride_os,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+    FP8: tl.constexpr, KEYS_SPLIT: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
     batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
@@ -292,12 +292,19 @@ def _paged_scores_kernel(
                         + offs_d[None, :], mask=has_key[:, None], other=0.0)
             k_scale = tl.load((page_bytes + block_size * HEAD_DIM).to(tl.pointer_type(tl.float32)) + in_page,
                               mask=has_key, other=0.0)
+            k_lo = k
+        elif KEYS_SPLIT:
+            # Two bfloat16 pages (split_pages): block_stride_16 * 8 elements apart.
+            offsets = page.to(tl.int64)[:, None] * block_stride_16 * 8 + in_page[:, None] * HEAD_DIM + offs_d[None, :]
+            k = tl.load(cache_ptr + offsets, mask=has_key[:, None], other=0.0)
+            k_lo = tl.load(cache_lo_ptr + offsets, mask=has_key[:, None], other=0.0)
         else:
             k = tl.load(cache_ptr + page.to(tl.int64)[:, None] * block_stride_16 * 4
                         + in_page[:, None] * HEAD_DIM + offs_d[None, :], mask=has_key[:, None], other=0.0)
+            k_lo = k
         if INTERPRETED:
-            k = k.to(tl.float32)
-        scores = head_sum(key_logits(k, q_hi, q_lo, not FP8, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
+            k, k_lo = k.to(tl.float32), k_lo.to(tl.float32)
+        scores = head_sum(key_logits(k, k_lo, q_hi, q_lo, not FP8, KEYS_SPLIT, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
         if FP8:
             # relu(q . k_fp8 * s) = relu(q . k_fp8) * s for the positive scale s: one multiply per key.
             scores = scores * k_scale[:, None]
@@ -352,6 +359,28 @@ def _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out):
     return fp8, geometry, n_keys
 
 
+# Exact keys: a launch of at least this many query rows (a prefill chunk) scores them split into bf16
+# parts once (split_pages) rather than in every program that reads a key tile, n_queries / block_t
+# times; fewer (decode: one row a sequence, each key read once) split them as they are loaded.
+PRESPLIT_MIN_QUERIES = 16
+
+
+def split_pages(cache: torch.Tensor, block_table: torch.Tensor, n_keys: int):
+    """The pages of exact keys (float32 [num_blocks, block_size, D]) that block_table's entries for
+    positions [0, n_keys) name, gathered and split into bfloat16 parts as the kernels split them (hi
+    the nearest bfloat16, lo that of the exact rest): (hi, lo) [b * P, block_size, D] each, and the
+    int32 table [b, P] over them (entry b * P + i, or -1 where block_table holds no valid page).
+    Unwritten slots keep their bytes (NaN stays NaN; the kernel never reads keys past the limits)."""
+    num_blocks, block_size, _ = cache.shape
+    table = block_table[:, :triton.cdiv(n_keys, block_size)]
+    valid = (table >= 0) & (table < num_blocks)
+    pages = cache[table.clamp(0, num_blocks - 1).long()].flatten(0, 1)
+    hi = pages.bfloat16()
+    lo = (pages - hi.float()).bfloat16()
+    ids = torch.arange(table.numel(), device=table.device, dtype=torch.int32).view(table.shape)
+    return hi, lo, torch.where(valid, ids, -1)
+
+
 def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometry: CacheGeometry,
                   config: IndexerConfig) -> torch.Tensor:
     """Scores with an explicit launch shape (the benchmark's variants); inputs already checked."""
@@ -361,8 +390,13 @@ def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometr
     n_keys = out.shape[2]
     grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    cache_lo = cache
+    keys_split = not fp8 and n_queries >= PRESPLIT_MIN_QUERIES and table.shape[1] > 0
+    if keys_split:
+        cache, cache_lo, table = split_pages(cache, table, n_keys)
+        geometry = CacheGeometry(cache.shape[0], geometry.block_size, geometry.block_size * head_dim * 2)
     _paged_scores_kernel[grid](
-        q, weights, cache, table, limit, out,
+        q, weights, cache, cache_lo, table, limit, out,
         n_queries, n_keys, n_heads, *tiling,
         geometry.block_size, geometry.num_blocks, table.shape[1], geometry.block_stride // 16,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
@@ -371,7 +405,7 @@ def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometr
         out.stride(0), out.stride(1), out.stride(2),
         # fp8: e4m3 products are exact, sums fp32 (Hopper's fp8 MMA accumulates with fewer bits).
         # float32: three bf16 tensor-core products of split operands, as lightning_indexer_scores.
-        HEAD_DIM=head_dim, FP8=fp8, **tile_args,
+        HEAD_DIM=head_dim, FP8=fp8, KEYS_SPLIT=keys_split, **tile_args,
     )
     return out
 

@@ -68,7 +68,7 @@ def _indexer_scores_kernel(
                     mask=s_mask[:, None], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        scores = head_sum(key_logits(k, q_hi, q_lo, BF16X3, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
+        scores = head_sum(key_logits(k, k, q_hi, q_lo, BF16X3, False, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
         scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
                  mask=s_mask[:, None] & t_mask[None, :] & (i < n_computed))

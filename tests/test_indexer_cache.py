@@ -256,9 +256,27 @@ def run_case(q, weights, cache, table, limit, fmt, n_keys=None):
 
 
 FORMATS = ["fp8", "exact"]
+# Exact keys both ways the kernel takes them: split into bf16 parts as each tile is loaded (decode) or
+# once per call (split_pages, prefill chunks of PRESPLIT_MIN_QUERIES rows or more).
+KEY_PATHS = [("fp8", None), ("exact", False), ("exact", True)]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+def use_presplit(monkeypatch, presplit):
+    if presplit is not None:
+        monkeypatch.setattr(ic, "PRESPLIT_MIN_QUERIES", 1 if presplit else 2**31)
+
+
+@pytest.fixture(params=KEY_PATHS, ids=["fp8", "exact-split-in-loop", "exact-presplit"])
+def fmt(request, monkeypatch):
+    """A cache format, exact keys taking each path (checked: split_pages runs on the presplit path only)."""
+    fmt, presplit = request.param
+    use_presplit(monkeypatch, presplit)
+    calls, split_pages = [], ic.split_pages
+    monkeypatch.setattr(ic, "split_pages", lambda *args: calls.append(args) or split_pages(*args))
+    yield fmt
+    assert bool(calls) == bool(presplit)
+
+
 def test_decode_batch(fmt):
     """b = 6 sequences, one query each: lengths ending mid-block, at a block's end, a row of -1 (all
     -inf; its page was never written), a one-key sequence, pages missing inside a length; V3.2's 64
@@ -273,7 +291,6 @@ def test_decode_batch(fmt):
     assert torch.isfinite(out[4, 0, :32]).all() and torch.isfinite(out[4, 0, 64:101]).all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_chunk(fmt):
     """One sequence, a chunk of 50 query tokens starting at position 70 (limit = 70 + t) over the keys
     written so far: -inf exactly above the diagonal, rows limited in the middle of blocks."""
@@ -284,7 +301,6 @@ def test_prefill_chunk(fmt):
     assert torch.isinf(out[0, 0, 71:]).all() and torch.isfinite(out[0, -1, :120]).all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
 def test_static_width(fmt):
     """n_keys narrower than the table's capacity (positions past it are not scored) and wider
     (positions past the table are -inf); limits past the width are clamped."""
@@ -305,7 +321,8 @@ def cases(draw):
     capacity = max_blocks * block_size
     limit = draw(st.lists(st.lists(st.integers(-2, capacity - 1), min_size=n_queries, max_size=n_queries),
                           min_size=n_batch, max_size=n_batch))
-    return dict(fmt=draw(st.sampled_from(FORMATS)), limit=limit, block_size=block_size, max_blocks=max_blocks,
+    fmt, presplit = draw(st.sampled_from(KEY_PATHS))
+    return dict(fmt=fmt, presplit=presplit, limit=limit, block_size=block_size, max_blocks=max_blocks,
                 n_heads=draw(st.sampled_from([1, 3, 16, 64])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -314,7 +331,9 @@ def cases(draw):
 def test_matches_reference(c):
     gen = torch.Generator(DEVICE).manual_seed(c["seed"])
     limit = torch.tensor(c["limit"], device=DEVICE)
-    run_case(*make_case(gen, c["fmt"], limit, c["block_size"], c["max_blocks"], c["n_heads"]), c["fmt"])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_presplit(monkeypatch, c["presplit"])
+        run_case(*make_case(gen, c["fmt"], limit, c["block_size"], c["max_blocks"], c["n_heads"]), c["fmt"])
 
 
 @pytest.mark.parametrize("programs", [1, 10**6], ids=["one-chunk", "one-tile-per-chunk"])
@@ -323,7 +342,6 @@ def test_matches_reference(c):
     IndexerConfig(block_t=4, block_s=64, num_warps=8, num_stages=3),
     IndexerConfig(block_t=2, block_s=128, num_warps=8, num_stages=2),
 ], ids=lambda c: f"t{c.block_t}-s{c.block_s}")
-@pytest.mark.parametrize("fmt", FORMATS)
 def test_launch_shapes(monkeypatch, programs, config, fmt):
     """Every launch shape the benchmark tries, with the keys split into one chunk per query tile or one
     tile per chunk: chunks partly computed, partly -inf-filled, or all filled."""
