@@ -40,7 +40,8 @@ from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, l
                              split_query)
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 from .kv_cache_fp8 import CacheGeometry
-from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config
+from . import lightning_indexer
+from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config, split_bf16_parts
 
 # Every kernel index is 32-bit: key positions, slots, page offsets.
 _MAX_KEYS = 2**31 - 2**16
@@ -359,12 +360,6 @@ def _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out):
     return fp8, geometry, n_keys
 
 
-# Exact keys: a launch of at least this many query rows (a prefill chunk) scores them split into bf16
-# parts once (split_pages) rather than in every program that reads a key tile, n_queries / block_t
-# times; fewer (decode: one row a sequence, each key read once) split them as they are loaded.
-PRESPLIT_MIN_QUERIES = 16
-
-
 def split_pages(cache: torch.Tensor, block_table: torch.Tensor, n_keys: int):
     """The pages of exact keys (float32 [num_blocks, block_size, D]) that block_table's entries for
     positions [0, n_keys) name, gathered and split into bfloat16 parts as the kernels split them (hi
@@ -374,9 +369,7 @@ def split_pages(cache: torch.Tensor, block_table: torch.Tensor, n_keys: int):
     num_blocks, block_size, _ = cache.shape
     table = block_table[:, :triton.cdiv(n_keys, block_size)]
     valid = (table >= 0) & (table < num_blocks)
-    pages = cache[table.clamp(0, num_blocks - 1).long()].flatten(0, 1)
-    hi = pages.bfloat16()
-    lo = (pages - hi.float()).bfloat16()
+    hi, lo = split_bf16_parts(cache[table.clamp(0, num_blocks - 1).long()].flatten(0, 1))
     ids = torch.arange(table.numel(), device=table.device, dtype=torch.int32).view(table.shape)
     return hi, lo, torch.where(valid, ids, -1)
 
@@ -391,7 +384,8 @@ def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometr
     grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     cache_lo = cache
-    keys_split = not fp8 and n_queries >= PRESPLIT_MIN_QUERIES and table.shape[1] > 0
+    # Exact keys as lightning_indexer_scores takes float32 keys: a prefill chunk splits them once.
+    keys_split = not fp8 and n_queries >= lightning_indexer.PRESPLIT_MIN_QUERIES and table.shape[1] > 0
     if keys_split:
         cache, cache_lo, table = split_pages(cache, table, n_keys)
         geometry = CacheGeometry(cache.shape[0], geometry.block_size, geometry.block_size * head_dim * 2)

@@ -36,7 +36,7 @@ class IndexerConfig:
 # Sizes are only compared or used in index arithmetic: specialising on them would only multiply compiles.
 @triton.jit(do_not_specialize=["n_queries", "n_keys", "n_heads", "n_t_tiles", "n_chunks", "tiles_per_chunk"])
 def _indexer_scores_kernel(
-    q_ptr, k_ptr, w_ptr, limit_ptr, out_ptr,
+    q_ptr, k_ptr, k_lo_ptr, w_ptr, limit_ptr, out_ptr,
     n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
@@ -44,7 +44,7 @@ def _indexer_scores_kernel(
     stride_lb, stride_lt,
     stride_ob, stride_ot, stride_os,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, BF16X3: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, BF16X3: tl.constexpr, KEYS_SPLIT: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
     batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
@@ -56,6 +56,7 @@ def _indexer_scores_kernel(
     chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
     k_rows = k_ptr + batch * stride_kb
+    k_lo_rows = k_lo_ptr + batch * stride_kb     # KEYS_SPLIT: k's bf16 parts, of the same strides
     out_rows = out_ptr + batch * stride_ob + offs_t.to(tl.int64) * stride_ot
     offs_d = tl.arange(0, HEAD_DIM)
     # The Triton 3.6 interpreter cannot use a runtime scalar as a loop bound (numpy >= 2.4), so
@@ -64,11 +65,15 @@ def _indexer_scores_kernel(
     for i in range(0, INTERPRETED_TILES if INTERPRETED else n_computed):
         offs_s = chunk_start + i * BLOCK_S + tl.arange(0, BLOCK_S)
         s_mask = offs_s < chunk_end
-        k = tl.load(k_rows + offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=s_mask[:, None], other=0.0)
+        offsets = offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        k = tl.load(k_rows + offsets, mask=s_mask[:, None], other=0.0)
+        if KEYS_SPLIT:
+            k_lo = tl.load(k_lo_rows + offsets, mask=s_mask[:, None], other=0.0)
+        else:
+            k_lo = k
         if INTERPRETED:
-            k = k.to(tl.float32)
-        scores = head_sum(key_logits(k, k, q_hi, q_lo, BF16X3, False, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
+            k, k_lo = k.to(tl.float32), k_lo.to(tl.float32)
+        scores = head_sum(key_logits(k, k_lo, q_hi, q_lo, BF16X3, KEYS_SPLIT, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
         scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
                  mask=s_mask[:, None] & t_mask[None, :] & (i < n_computed))
@@ -121,6 +126,19 @@ def _check_inputs(q, k, weights, limit, out, config) -> None:
     check_device(tensors)
 
 
+# float32 keys: a launch of at least this many query rows (prefill) splits them into bf16 parts once
+# (split_bf16_parts) rather than in every program that reads a key tile, n_queries / block_t times;
+# fewer (decode: each key read once) split each tile as it is loaded.
+PRESPLIT_MIN_QUERIES = 16
+
+
+def split_bf16_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 x -> bfloat16 (hi, lo), contiguous: hi the nearest bfloat16 to x, lo that of x - hi
+    (exact in float32), as the kernels split their operands (_indexer_tiles.split_bf16)."""
+    hi = x.to(torch.bfloat16, memory_format=torch.contiguous_format)
+    return hi, (x - hi.float()).to(torch.bfloat16, memory_format=torch.contiguous_format)
+
+
 def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
     """Run the kernel on inputs checked by lightning_indexer_scores with launch shape config."""
     batched = q.dim() == 4
@@ -137,8 +155,10 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
     grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     # An absent limit still needs a tensor argument; HAS_LIMIT keeps it unread.
     limit_arg = lim2 if lim2 is not None else w3
+    keys_split = q.dtype == torch.float32 and n_queries >= PRESPLIT_MIN_QUERIES
+    k3, k_lo3 = split_bf16_parts(k3) if keys_split else (k3, k3)
     _indexer_scores_kernel[grid](
-        q4, k3, w3, limit_arg, out3,
+        q4, k3, k_lo3, w3, limit_arg, out3,
         n_queries, n_keys, n_heads, *tiling,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         k3.stride(0), k3.stride(1), k3.stride(2),
@@ -149,7 +169,7 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
         # 16-bit inputs: exact products, fp32 sums. float32 inputs: three bf16 tensor-core products of
         # split operands (_indexer_tiles) instead of the fp32 FMA path, which ran at 0.9 TFLOP/s and
         # made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
-        BF16X3=q.dtype == torch.float32, **tile_args,
+        BF16X3=q.dtype == torch.float32, KEYS_SPLIT=keys_split, **tile_args,
     )
     return out
 

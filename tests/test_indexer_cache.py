@@ -18,6 +18,7 @@ from minirt.errors import InputError
 from minirt.formats import E4M3_MAX, FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels import indexer_cache as ic
 from minirt.kernels import _indexer_tiles
+from minirt.kernels import lightning_indexer as li
 from minirt.kernels.indexer_cache import (dequantize_index_cache, index_cache_parts, new_index_cache,
                                           paged_indexer_scores, quantize_index_keys, write_index_keys)
 from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk
@@ -263,7 +264,7 @@ KEY_PATHS = [("fp8", None), ("exact", False), ("exact", True)]
 
 def use_presplit(monkeypatch, presplit):
     if presplit is not None:
-        monkeypatch.setattr(ic, "PRESPLIT_MIN_QUERIES", 1 if presplit else 2**31)
+        monkeypatch.setattr(li, "PRESPLIT_MIN_QUERIES", 1 if presplit else 2**31)
 
 
 @pytest.fixture(params=KEY_PATHS, ids=["fp8", "exact-split-in-loop", "exact-presplit"])

@@ -101,6 +101,11 @@ def run_case(q, k, weights, limit=None, strided=False, strided_out=False):
     return out
 
 
+def use_presplit(monkeypatch, presplit):
+    """float32 keys split into bf16 parts once per call (presplit; any T) or as each tile is loaded."""
+    monkeypatch.setattr(li, "PRESPLIT_MIN_QUERIES", 1 if presplit else 2**31)
+
+
 LIMIT_KINDS = ["none", "causal", "random"]
 
 
@@ -126,7 +131,7 @@ def cases(draw):
         head_dim=draw(st.sampled_from([64, 128] + ([16, 256] if ON_GPU else []))),
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
         limit=draw(st.sampled_from(LIMIT_KINDS)), limit_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
-        strided=draw(st.booleans()), strided_out=draw(st.booleans()),
+        strided=draw(st.booleans()), strided_out=draw(st.booleans()), presplit=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -141,7 +146,9 @@ def test_matches_reference(c):
     gen = torch.Generator(DEVICE).manual_seed(c["seed"])
     q, k, weights = random_inputs(gen, c["lead"], c["n_keys"], c["n_heads"], c["head_dim"], c["dtype"])
     limit = make_limit(c["limit"], c["lead"], c["n_keys"], gen, c["limit_dtype"])
-    run_case(q, k, weights, limit, c["strided"], c["strided_out"])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_presplit(monkeypatch, c["presplit"])
+        run_case(q, k, weights, limit, c["strided"], c["strided_out"])
 
 
 @pytest.mark.parametrize("n_queries, n_keys, n_heads, head_dim", [
@@ -150,9 +157,12 @@ def test_matches_reference(c):
     (5, 259, 1, 64),        # one head (padded to the dot's minimum width), S just past two tiles
     (3, 130, 3, 64),        # head count not a power of two
 ])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_causal_prefill(n_queries, n_keys, n_heads, head_dim, dtype):
-    """limit = the query's position in a prompt of n_keys tokens: -inf exactly above the diagonal."""
+@pytest.mark.parametrize("dtype, presplit", [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)],
+                         ids=["bf16", "fp32-split-in-loop", "fp32-presplit"])
+def test_causal_prefill(monkeypatch, n_queries, n_keys, n_heads, head_dim, dtype, presplit):
+    """limit = the query's position in a prompt of n_keys tokens: -inf exactly above the diagonal;
+    float32 keys split into bf16 parts either way."""
+    use_presplit(monkeypatch, presplit)
     gen = torch.Generator(DEVICE).manual_seed(n_queries * 1000 + n_keys)
     q, k, weights = random_inputs(gen, (n_queries,), n_keys, n_heads, head_dim, dtype)
     limit = torch.arange(n_keys - n_queries, n_keys, device=DEVICE)
