@@ -448,7 +448,10 @@ def paged_indexer_scores(
 
     No host synchronisation and static shapes: a decode step calling this can be captured in a CUDA
     graph. The key range is split across programs, so even b = 1 fills the GPU. All tensors must be
-    on one CUDA device (or the CPU under TRITON_INTERPRET=1); element offsets are 64-bit.
+    on one CUDA device (or the CPU under TRITON_INTERPRET=1); element offsets are 64-bit. Exact keys
+    with t >= 16 query rows (a prefill chunk): the pages of positions [0, S) are first gathered and
+    split into bfloat16 parts (split_pages: b * ceil(S / block_size) pages, as many bytes as their
+    float32 keys, and the float32 gather while it runs).
 
     Returns:
         out: [b, t, S] float32. Masked entries are exactly -inf, valid ones finite for finite
@@ -474,7 +477,8 @@ def paged_indexer_scores(
 def paged_config(n_queries: int, n_heads: int, head_dim: int, fp8: bool) -> IndexerConfig:
     """The launch shape of paged_indexer_scores: lightning_indexer's query tiling, with the key steps
     measured fastest on an H200 for a prefill chunk (t 2048 over 131072 keys, 64 heads): fp8 keys with
-    4 warps (538 TFLOP/s against 346 with 8), fp32 keys in 128-key steps of 2 stages (64 against 44)."""
+    4 warps (538 TFLOP/s against 346 with 8), fp32 keys in 128-key steps of 2 stages (64 against 44,
+    as three tf32 products; as bf16 parts they fit sm_90a's shared memory without spills)."""
     config = default_config(n_queries, n_heads, head_dim, 1 if fp8 else 4)
     if fp8:
         return dataclasses.replace(config, num_warps=4, num_stages=3)

@@ -207,7 +207,9 @@ def lightning_indexer_scores(
             Default: default_config(T, H, D, itemsize).
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
-    are honoured, nothing is copied; element offsets are 64-bit (T * S may exceed 2^31).
+    are honoured, nothing is copied but float32 keys for T >= PRESPLIT_MIN_QUERIES (16), split once
+    into two contiguous bfloat16 [.., S, D] parts (as many bytes as k); element offsets are 64-bit
+    (T * S may exceed 2^31).
 
     Returns:
         out: [T, S] or [B, T, S], float32. Products of 16-bit inputs are exact and all sums are
