@@ -302,6 +302,24 @@ def test_prefill_chunk(fmt):
     assert torch.isinf(out[0, 0, 71:]).all() and torch.isfinite(out[0, -1, :120]).all()
 
 
+@pytest.mark.skipif(not ON_GPU, reason="DeepSeek-V3.2 shapes; the interpreter would take minutes")
+def test_prefill_chunk_deepseek_shape(fmt):
+    """A chunk of 256 queries at positions 7936.. over 8192 keys in shuffled pages of 64, 64 heads, with
+    the default launch shape; exact keys: the top-2048 is the fp64 oracle's but for near-ties (keys whose
+    oracle scores differ by less than twice the error bound)."""
+    gen = torch.Generator(DEVICE).manual_seed(19)
+    limit = (7936 + torch.arange(256, device=DEVICE))[None]
+    q, weights, cache, table, limit = make_case(gen, fmt, limit, block_size=64, max_blocks=128, n_heads=64)
+    out = run_case(q, weights, cache, table, limit, fmt)
+    if fmt == "exact":
+        ref, magnitude, _ = reference(q, weights, cache, table, limit, out.shape[-1])
+        got, want = indexer_topk(out, 2048).long(), indexer_topk(ref.float(), 2048).long()
+        differs = got != want
+        gap = (ref.gather(-1, got) - ref.gather(-1, want)).abs()
+        bound = 2 * ELEMENT_BOUND["exact"] * magnitude.amax(-1, keepdim=True)
+        assert (gap <= bound)[differs].all(), f"{int(differs.sum())} entries differ beyond near-ties"
+
+
 def test_static_width(fmt):
     """n_keys narrower than the table's capacity (positions past it are not scored) and wider
     (positions past the table are -inf); limits past the width are clamped."""
