@@ -361,6 +361,7 @@ def test_matches_reference(c):
     IndexerConfig(block_t=4, block_s=64, num_warps=8, num_stages=3),
     IndexerConfig(block_t=2, block_s=128, num_warps=8, num_stages=2),
 ], ids=lambda c: f"t{c.block_t}-s{c.block_s}")
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_launch_shapes(monkeypatch, programs, config, fmt):
     """Every launch shape the benchmark tries, with the keys split into one chunk per query tile or one
     tile per chunk: chunks partly computed, partly -inf-filled, or all filled."""
