@@ -109,3 +109,67 @@ def fill_uncomputed(out_rows, stride_os, t_mask, chunk_start, chunk_end, n_compu
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os,
                  tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32),
                  mask=(offs_s < chunk_end)[:, None] & t_mask[None, :] & (i >= n_computed))
+
+
+# ----------------------------------------------------------------------------------------------
+# float32 products on the bf16 tensor cores
+# ----------------------------------------------------------------------------------------------
+# float32 inputs (the exact mode) are split into high and low bfloat16 parts, x = hi + lo within
+# 2^-16 |x| (each part carries 8 significant bits), and q . k is taken as three bf16 products with
+# float32 accumulation, q_lo k_hi + q_hi k_lo + q_hi k_hi. Each bf16 product is exact in float32;
+# what is dropped (q_lo k_lo and the split residuals) is at most about 3 * 2^-16 of |q_d k_d| per
+# term, at random signs (tf32x3 would drop about 2^-21, at half the bf16 tensor cores' rate).
+
+@triton.jit
+def bf16_nearest(x):
+    """The bfloat16 nearest to each finite float32 x (ties to even), as a float32: the bits rounded
+    at bit 16. The hardware's cvt.rn.bf16 in integer operations, which the interpreter evaluates
+    exactly (its own float32 -> bfloat16 cast does not round to nearest)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split_bf16(x, INTERPRETED: tl.constexpr):
+    """float32 x -> (hi, lo): hi = x rounded to the nearest bfloat16, lo = x - hi (exact in float32)
+    rounded likewise. Compiled: bfloat16 tensors (the hardware's round-to-nearest-even); interpreted:
+    the same values kept as float32, whose dot the interpreter evaluates exactly (its bf16 dot is
+    wrong)."""
+    if INTERPRETED:
+        hi = bf16_nearest(x)
+        lo = bf16_nearest(x - hi)
+    else:
+        hi = x.to(tl.bfloat16)
+        lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def split_query(q_t, BF16X3: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The q tile as key_logits takes it, split once per program: (hi, lo) for BF16X3 (float32
+    inputs), else (q_t, q_t) (lo unused)."""
+    if BF16X3:
+        hi, lo = split_bf16(q_t, INTERPRETED)
+    else:
+        hi, lo = q_t, q_t
+    return hi, lo
+
+
+@triton.jit
+def key_logits(k, k_lo, q_hi, q_lo, BF16X3: tl.constexpr, KEYS_SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[BLOCK_S, D] keys . the [D, BLOCK_T * BLOCK_H] q tile (split_query's parts), float32. BF16X3:
+    three bf16 products, the small ones first, of q's parts and k's: (k, k_lo) as loaded when
+    KEYS_SPLIT, else float32 k split here (k_lo unused); else one product of 16-bit or fp8 operands
+    (exact, float32 sums)."""
+    if BF16X3:
+        if KEYS_SPLIT:
+            k_hi = k
+        else:
+            k_hi, k_lo = split_bf16(k, INTERPRETED)
+        logits = tl.dot(k_lo, q_hi, input_precision="ieee")
+        logits = tl.dot(k_hi, q_lo, logits, input_precision="ieee")
+        logits = tl.dot(k_hi, q_hi, logits, input_precision="ieee")
+    else:
+        logits = tl.dot(k, q_hi, input_precision="ieee")
+    return logits

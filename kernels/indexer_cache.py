@@ -36,10 +36,12 @@ from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, CACHE_BLOCK_SIZE, FP8_DTYPE, INDEX_KEY_BYTES, INDEX_KEY_DIM, quantize_groups
 
 from ._common import check_config, check_device, check_slots, rows_of, writable_slot
-from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
+from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, launch_shape, program_tile, query_tile,
+                             split_query)
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 from .kv_cache_fp8 import CacheGeometry
-from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config
+from . import lightning_indexer
+from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config, split_bf16_parts
 
 # Every kernel index is 32-bit: key positions, slots, page offsets.
 _MAX_KEYS = 2**31 - 2**16
@@ -242,7 +244,7 @@ def write_index_keys(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) 
 @triton.jit(do_not_specialize=["n_queries", "n_keys", "n_heads", "n_t_tiles", "n_chunks", "tiles_per_chunk",
                                "block_size", "num_blocks", "max_blocks", "block_stride_16"])
 def _paged_scores_kernel(
-    q_ptr, w_ptr, cache_ptr, table_ptr, limit_ptr, out_ptr,
+    q_ptr, w_ptr, cache_ptr, cache_lo_ptr, table_ptr, limit_ptr, out_ptr,
     n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
     block_size, num_blocks, max_blocks, block_stride_16,
     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -250,7 +252,7 @@ def _paged_scores_kernel(
     stride_tb, stride_lb, stride_lt,
     stride_ob, stride_ot, stride_os,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    FP8: tl.constexpr, KEYS_SPLIT: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
     batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
@@ -258,6 +260,8 @@ def _paged_scores_kernel(
         q_ptr, w_ptr, limit_ptr, batch, t_tile, n_queries, n_heads, n_keys,
         stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_lb, stride_lt,
         HEAD_DIM, BLOCK_T, BLOCK_H, True, INTERPRETED)
+    # float32 keys (exact mode): three bf16 products of split operands (_indexer_tiles).
+    q_hi, q_lo = split_query(q_t, not FP8, INTERPRETED)
     tile_last = tl.max(last_key)
     chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
@@ -283,12 +287,19 @@ def _paged_scores_kernel(
                         + offs_d[None, :], mask=has_key[:, None], other=0.0)
             k_scale = tl.load((page_bytes + block_size * HEAD_DIM).to(tl.pointer_type(tl.float32)) + in_page,
                               mask=has_key, other=0.0)
+            k_lo = k
+        elif KEYS_SPLIT:
+            # Two bfloat16 pages (split_pages): block_stride_16 * 8 elements apart.
+            offsets = page.to(tl.int64)[:, None] * block_stride_16 * 8 + in_page[:, None] * HEAD_DIM + offs_d[None, :]
+            k = tl.load(cache_ptr + offsets, mask=has_key[:, None], other=0.0)
+            k_lo = tl.load(cache_lo_ptr + offsets, mask=has_key[:, None], other=0.0)
         else:
             k = tl.load(cache_ptr + page.to(tl.int64)[:, None] * block_stride_16 * 4
                         + in_page[:, None] * HEAD_DIM + offs_d[None, :], mask=has_key[:, None], other=0.0)
+            k_lo = k
         if INTERPRETED:
-            k = k.to(tl.float32)
-        scores = head_sum(tl.dot(k, q_t, input_precision=DOT_PRECISION), w, BLOCK_S, BLOCK_T, BLOCK_H)
+            k, k_lo = k.to(tl.float32), k_lo.to(tl.float32)
+        scores = head_sum(key_logits(k, k_lo, q_hi, q_lo, not FP8, KEYS_SPLIT, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
         if FP8:
             # relu(q . k_fp8 * s) = relu(q . k_fp8) * s for the positive scale s: one multiply per key.
             scores = scores * k_scale[:, None]
@@ -343,6 +354,20 @@ def _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out):
     return fp8, geometry, n_keys
 
 
+def split_pages(cache: torch.Tensor, block_table: torch.Tensor, n_keys: int):
+    """The pages of exact keys (float32 [num_blocks, block_size, D]) that block_table's entries for
+    positions [0, n_keys) name, gathered and split into bfloat16 parts as the kernels split them (hi
+    the nearest bfloat16, lo that of the exact rest): (hi, lo) [b * P, block_size, D] each, and the
+    int32 table [b, P] over them (entry b * P + i, or -1 where block_table holds no valid page).
+    Unwritten slots keep their bytes (NaN stays NaN; the kernel never reads keys past the limits)."""
+    num_blocks, block_size, _ = cache.shape
+    table = block_table[:, :triton.cdiv(n_keys, block_size)]
+    valid = (table >= 0) & (table < num_blocks)
+    hi, lo = split_bf16_parts(cache[table.clamp(0, num_blocks - 1).long()].flatten(0, 1))
+    ids = torch.arange(table.numel(), device=table.device, dtype=torch.int32).view(table.shape)
+    return hi, lo, torch.where(valid, ids, -1)
+
+
 def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometry: CacheGeometry,
                   config: IndexerConfig) -> torch.Tensor:
     """Scores with an explicit launch shape (the benchmark's variants); inputs already checked."""
@@ -352,18 +377,23 @@ def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometr
     n_keys = out.shape[2]
     grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    cache_lo = cache
+    # Exact keys as lightning_indexer_scores takes float32 keys: a prefill chunk splits them once.
+    keys_split = not fp8 and n_queries >= lightning_indexer.PRESPLIT_MIN_QUERIES and table.shape[1] > 0
+    if keys_split:
+        cache, cache_lo, table = split_pages(cache, table, n_keys)
+        geometry = CacheGeometry(cache.shape[0], geometry.block_size, geometry.block_size * head_dim * 2)
     _paged_scores_kernel[grid](
-        q, weights, cache, table, limit, out,
+        q, weights, cache, cache_lo, table, limit, out,
         n_queries, n_keys, n_heads, *tiling,
         geometry.block_size, geometry.num_blocks, table.shape[1], geometry.block_stride // 16,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         weights.stride(0), weights.stride(1), weights.stride(2),
         table.stride(0), limit.stride(0), limit.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim, FP8=fp8,
         # fp8: e4m3 products are exact, sums fp32 (Hopper's fp8 MMA accumulates with fewer bits).
-        # float32: three tf32 tensor-core products, as lightning_indexer_scores.
-        DOT_PRECISION="ieee" if fp8 else "tf32x3", **tile_args,
+        # float32: three bf16 tensor-core products of split operands, as lightning_indexer_scores.
+        HEAD_DIM=head_dim, FP8=fp8, KEYS_SPLIT=keys_split, **tile_args,
     )
     return out
 
@@ -412,14 +442,18 @@ def paged_indexer_scores(
 
     No host synchronisation and static shapes: a decode step calling this can be captured in a CUDA
     graph. The key range is split across programs, so even b = 1 fills the GPU. All tensors must be
-    on one CUDA device (or the CPU under TRITON_INTERPRET=1); element offsets are 64-bit.
+    on one CUDA device (or the CPU under TRITON_INTERPRET=1); element offsets are 64-bit. Exact keys
+    with t >= 16 query rows (a prefill chunk): the pages of positions [0, S) are first gathered and
+    split into bfloat16 parts (split_pages: b * ceil(S / block_size) pages, as many bytes as their
+    float32 keys, and the float32 gather while it runs).
 
     Returns:
         out: [b, t, S] float32. Masked entries are exactly -inf, valid ones finite for finite
             inputs. fp8: products of e4m3 values are exact, sums fp32 when interpreted; Hopper's fp8
             tensor cores accumulate with fewer bits than fp32 (the tests allow 2^-8 of the terms'
-            magnitude sum_h |w| sum_d |q k|). exact: float32 products as three tf32 products (about
-            2^-21 relative each), fp32 sums.
+            magnitude sum_h |w| sum_d |q k|). exact: float32 products as three bf16 products of
+            operands split into high and low bf16 parts (each within 3 * 2^-16 of |q_d k_d|), fp32
+            sums, as lightning_indexer_scores.
 
     Raises:
         minirt.errors.InputError: wrong type, dtype, shape, alignment or device; q not matching the
@@ -437,7 +471,8 @@ def paged_indexer_scores(
 def paged_config(n_queries: int, n_heads: int, head_dim: int, fp8: bool) -> IndexerConfig:
     """The launch shape of paged_indexer_scores: lightning_indexer's query tiling, with the key steps
     measured fastest on an H200 for a prefill chunk (t 2048 over 131072 keys, 64 heads): fp8 keys with
-    4 warps (538 TFLOP/s against 346 with 8), fp32 keys in 128-key steps of 2 stages (64 against 44)."""
+    4 warps (538 TFLOP/s against 346 with 8), fp32 keys in 128-key steps of 2 stages (64 against 44,
+    as three tf32 products; as bf16 parts they fit sm_90a's shared memory without spills)."""
     config = default_config(n_queries, n_heads, head_dim, 1 if fp8 else 4)
     if fp8:
         return dataclasses.replace(config, num_warps=4, num_stages=3)

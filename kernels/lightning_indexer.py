@@ -12,7 +12,8 @@ import triton.language as tl
 from minirt.errors import InputError
 
 from ._common import INTERPRET, check_config, check_device, check_tensor, check_tensors
-from ._indexer_tiles import fill_uncomputed, head_sum, key_chunk, launch_shape, program_tile, query_tile
+from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, launch_shape, program_tile, query_tile,
+                             split_query)
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -35,7 +36,7 @@ class IndexerConfig:
 # Sizes are only compared or used in index arithmetic: specialising on them would only multiply compiles.
 @triton.jit(do_not_specialize=["n_queries", "n_keys", "n_heads", "n_t_tiles", "n_chunks", "tiles_per_chunk"])
 def _indexer_scores_kernel(
-    q_ptr, k_ptr, w_ptr, limit_ptr, out_ptr,
+    q_ptr, k_ptr, k_lo_ptr, w_ptr, limit_ptr, out_ptr,
     n_queries, n_keys, n_heads, n_t_tiles, n_chunks, tiles_per_chunk,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
@@ -43,7 +44,7 @@ def _indexer_scores_kernel(
     stride_lb, stride_lt,
     stride_ob, stride_ot, stride_os,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, BF16X3: tl.constexpr, KEYS_SPLIT: tl.constexpr, INTERPRETED: tl.constexpr,
     INTERPRETED_TILES: tl.constexpr,
 ):
     batch, t_tile, chunk = program_tile(n_t_tiles, n_chunks)
@@ -51,9 +52,11 @@ def _indexer_scores_kernel(
         q_ptr, w_ptr, limit_ptr, batch, t_tile, n_queries, n_heads, n_keys,
         stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_lb, stride_lt,
         HEAD_DIM, BLOCK_T, BLOCK_H, HAS_LIMIT, INTERPRETED)
+    q_hi, q_lo = split_query(q_t, BF16X3, INTERPRETED)
     chunk_start, chunk_end, n_tiles, n_computed = key_chunk(chunk, tiles_per_chunk, n_keys, last_key, BLOCK_S)
 
     k_rows = k_ptr + batch * stride_kb
+    k_lo_rows = k_lo_ptr + batch * stride_kb     # KEYS_SPLIT: k's bf16 parts, of the same strides
     out_rows = out_ptr + batch * stride_ob + offs_t.to(tl.int64) * stride_ot
     offs_d = tl.arange(0, HEAD_DIM)
     # The Triton 3.6 interpreter cannot use a runtime scalar as a loop bound (numpy >= 2.4), so
@@ -62,11 +65,15 @@ def _indexer_scores_kernel(
     for i in range(0, INTERPRETED_TILES if INTERPRETED else n_computed):
         offs_s = chunk_start + i * BLOCK_S + tl.arange(0, BLOCK_S)
         s_mask = offs_s < chunk_end
-        k = tl.load(k_rows + offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=s_mask[:, None], other=0.0)
+        offsets = offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        k = tl.load(k_rows + offsets, mask=s_mask[:, None], other=0.0)
+        if KEYS_SPLIT:
+            k_lo = tl.load(k_lo_rows + offsets, mask=s_mask[:, None], other=0.0)
+        else:
+            k_lo = k
         if INTERPRETED:
-            k = k.to(tl.float32)
-        scores = head_sum(tl.dot(k, q_t, input_precision=DOT_PRECISION), w, BLOCK_S, BLOCK_T, BLOCK_H)
+            k, k_lo = k.to(tl.float32), k_lo.to(tl.float32)
+        scores = head_sum(key_logits(k, k_lo, q_hi, q_lo, BF16X3, KEYS_SPLIT, INTERPRETED), w, BLOCK_S, BLOCK_T, BLOCK_H)
         scores = tl.where(offs_s[:, None] <= last_key[None, :], scores, float("-inf"))
         tl.store(out_rows[None, :] + offs_s.to(tl.int64)[:, None] * stride_os, scores,
                  mask=s_mask[:, None] & t_mask[None, :] & (i < n_computed))
@@ -119,6 +126,19 @@ def _check_inputs(q, k, weights, limit, out, config) -> None:
     check_device(tensors)
 
 
+# float32 keys: a launch of at least this many query rows (prefill) splits them into bf16 parts once
+# (split_bf16_parts) rather than in every program that reads a key tile, n_queries / block_t times;
+# fewer (decode: each key read once) split each tile as it is loaded.
+PRESPLIT_MIN_QUERIES = 16
+
+
+def split_bf16_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 x -> bfloat16 (hi, lo), contiguous: hi the nearest bfloat16 to x, lo that of x - hi
+    (exact in float32), as the kernels split their operands (_indexer_tiles.split_bf16)."""
+    hi = x.to(torch.bfloat16, memory_format=torch.contiguous_format)
+    return hi, (x - hi.float()).to(torch.bfloat16, memory_format=torch.contiguous_format)
+
+
 def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
     """Run the kernel on inputs checked by lightning_indexer_scores with launch shape config."""
     batched = q.dim() == 4
@@ -135,8 +155,10 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
     grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
     # An absent limit still needs a tensor argument; HAS_LIMIT keeps it unread.
     limit_arg = lim2 if lim2 is not None else w3
+    keys_split = q.dtype == torch.float32 and n_queries >= PRESPLIT_MIN_QUERIES
+    k3, k_lo3 = split_bf16_parts(k3) if keys_split else (k3, k3)
     _indexer_scores_kernel[grid](
-        q4, k3, w3, limit_arg, out3,
+        q4, k3, k_lo3, w3, limit_arg, out3,
         n_queries, n_keys, n_heads, *tiling,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         k3.stride(0), k3.stride(1), k3.stride(2),
@@ -144,10 +166,10 @@ def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
         limit_arg.stride(0), limit_arg.stride(1),
         out3.stride(0), out3.stride(1), out3.stride(2),
         HEAD_DIM=head_dim, HAS_LIMIT=lim2 is not None,
-        # 16-bit inputs: exact products, fp32 sums. float32 inputs: three tf32 tensor-core products
-        # (hi*hi + hi*lo + lo*hi, ~2^-21 relative per product) instead of the fp32 FMA path, which
-        # ran at 0.9 TFLOP/s and made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "ieee", **tile_args,
+        # 16-bit inputs: exact products, fp32 sums. float32 inputs: three bf16 tensor-core products of
+        # split operands (_indexer_tiles) instead of the fp32 FMA path, which ran at 0.9 TFLOP/s and
+        # made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
+        BF16X3=q.dtype == torch.float32, KEYS_SPLIT=keys_split, **tile_args,
     )
     return out
 
@@ -185,13 +207,16 @@ def lightning_indexer_scores(
             Default: default_config(T, H, D, itemsize).
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
-    are honoured, nothing is copied; element offsets are 64-bit (T * S may exceed 2^31).
+    are honoured, nothing is copied but float32 keys for T >= PRESPLIT_MIN_QUERIES (16), split once
+    into two contiguous bfloat16 [.., S, D] parts (as many bytes as k); element offsets are 64-bit
+    (T * S may exceed 2^31).
 
     Returns:
         out: [T, S] or [B, T, S], float32. Products of 16-bit inputs are exact and all sums are
             fp32, so the result differs from an exact evaluation only by fp32 rounding of the sums.
-            float32 inputs are multiplied as three tf32 products (tf32x3: about 2^-21 relative
-            error per product, far below the fp32 rounding of a 128-term sum's magnitude bound).
+            float32 inputs are split into high and low bfloat16 parts and multiplied as three bf16
+            products (lo*hi + hi*lo + hi*hi, fp32 sums): each product within 3 * 2^-16 of |q_d k_d|,
+            at random signs (about 1e-7 of the terms' magnitude overall at 64 heads).
             Masked entries are exactly -inf, valid ones finite for finite inputs.
 
     Raises:

@@ -8,6 +8,10 @@ against all S = 32768 keys, H = 64 heads, D = 128, bf16. TFLOP/s counts only the
 needed, FLOPs = 2 H D sum_t (limit[t] + 1) (the kernel also computes the masked part of the tiles that
 straddle the diagonal). The target: scores + indexer_topk(2048) no slower than sparse_mla_prefill at
 s_q 4096, s_kv 32768, top-k 2048 (random valid indices), h_q 128, d_qk 576, d_v 512.
+float32 inputs with full 24-bit mantissas (the exact mode's dtype; three bf16 products of split
+operands) at the same shape: scores (keys split into bf16 parts once, as prefill does, and as each tile
+loads, as decode does), scores + indexer_topk, and the selection of the check rows against that of
+eager fp32 torch scores (cuBLAS fp32 products).
 Decode rows: B sequences, one query each, against S = 32768 keys each (memory-bound: GB/s counts the
 keys read and the scores written). Every kernel variant is first compared with an eager fp32 torch
 evaluation on 64 query rows. Times are triton.testing.do_bench medians (L2 cleared before each rep).
@@ -16,6 +20,7 @@ A failing measurement is reported in its cell; the run goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 
 import torch
@@ -24,8 +29,10 @@ from triton.testing import do_bench
 
 from ceilings import measure_ceilings, write_report
 
+from minirt.kernels import lightning_indexer
 from minirt.kernels.lightning_indexer import IndexerConfig, default_config, indexer_topk, lightning_indexer_scores
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
+from minirt.verify import topk_overlap
 
 T, S, H, D, TOPK = 4096, 32768, 64, 128, 2048
 DECODE_BATCHES = (1, 32, 128)
@@ -68,6 +75,42 @@ def attention_ms() -> float:
     kv = torch.randn((S, 1, 576), generator=gen, device="cuda").bfloat16()
     indices = torch.randint(0, S, (T, 1, TOPK), generator=gen, device="cuda", dtype=torch.int32)
     return bench_ms(lambda: sparse_mla_prefill(q, kv, indices, 576**-0.5))
+
+
+@contextlib.contextmanager
+def split_as_tiles_load():
+    """float32 keys split into bf16 parts in every program as it loads a tile (decode's path), at any T."""
+    presplit = lightning_indexer.PRESPLIT_MIN_QUERIES
+    lightning_indexer.PRESPLIT_MIN_QUERIES = 2**31
+    try:
+        yield
+    finally:
+        lightning_indexer.PRESPLIT_MIN_QUERIES = presplit
+
+
+def fp32_rows(q_shape, k_shape, weights, limit, check_rows, fmt, row, gen):
+    """The rows of float32 inputs (module docstring), at default_config for 4-byte inputs."""
+    q = torch.randn(q_shape, generator=gen, device="cuda")
+    k = torch.randn(k_shape, generator=gen, device="cuda")
+    config = default_config(T, H, D, 4)
+    expected = eager_scores(q[check_rows], k, weights[check_rows], limit[check_rows])
+    finite = torch.isfinite(expected)
+
+    def scores_cell():
+        got = lightning_indexer_scores(q[check_rows], k, weights[check_rows], limit[check_rows], config=config)
+        rel = ((got[finite] - expected[finite]).norm() / expected[finite].norm()).item()
+        if not (rel < 1e-5 and torch.equal(torch.isfinite(got), finite)):
+            return f"WRONG (rel err {rel:.2g})"
+        got_topk, want_topk = indexer_topk(got, TOPK), indexer_topk(expected, TOPK)
+        same = int((got_topk == want_topk).all(-1).sum())
+        ms = bench_ms(lambda: lightning_indexer_scores(q, k, weights, limit, config=config))
+        return (f"{fmt(ms)}; rel err {rel:.1e}; top-{TOPK} overlap with eager fp32 "
+                f"{topk_overlap(got_topk, want_topk):.4%}, {same} of {len(check_rows)} rows identical")
+    name = f"float32 inputs, default {config.block_t},{config.block_s},{config.num_warps},{config.num_stages}"
+    row(f"{name}: scores", attempt(scores_cell))
+    with split_as_tiles_load():
+        row(f"{name}: scores, keys split as each tile loads", attempt(scores_cell))
+    row(f"{name}: scores + indexer_topk", attempt(lambda: f"{bench_ms(lambda: indexer_topk(lightning_indexer_scores(q, k, weights, limit, config=config), TOPK)):.3f} ms"))
 
 
 def main():
@@ -124,6 +167,7 @@ def main():
         attempt(lambda: f"{bench_ms(lambda: torch.topk(scores, TOPK, dim=-1)):.3f} ms"))
     row("scores + indexer_topk, default", attempt(lambda: f"{bench_ms(lambda: indexer_topk(lightning_indexer_scores(q, k, weights, limit, config=default), TOPK)):.3f} ms"))
     del scores
+    fp32_rows(q.shape, k.shape, weights, limit, check_rows, fmt, row, gen)
     row("eager torch scores (chunked bf16 matmul + fp32 head sum)",
         attempt(lambda: fmt(bench_ms(lambda: eager_scores(q, k, weights, limit)))))
     for text in args.variants:

@@ -10,7 +10,8 @@ block table of capacity 163840 (V3.2's max_position_embeddings; the scores' stat
 current decode indexer (gather every slot's fp32 key, torch einsums, full stable sort) is timed at
 the same shapes for comparison.
 Prefill chunk: one sequence, the last t = 2048 queries of a 131072-token prompt (limit[t] = 129024 +
-t) over its 131072 keys; TFLOP/s counts the causal part needed, 2 H D sum_t (limit[t] + 1). Variants
+t) over its 131072 keys; TFLOP/s counts the causal part needed, 2 H D sum_t (limit[t] + 1); exact keys
+are split into bf16 parts once (the pages the chunk sees), and, in one more row, as each tile loads. Variants
 (block_t, block_s, num_warps, num_stages) of the launch run at this shape.
 Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
 on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
@@ -24,7 +25,7 @@ import datetime
 import torch
 import triton
 
-from bench_indexer import attempt, bench_ms, parse_variant
+from bench_indexer import attempt, bench_ms, parse_variant, split_as_tiles_load
 from ceilings import measure_ceilings, write_report
 
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
@@ -164,6 +165,10 @@ def main():
         name = f"prefill chunk t {CHUNK_T} / {CHUNK_KEYS} keys"
         row(f"{name}: scores, default {default.block_t},{default.block_s},{default.num_warps},{default.num_stages}",
             fmt, attempt(lambda: chunk_cell(default)))
+        if fmt == "exact":
+            with split_as_tiles_load():
+                row(f"{name}: scores, default, keys split as each tile loads (decode's path)", fmt,
+                    attempt(lambda: chunk_cell(default)))
         row(f"{name}: scores + indexer_topk", fmt, attempt(lambda: f"{bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK)):.3f} ms"))
         for text in args.variants:
             row(f"{name}: scores, variant {text}", fmt, attempt(lambda: chunk_cell(parse_variant(text))))

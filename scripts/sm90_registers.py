@@ -1,7 +1,7 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
-few, and over MODEL1 caches) and the decode's split merge for sm_90a on this machine (no GPU needed) and
-report each warp partition's register budget and each kernel's spill instructions and 2-byte global
-accesses.
+few, and over MODEL1 caches), the decode's split merge and the paged indexer's scores kernel for sm_90a on
+this machine (no GPU needed) and report each warp partition's register budget and each kernel's spill
+instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
                                              # loads or stores global memory 2 bytes at a time
@@ -34,6 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
+from minirt.kernels import indexer_cache  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
 from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
@@ -117,6 +118,32 @@ def recorded_decode_launch(num_splits: int, padded_blocks: bool = False, h_q: in
     return (kernel, *recorder.calls[0])
 
 
+def recorded_indexer_launch(fp8: bool, n_queries: int, n_batch: int = 1):
+    """(kernel, args, kwargs): paged_indexer_scores' launch with its default config for n_batch sequences of
+    n_queries queries (64 heads of 128) over 131072 keys in pages of 64, fp8 or exact (float32) keys."""
+    n_keys, block_size, heads, dim = 131072, 64, 64, 128
+    num_blocks = n_keys // block_size
+    if fp8:
+        cache = torch.empty((num_blocks, block_size, 1, 132), dtype=torch.uint8)
+        q = torch.empty((n_batch, n_queries, heads, dim), dtype=torch.float8_e4m3fn)
+        geometry = indexer_cache._fp8_cache_geometry(cache)
+    else:
+        cache = torch.empty((num_blocks, block_size, dim))
+        q = torch.empty((n_batch, n_queries, heads, dim))
+        geometry = indexer_cache._exact_cache_geometry(cache)
+    weights, out = torch.empty((n_batch, n_queries, heads)), torch.empty((n_batch, n_queries, n_keys))
+    table = torch.empty((n_batch, n_keys // block_size), dtype=torch.int32)
+    limit = torch.empty((n_batch, n_queries), dtype=torch.int64)
+    config = indexer_cache.paged_config(n_queries, heads, dim, fp8)
+    kernel, recorder = indexer_cache._paged_scores_kernel, Recorder()
+    indexer_cache._paged_scores_kernel = recorder
+    try:
+        indexer_cache._launch_paged(q, weights, cache, table, limit, out, fp8, geometry, config)
+    finally:
+        indexer_cache._paged_scores_kernel = kernel
+    return (kernel, *recorder.calls[0])
+
+
 def compile_for_sm90(kernel, args, kwargs):
     """The JIT's own path from arguments to a compiled kernel, for TARGET instead of the local device."""
     backend = make_backend(TARGET)
@@ -166,6 +193,10 @@ def main() -> int:
                           *recorded_decode_launch(num_splits, h_q=h_q, model1=True))
     for h_q in (128, 32):   # the split merge (a Triton kernel): no partitions, but the same 2-byte rule
         failing |= report(f"merge of split results, h_q {h_q}", *recorded_decode_launch(2, False, h_q, merge=True))
+    # The indexer's scores (Triton, no partitions): exact keys as three bf16 products (tf32x3 spilled here).
+    for fp8, n_queries, n_batch in ((False, 2048, 1), (False, 1, 16), (True, 2048, 1)):
+        failing |= report(f"indexer scores over {'fp8' if fp8 else 'exact'} paged keys, b {n_batch} x t {n_queries}",
+                          *recorded_indexer_launch(fp8, n_queries, n_batch))
     return 1 if failing else 0
 
 

@@ -13,10 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import DEVICE
+from test_lightning_indexer import BF16X3_ELEMENT_BOUND, BF16X3_REL_TOL
 from minirt.errors import InputError
 from minirt.formats import E4M3_MAX, FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels import indexer_cache as ic
 from minirt.kernels import _indexer_tiles
+from minirt.kernels import lightning_indexer as li
 from minirt.kernels.indexer_cache import (dequantize_index_cache, index_cache_parts, new_index_cache,
                                           paged_indexer_scores, quantize_index_keys, write_index_keys)
 from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk
@@ -24,10 +26,11 @@ from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk
 ON_GPU = DEVICE == "cuda"
 D = 128
 # Elementwise error bound, as a fraction of the magnitude sum_h |w_h| sum_d |q_hd k_d| of the terms:
-# fp32 sums (and tf32x3 products) stay far below 2^-16. Hopper's fp8 tensor cores accumulate with
+# exact keys as lightning_indexer's float32 inputs (three bf16 products of split operands); fp8: exact
+# e4m3 products and fp32 sums stay far below 2^-16, but Hopper's fp8 tensor cores accumulate with
 # fewer bits (about 2^-13 of the running sum per add), hence 2^-8 for compiled fp8.
-ELEMENT_BOUND = {"exact": 2.0**-16, "fp8": 2.0**-8 if ON_GPU else 2.0**-16}
-REL_TOL = {"exact": 1e-5 if ON_GPU else 1e-6, "fp8": 1e-3 if ON_GPU else 1e-6}
+ELEMENT_BOUND = {"exact": BF16X3_ELEMENT_BOUND, "fp8": 2.0**-8 if ON_GPU else 2.0**-16}
+REL_TOL = {"exact": BF16X3_REL_TOL, "fp8": 1e-3 if ON_GPU else 1e-6}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,9 +257,27 @@ def run_case(q, weights, cache, table, limit, fmt, n_keys=None):
 
 
 FORMATS = ["fp8", "exact"]
+# Exact keys both ways the kernel takes them: split into bf16 parts as each tile is loaded (decode) or
+# once per call (split_pages, prefill chunks of PRESPLIT_MIN_QUERIES rows or more).
+KEY_PATHS = [("fp8", None), ("exact", False), ("exact", True)]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+def use_presplit(monkeypatch, presplit):
+    if presplit is not None:
+        monkeypatch.setattr(li, "PRESPLIT_MIN_QUERIES", 1 if presplit else 2**31)
+
+
+@pytest.fixture(params=KEY_PATHS, ids=["fp8", "exact-split-in-loop", "exact-presplit"])
+def fmt(request, monkeypatch):
+    """A cache format, exact keys taking each path (checked: split_pages runs on the presplit path only)."""
+    fmt, presplit = request.param
+    use_presplit(monkeypatch, presplit)
+    calls, split_pages = [], ic.split_pages
+    monkeypatch.setattr(ic, "split_pages", lambda *args: calls.append(args) or split_pages(*args))
+    yield fmt
+    assert bool(calls) == bool(presplit)
+
+
 def test_decode_batch(fmt):
     """b = 6 sequences, one query each: lengths ending mid-block, at a block's end, a row of -1 (all
     -inf; its page was never written), a one-key sequence, pages missing inside a length; V3.2's 64
@@ -271,7 +292,6 @@ def test_decode_batch(fmt):
     assert torch.isfinite(out[4, 0, :32]).all() and torch.isfinite(out[4, 0, 64:101]).all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_chunk(fmt):
     """One sequence, a chunk of 50 query tokens starting at position 70 (limit = 70 + t) over the keys
     written so far: -inf exactly above the diagonal, rows limited in the middle of blocks."""
@@ -282,7 +302,24 @@ def test_prefill_chunk(fmt):
     assert torch.isinf(out[0, 0, 71:]).all() and torch.isfinite(out[0, -1, :120]).all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.skipif(not ON_GPU, reason="DeepSeek-V3.2 shapes; the interpreter would take minutes")
+def test_prefill_chunk_deepseek_shape(fmt):
+    """A chunk of 256 queries at positions 7936.. over 8192 keys in shuffled pages of 64, 64 heads, with
+    the default launch shape; exact keys: the top-2048 is the fp64 oracle's but for near-ties (keys whose
+    oracle scores differ by less than twice the error bound)."""
+    gen = torch.Generator(DEVICE).manual_seed(19)
+    limit = (7936 + torch.arange(256, device=DEVICE))[None]
+    q, weights, cache, table, limit = make_case(gen, fmt, limit, block_size=64, max_blocks=128, n_heads=64)
+    out = run_case(q, weights, cache, table, limit, fmt)
+    if fmt == "exact":
+        ref, magnitude, _ = reference(q, weights, cache, table, limit, out.shape[-1])
+        got, want = indexer_topk(out, 2048).long(), indexer_topk(ref.float(), 2048).long()
+        differs = got != want
+        gap = (ref.gather(-1, got) - ref.gather(-1, want)).abs()
+        bound = 2 * ELEMENT_BOUND["exact"] * magnitude.amax(-1, keepdim=True)
+        assert (gap <= bound)[differs].all(), f"{int(differs.sum())} entries differ beyond near-ties"
+
+
 def test_static_width(fmt):
     """n_keys narrower than the table's capacity (positions past it are not scored) and wider
     (positions past the table are -inf); limits past the width are clamped."""
@@ -303,7 +340,8 @@ def cases(draw):
     capacity = max_blocks * block_size
     limit = draw(st.lists(st.lists(st.integers(-2, capacity - 1), min_size=n_queries, max_size=n_queries),
                           min_size=n_batch, max_size=n_batch))
-    return dict(fmt=draw(st.sampled_from(FORMATS)), limit=limit, block_size=block_size, max_blocks=max_blocks,
+    fmt, presplit = draw(st.sampled_from(KEY_PATHS))
+    return dict(fmt=fmt, presplit=presplit, limit=limit, block_size=block_size, max_blocks=max_blocks,
                 n_heads=draw(st.sampled_from([1, 3, 16, 64])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -312,7 +350,9 @@ def cases(draw):
 def test_matches_reference(c):
     gen = torch.Generator(DEVICE).manual_seed(c["seed"])
     limit = torch.tensor(c["limit"], device=DEVICE)
-    run_case(*make_case(gen, c["fmt"], limit, c["block_size"], c["max_blocks"], c["n_heads"]), c["fmt"])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_presplit(monkeypatch, c["presplit"])
+        run_case(*make_case(gen, c["fmt"], limit, c["block_size"], c["max_blocks"], c["n_heads"]), c["fmt"])
 
 
 @pytest.mark.parametrize("programs", [1, 10**6], ids=["one-chunk", "one-tile-per-chunk"])
