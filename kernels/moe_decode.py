@@ -26,6 +26,7 @@ import triton.language as tl
 
 from minirt.formats import FP8_GROUP
 
+from ._common import INTERPRET
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows, pow2_scale
 
 _BLOCK_K = tl.constexpr(FP8_GROUP)
@@ -41,9 +42,11 @@ _FACTOR_FIELD_OFFSET = tl.constexpr(62)
 # expert's weights, so an expert chosen by n tokens is read n times (the grouped GEMMs read it once
 # per 16): at one token per expert on average that is ~1.6 reads per active expert.
 MAX_PER_EXPERT = 1
-GATE_UP_ROWS = 16    # W1 rows (and as many W3 rows) per program
-DOWN_ROWS = 16       # W2 rows per program
-CHUNK_BYTES = 256    # weight bytes of a row loaded per step: 2 k blocks of fp8, 4 of fp4
+# Launch shape: W1 rows (and as many W3 rows) per program, W2 rows per program, weight bytes of a row
+# loaded per step (256: 2 k blocks of fp8, 4 of fp4). On the GPU: thousands of programs of ~50
+# registers (8 or more resident per SM) keep enough loads in flight. Interpreted, a program costs
+# milliseconds of Python whatever its size: fewer, larger ones.
+GATE_UP_ROWS, DOWN_ROWS, CHUNK_BYTES = (64, 64, 512) if INTERPRET else (16, 16, 256)
 NUM_WARPS = 4
 
 
@@ -77,8 +80,10 @@ def _dot_rows(a_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr,
         if FP4:
             # Byte i of a row holds inputs 2i (low nibble) and 2i + 1: the activations split likewise.
             pairs = tl.arange(0, CHUNK // 2)
-            a_even = tl.reshape(tl.load(a_ptr + k0 + 2 * pairs).to(tl.float32), (KB, _BLOCK_K // 2))
-            a_odd = tl.reshape(tl.load(a_ptr + k0 + 2 * pairs + 1).to(tl.float32), (KB, _BLOCK_K // 2))
+            a_even, a_odd = tl.split(tl.reshape(tl.load(a_ptr + k0 + tl.arange(0, CHUNK)).to(tl.float32),
+                                                (CHUNK // 2, 2)))
+            a_even = tl.reshape(a_even, (KB, _BLOCK_K // 2))
+            a_odd = tl.reshape(a_odd, (KB, _BLOCK_K // 2))
             a_scale, a_inv = pow2_scale(tl.maximum(tl.max(tl.abs(a_even), 1), tl.max(tl.abs(a_odd), 1)),
                                         _ACT_MIN_EXPONENT)
             a_even = tl.reshape(_e4m3_value(e4m3_bits(a_even * a_inv[:, None])) * _ACT_SHIFT, (CHUNK // 2,))

@@ -674,6 +674,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             or tuple(weights.shape) != (n_tokens, top_k):
         raise InputError(f"weights must be a float32 tensor [{n_tokens}, {top_k}], got "
                          f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
+    per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts)
     if config is None:
         config = default_config(n_tokens * top_k, n_experts)
     elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128):
@@ -686,7 +687,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    if config is None and uses_per_assignment(n_tokens * top_k, n_experts):
+    if per_assignment:
         y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
         return _combine(y, row_of_slot, weights, out)
     fp4 = experts.format == "fp4"
