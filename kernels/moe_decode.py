@@ -42,11 +42,12 @@ _FACTOR_FIELD_OFFSET = tl.constexpr(62)
 # expert's weights, so an expert chosen by n tokens is read n times (the grouped GEMMs read it once
 # per 16): at one token per expert on average that is ~1.6 reads per active expert.
 MAX_PER_EXPERT = 1
-# Launch shape: W1 rows (and as many W3 rows) per program, W2 rows per program, weight bytes of a row
-# loaded per step (256: 2 k blocks of fp8, 4 of fp4). On the GPU: thousands of programs of ~50
-# registers (8 or more resident per SM) keep enough loads in flight. Interpreted, a program costs
-# milliseconds of Python whatever its size: fewer, larger ones.
-GATE_UP_ROWS, DOWN_ROWS, CHUNK_BYTES = (64, 64, 512) if INTERPRET else (16, 16, 256)
+# Launch shape: W1 rows (and as many W3 rows) per program, W2 rows per program, and k blocks a step
+# (or the largest power of two below that dividing K / 128). On the GPU: thousands of programs of
+# 56-72 registers (sm_90a, no spills; 8 or more resident per SM), each loading 4-16 KB of weights a
+# step, keep enough bytes in flight. Interpreted, a program costs milliseconds of Python whatever
+# its size: fewer, larger ones.
+GATE_UP_ROWS, DOWN_ROWS, STEP_BLOCKS = (64, 64, 4) if INTERPRET else (16, 16, 4)
 NUM_WARPS = 4
 
 
@@ -166,10 +167,9 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
     d, i, n_experts = experts.hidden_size, experts.intermediate_size, experts.n_experts
     fp4 = experts.format == "fp4"
     ids = expert_ids.reshape(-1).contiguous()
-    k_blocks = CHUNK_BYTES * (2 if fp4 else 1) // FP8_GROUP
 
-    def step(k):    # k blocks a step: CHUNK_BYTES' worth, or fewer that divide the k blocks
-        return max(kb for kb in range(1, k_blocks + 1) if (k // FP8_GROUP) % kb == 0)
+    def step(k):    # k blocks a step: the largest power of two up to STEP_BLOCKS that divides them
+        return max(kb for kb in (1, 2, 4, 8, 16) if kb <= STEP_BLOCKS and (k // FP8_GROUP) % kb == 0)
 
     h = torch.empty((n_slots, i), dtype=torch.float32, device=x.device)
     y = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)

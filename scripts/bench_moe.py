@@ -26,7 +26,7 @@ Tables:
   (DECODE_CONFIG) beside moe_decode's per-assignment products (taken by default while
   T * top_k <= E), each with GB/s of the active experts' weights (x copy ceiling) and the two
   results' relative difference; --decode-shapes times more launch shapes of the latter
-  (gate/up rows, down rows, weight bytes a step). Targets: >= 2.5 TB/s at T 1, and T 64 in at most
+  (gate/up rows, down rows, k blocks a step). Targets: >= 2.5 TB/s at T 1, and T 64 in at most
   8 x T 1's time (the "vs 8 x T 1" column; T 64 has ~28 times T 1's active experts for V3.2).
 
 Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
@@ -202,16 +202,16 @@ def parse_config(text: str) -> moe.MoeConfig:
 
 def per_assignment(model, experts, x, ids, weights, shape=None):
     """moe_experts' per-assignment path whatever T (moe_decode's launch shape ``shape``: gate/up rows,
-    down rows, bytes a step; None: its own)."""
-    saved = moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.CHUNK_BYTES
+    down rows, k blocks a step; None: its own)."""
+    saved = moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS
     if shape is not None:
-        moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.CHUNK_BYTES = shape
+        moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS = shape
     try:
         out = torch.empty((x.shape[0], model.hidden), dtype=torch.bfloat16, device=DEVICE)
         y, row_of_slot = moe_decode.expert_rows_per_assignment(x, ids, experts, model.limit)
         return moe._combine(y, row_of_slot, weights, out)
     finally:
-        moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.CHUNK_BYTES = saved
+        moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS = saved
 
 
 def bench_decode_paths(model, experts, x, ids, weights, nbytes, gbps_ceiling, shapes, first_ms, decode_lines):
@@ -312,7 +312,7 @@ def main():
     parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
     parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,splitN]")
     parser.add_argument("--decode-shapes", nargs="*", default=[],
-                        help="extra per-assignment launch shapes: gate/up rows,down rows,weight bytes a step")
+                        help="extra per-assignment launch shapes: gate/up rows,down rows,k blocks a step")
     args = parser.parse_args()
     configs = [(text, parse_config(text)) for text in args.configs]
     shapes = [tuple(int(v) for v in text.split(",")) for text in args.decode_shapes]

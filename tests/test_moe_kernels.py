@@ -253,8 +253,8 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
 
 
 @pytest.mark.parametrize("fmt, limit, d, i", [
-    ("fp8", None, 256, 256),     # gate/up over 2 row blocks
-    ("fp4", 0.5, 512, 128),      # fp4: 4 k blocks a step (interpreted: 8, one step)
+    ("fp8", None, 384, 256),     # gate/up: 3 steps of 1 k block, 2 row blocks; down 1 step of 2
+    ("fp4", 0.5, 512, 384),      # gate/up: 1 step of 4 k blocks; down: 3 steps of 1
 ])
 def test_moe_experts_per_assignment(poisoned, monkeypatch, fmt, limit, d, i):
     """Few assignments (T * top_k <= E): moe_decode's products, against the oracle and within a few bf16
