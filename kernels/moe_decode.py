@@ -36,6 +36,8 @@ _ACT_MIN_EXPONENT = tl.constexpr(ACT_MIN_EXPONENT)
 # bits (_e2m1_tiny), activations are shifted up so that every product is a normal float32 (exact),
 # and each 32-input sum is multiplied back by 2^(s - 127 + 62), the float32 of exponent field s + 62.
 _ACT_SHIFT = tl.constexpr(2.0 ** 64)
+_NIBBLE_FIELDS = tl.constexpr(0x01C00000)     # float32 bits 22-24: the low exponent bits and top mantissa bit
+_SIGN = tl.constexpr(-2 ** 31)                # float32 bit 31, as an int32
 _FACTOR_FIELD_OFFSET = tl.constexpr(62)
 
 # Average assignments per expert up to which moe_experts takes this path. Each assignment reads its
@@ -65,10 +67,13 @@ def _e4m3_value(codes):
 
 
 @triton.jit
-def _e2m1_tiny(codes):
-    """2^-126 times the values of e2m1 codes (int32, bit 3 sign, bits 1-2 exponent, bit 0 mantissa):
-    the fields placed in a float32's sign, exponent and top mantissa bit (subnormal for exponent 0)."""
-    return (((codes & 7) << 22) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_tiny(packed):
+    """2^-126 times the e2m1 values of the low and the high nibbles of packed bytes (int32, sign-extended
+    from int8), each nibble's fields (bit 3 sign, bits 1-2 exponent, bit 0 mantissa) placed in a
+    float32's sign, exponent and top mantissa bit (subnormal for exponent 0). The high nibble's sign
+    is the byte's: shifted with the sign extension, one mask places all its fields."""
+    low = ((packed << 22) & _NIBBLE_FIELDS) | ((packed << 28) & _SIGN)
+    return low.to(tl.float32, bitcast=True), ((packed << 18) & (_NIBBLE_FIELDS | _SIGN)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -91,8 +96,8 @@ def _dot_rows(a_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr,
                                         _ACT_MIN_EXPONENT)
             a_even = tl.reshape(_e4m3_value(e4m3_bits(a_even * a_inv[:, None])) * _ACT_SHIFT, (CHUNK // 2,))
             a_odd = tl.reshape(_e4m3_value(e4m3_bits(a_odd * a_inv[:, None])) * _ACT_SHIFT, (CHUNK // 2,))
-            packed = tl.load(w_ptr + rows[:, None] * (K // 2) + k0 // 2 + pairs[None, :]).to(tl.int32)
-            products = _e2m1_tiny(packed) * a_even[None, :] + _e2m1_tiny(packed >> 4) * a_odd[None, :]
+            w_even, w_odd = _e2m1_tiny(tl.load(w_ptr + rows[:, None] * (K // 2) + k0 // 2 + pairs[None, :]).to(tl.int32))
+            products = w_even * a_even[None, :] + w_odd * a_odd[None, :]
             groups = tl.sum(tl.reshape(products, (R, CHUNK // _FP4_GROUP, _FP4_GROUP // 2)), 2)
             scale_bytes = tl.load(w_scale_ptr + rows[:, None] * (K // _FP4_GROUP) + k0 // _FP4_GROUP
                                   + tl.arange(0, CHUNK // _FP4_GROUP)[None, :]).to(tl.int32)
@@ -176,11 +181,12 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
     h = torch.empty((n_slots, i), dtype=torch.float32, device=x.device)
     y = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
     row_of_slot = torch.empty(n_slots, dtype=torch.int32, device=x.device)
+    codes = (lambda w: w.view(torch.int8)) if fp4 else (lambda w: w)   # fp4 bytes read sign-extended (_e2m1_tiny)
     _gate_up_kernel[(n_slots, i // GATE_UP_ROWS)](
-        x, x.stride(0), ids, experts.w13, experts.w13_scales, h,
+        x, x.stride(0), ids, codes(experts.w13), experts.w13_scales, h,
         0.0 if swiglu_limit is None else float(swiglu_limit), E=n_experts, D=d, I=i, TOP_K=top_k,
         ROWS=GATE_UP_ROWS, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None, num_warps=NUM_WARPS)
     _down_kernel[(n_slots, d // DOWN_ROWS)](
-        h, ids, experts.w2, experts.w2_scales, y, row_of_slot, E=n_experts, D=d, I=i,
+        h, ids, codes(experts.w2), experts.w2_scales, y, row_of_slot, E=n_experts, D=d, I=i,
         ROWS=DOWN_ROWS, KB=step(i), FP4=fp4, num_warps=NUM_WARPS)
     return y, row_of_slot
