@@ -29,6 +29,10 @@ its tokens and inactive experts not at all; launches of fewer programs than the 
 (a few experts' tiles) split K, the last split of each tile adding the partials in split order.
 Results do not depend on the order in which an expert's rows are placed (each row is computed on its
 own), so they are deterministic although the plan places rows with atomics.
+
+At most one assignment per four experts (config None; moe_decode.uses_per_assignment), steps 1-4
+give way to moe_decode: one program per (assignment, block of weight rows) streams the rows with
+FMAs, the activations quantised in the program by the same rule (two launches, then the combine).
 """
 from __future__ import annotations
 
