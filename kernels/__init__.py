@@ -23,7 +23,8 @@
   V4's sqrt-softplus top-k and hash layers), one sync-free launch each, ties to the lower expert.
 - ``moe_experts`` on ``ExpertWeights`` (``expert_weights_fp8`` / ``expert_weights_fp4`` stack a
   checkpoint's experts): the routed experts' weighted sum, grouped fp8 GEMMs (fp8 or fp4 weights)
-  with the permutation by expert on the device and SwiGLU fused; CUDA-graph capturable.
+  with the permutation by expert on the device and SwiGLU fused, or at decode sizes (moe_decode)
+  FMA products per assignment streaming its expert's rows once; CUDA-graph capturable.
 - ``mhc.hc_pre`` / ``mhc.hc_post``: DeepSeek-V4's mHC mixing (weights, Sinkhorn, collapse; the new
   residual state), one fused launch each.
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_prefill_two_sources, sparse_mla_decode_fp8,

@@ -29,6 +29,10 @@ its tokens and inactive experts not at all; launches of fewer programs than the 
 (a few experts' tiles) split K, the last split of each tile adding the partials in split order.
 Results do not depend on the order in which an expert's rows are placed (each row is computed on its
 own), so they are deterministic although the plan places rows with atomics.
+
+At most one assignment per four experts (config None; moe_decode.uses_per_assignment), steps 1-4
+give way to moe_decode: one program per (assignment, block of weight rows) streams the rows with
+FMAs, the activations quantised in the program by the same rule (two launches, then the combine).
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
+from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
 FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
@@ -644,8 +649,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         weights: [T, top_k] float32, the combine weights (any values; scaling already applied).
         experts: ExpertWeights (fp8 or fp4) with hidden size D.
         swiglu_limit: keyword-only, V4's clamp L (10.0), or None.
-        config: keyword-only launch shape; None: default_config (DECODE_CONFIG for at most 16
-            assignments per expert on average, else PREFILL_CONFIG).
+        config: keyword-only launch shape of the grouped GEMMs; None: moe_decode's per-assignment
+            products while T * top_k <= E / 4 (moe_decode.uses_per_assignment), else default_config
+            (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG).
 
     Returns:
         [T, D] bfloat16, every element written. T = 0 gives an empty tensor.
@@ -672,6 +678,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             or tuple(weights.shape) != (n_tokens, top_k):
         raise InputError(f"weights must be a float32 tensor [{n_tokens}, {top_k}], got "
                          f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
+    per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts)
     if config is None:
         config = default_config(n_tokens * top_k, n_experts)
     elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128):
@@ -684,6 +691,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
+    if per_assignment:
+        y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
+        return _combine(y, row_of_slot, weights, out)
     fp4 = experts.format == "fp4"
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts, config.block_m)
     x_fp8, x_scales = _gather_quantize(x, row_token, fp4 and not config.fp4_e4m3)
@@ -695,6 +705,12 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=x.device)
     _grouped_gemm(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
                   fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config)
-    _combine_kernel[(n_tokens, triton.cdiv(d, _COMBINE_BLOCK))](
-        y, row_of_slot, weights.contiguous(), out, out.stride(0), D=d, TOP_K=top_k, BLOCK_D=_COMBINE_BLOCK)
+    return _combine(y, row_of_slot, weights, out)
+
+
+def _combine(y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, D] = the weighted sums of each token's slots' rows of y (_combine_kernel)."""
+    n_tokens, top_k = weights.shape
+    _combine_kernel[(n_tokens, triton.cdiv(out.shape[1], _COMBINE_BLOCK))](
+        y, row_of_slot, weights.contiguous(), out, out.stride(0), D=out.shape[1], TOP_K=top_k, BLOCK_D=_COMBINE_BLOCK)
     return out

@@ -22,6 +22,14 @@ Tables:
   cores, "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
   the others where the prefill one is, and also in the grouped GEMM table). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
+- decode paths (T with at most 16 assignments per expert): moe_experts through the grouped GEMMs
+  (DECODE_CONFIG) beside moe_decode's per-assignment products (taken by default while
+  T * top_k <= E / 4), each with GB/s of the active experts' weights (x copy ceiling) and the two
+  results' relative difference, times of CUDA-graph replays (graph_ms: as decode steps run, without
+  Python's launch costs); --decode-shapes times more launch shapes of the latter
+  (gate/up rows, down rows, k blocks a step). Targets: at T 1 the routed experts and the shared
+  expert (fp8_gemm, in the same graph) at >= 2.5 TB/s, and T 64 in at most 8 x T 1's time (the
+  "vs 8 x T 1" column; T 64 has ~28 times T 1's active experts for V3.2).
 
 Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
 against a dequantised fp32 computation of a few tokens. Times are medians of
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +55,7 @@ from minirt.kernels.fp8_gemm import fp8_gemm, quantize_act_fp8, scaled_mm_blockw
 
 # The module (minirt.kernels re-exports the function moe_experts under the module's name).
 moe = importlib.import_module("minirt.kernels.moe_experts")
+moe_decode = importlib.import_module("minirt.kernels.moe_decode")
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,27 @@ REL_TOL = 2e-2
 
 def bench_ms(fn):
     return do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+
+def graph_ms(fn, reps=30):
+    """Median ms of fn captured in a CUDA graph, one replay at a time after clearing the L2 cache
+    (as a decode step runs: no Python launch costs, which at a few tokens exceed the kernels' time)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def random_experts(model: Model, gen: torch.Generator) -> moe.ExpertWeights:
@@ -193,7 +224,52 @@ def parse_config(text: str) -> moe.MoeConfig:
                          fp4_e4m3="e4m3" in flags, split_k=splits[0] if splits else None)
 
 
-def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines):
+def per_assignment(model, experts, x, ids, weights, shape=None):
+    """moe_experts' per-assignment path whatever T (moe_decode's launch shape ``shape``: gate/up rows,
+    down rows, k blocks a step; None: its own)."""
+    saved = moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS
+    if shape is not None:
+        moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS = shape
+    try:
+        out = torch.empty((x.shape[0], model.hidden), dtype=torch.bfloat16, device=DEVICE)
+        y, row_of_slot = moe_decode.expert_rows_per_assignment(x, ids, experts, model.limit)
+        return moe._combine(y, row_of_slot, weights, out)
+    finally:
+        moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS = saved
+
+
+def bench_decode_paths(model, experts, x, ids, weights, nbytes, gbps_ceiling, shapes, first_ms, shared,
+                       decode_lines):
+    """One row of the decode paths table; returns the per-assignment path's ms (T = 1: the
+    reference of the T 64 target). shared: (bytes, fn running the shared expert) at T 1, else None."""
+    grouped = lambda: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit,   # noqa: E731
+                                      config=moe.DECODE_CONFIG)
+    new = lambda: per_assignment(model, experts, x, ids, weights)   # noqa: E731
+    diff = rel(new(), grouped().float())
+    grouped_ms, new_ms = graph_ms(grouped), graph_ms(new)
+    n_tokens = x.shape[0]
+    gbps = lambda ms: f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f})"   # noqa: E731
+    target = "-"
+    if shared is not None:
+        shared_bytes, shared_fn = shared
+        layer_ms = graph_ms(lambda: (new(), shared_fn()))
+        layer_gbps = (nbytes + shared_bytes) / layer_ms / 1e6
+        target = f"{layer_gbps:.0f} ({'met' if layer_gbps >= TARGET_DECODE_GBPS else 'MISSED'})"
+    vs_first = "-"
+    if first_ms is not None and n_tokens > 1:
+        best = min(new_ms, grouped_ms)
+        vs_first = f"{best:.4f} vs {8 * first_ms:.4f} ({'met' if best <= 8 * first_ms else 'MISSED'})"
+    shapes_ms = ", ".join(f"{','.join(map(str, shape))}: {graph_ms(lambda s=shape: per_assignment(model, experts, x, ids, weights, s)):.4f}"
+                          for shape in shapes) or "-"
+    row = (f"| {model.name} | {n_tokens} | {ids.numel()} | {grouped_ms:.4f} | {gbps(grouped_ms)} | {new_ms:.4f} | "
+           f"{gbps(new_ms)} | {grouped_ms / new_ms:.2f}x | {diff:.1e} | {target} | {vs_first} | {shapes_ms} |")
+    decode_lines.append(row)
+    print(row, flush=True)
+    return new_ms
+
+
+def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, lines, gemm_lines, route_lines,
+                decode_lines):
     gen = torch.Generator(DEVICE).manual_seed(0)
     experts = random_experts(model, gen)
     per_expert = experts.nbytes // experts.n_experts
@@ -201,6 +277,7 @@ def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gem
               quantize_block_fp8(0.02 * torch.randn(model.hidden, model.inter, generator=gen, device=DEVICE)))
     shared_bytes = sum(w.numel() + s.numel() * 4 for w, s in shared)
     checked = False
+    first_ms = None
     for n_tokens in tokens:
         logits, bias, routing = route(model, n_tokens, gen)
         weights, ids = routing()
@@ -238,6 +315,16 @@ def bench_model(model, tokens, configs, tflops_ceiling, gbps_ceiling, lines, gem
             layer_gbps = (nbytes + shared_bytes) / (ms + shared_ms) / 1e6
             met = "met" if layer_gbps >= TARGET_DECODE_GBPS else "MISSED"
             layer = f"{layer_gbps:.0f} ({active} + 1 experts, {(nbytes + shared_bytes) / 1e6:.0f} MB; {met})"
+        if decode:
+            def shared_expert():
+                gate_up = fp8_gemm(x_fp8, x_scales, *shared[0])
+                h = torch.nn.functional.silu(gate_up[:, :model.inter]) * gate_up[:, model.inter:]
+                return fp8_gemm(*quantize_act_fp8(h), *shared[1])
+
+            shared_run = (shared_bytes, shared_expert) if n_tokens == 1 else None
+            ms_new = bench_decode_paths(model, experts, x, ids, weights, nbytes, gbps_ceiling, shapes, first_ms,
+                                        shared_run, decode_lines)
+            first_ms = ms_new if n_tokens == 1 else first_ms
         row = (f"| {model.name} | {n_tokens} | {ms:.3f} | {flops / ms / 1e9:.1f} ({flops / ms / 1e9 / tflops_ceiling:.2f}) | "
                f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f}) | {active} | {layer} | {peak_mb:.0f} | {variants} |")
         lines.append(row)
@@ -258,8 +345,11 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
     parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,splitN]")
+    parser.add_argument("--decode-shapes", nargs="*", default=[],
+                        help="extra per-assignment launch shapes: gate/up rows,down rows,k blocks a step")
     args = parser.parse_args()
     configs = [(text, parse_config(text)) for text in args.configs]
+    shapes = [tuple(int(v) for v in text.split(",")) for text in args.decode_shapes]
     tflops, gbps = measure_ceilings()
     name = torch.cuda.get_device_name()
     lines = [f"# MoE kernels on {name} ({datetime.date.today()})", "",
@@ -272,11 +362,17 @@ def main():
                   "| model | T | GEMM | M x N x K | grouped TFLOP/s (ms) | _scaled_mm TFLOP/s (ms) | ratio | "
                   f"target (>= {TARGET_TFLOPS}, >= {TARGET_VS_SCALED_MM}x) |", "|---|---:|---|---|---:|---:|---:|---|"]
     route_lines = ["", "## Routing (route_topk, 256 experts)", "", "| model | T | us |", "|---|---:|---:|"]
+    decode_lines = ["", "## Decode paths: grouped GEMMs (DECODE_CONFIG) vs per-assignment products (moe_decode)", "",
+                    "| model | T | assignments | grouped ms | grouped GB/s (x copy) | per-assignment ms | "
+                    "per-assignment GB/s (x copy) | speed-up | rel. difference | "
+                    f"T 1 layer GB/s, per-assignment + shared expert (>= {TARGET_DECODE_GBPS}) | faster path's ms vs 8 x T 1 | "
+                    "--decode-shapes ms |",
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     print("\n".join(lines), flush=True)
     for model in MODELS:
         if model.name in args.models:
-            bench_model(model, args.tokens, configs, tflops, gbps, lines, gemm_lines, route_lines)
-    write_report("\n".join(lines + gemm_lines + route_lines) + "\n", args.out)
+            bench_model(model, args.tokens, configs, shapes, tflops, gbps, lines, gemm_lines, route_lines, decode_lines)
+    write_report("\n".join(lines + decode_lines + gemm_lines + route_lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

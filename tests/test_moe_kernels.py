@@ -7,6 +7,7 @@ slot, with the activations quantised where the kernels quantise them (x and the 
 minirt.formats.quantize_groups). Inputs are fresh seeded random values; every buffer the kernels
 allocate is NaN-poisoned (torch.empty filled) so that an element left unwritten shows.
 """
+import sys
 from dataclasses import replace
 
 import pytest
@@ -18,6 +19,7 @@ from minirt.errors import InputError
 from minirt.formats import quantize_groups
 from minirt.kernels import (ExpertWeights, check_tid2eid, expert_weights_fp4, expert_weights_fp8, moe_experts,
                             route_hash, route_topk)
+from minirt.kernels import moe_decode
 from minirt.kernels.moe_experts import DECODE_CONFIG, MoeConfig
 
 # A prefill-shaped launch (tokens on the MMA's M side) small enough for the interpreter, and the
@@ -250,6 +252,35 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
         assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) > 10 * EXPERTS_TOL
 
 
+@pytest.mark.parametrize("fmt, limit, d, i", [
+    ("fp8", None, 384, 256),     # gate/up: 3 steps of 1 k block, 2 row blocks; down 1 step of 2
+    ("fp4", 0.5, 512, 384),      # gate/up: 1 step of 4 k blocks; down: 3 steps of 1
+])
+def test_moe_experts_per_assignment(poisoned, monkeypatch, fmt, limit, d, i):
+    """Few assignments (T * top_k <= E / 4): moe_decode's products, against the oracle and within a few
+    bf16 ulps of the grouped GEMMs; slots of expert -1 or E skipped, a token with none valid gets zeros."""
+    gen = generator(10)
+    e, n_tokens = 24, 3
+    experts, dense = make_experts(fmt, gen, e, d, i)
+    x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
+    expert_ids = torch.tensor([[e - 1, 1], [-1, e], [1, 6]], device=DEVICE)      # int64 ids
+    weights = torch.rand(n_tokens, 2, generator=gen, device=DEVICE) + 0.5
+    calls = []
+    per_assignment = moe_decode.expert_rows_per_assignment
+    monkeypatch.setattr(sys.modules["minirt.kernels.moe_experts"], "expert_rows_per_assignment",
+                        lambda *args: calls.append(1) or per_assignment(*args))
+    out = moe_experts(x, expert_ids, weights, experts, swiglu_limit=limit)
+    assert calls and out.dtype == torch.bfloat16 and torch.isfinite(out).all() and (out[1] == 0).all()
+    ref = ref_moe(x, expert_ids, weights, dense, limit)
+    assert rel_error(out, ref) < EXPERTS_TOL
+    if limit is not None:
+        assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) > 10 * EXPERTS_TOL
+    grouped = moe_experts(x, expert_ids, weights, experts, swiglu_limit=limit, config=DECODE_CONFIG).float()
+    # Sums in another order: a bf16 ulp now and then (scaled by the row: slots may cancel).
+    ulp = torch.finfo(torch.bfloat16).eps * (grouped.abs() + grouped.pow(2).mean(1, keepdim=True).sqrt())
+    assert ((out.float() - grouped).abs() <= 4 * ulp).all()
+
+
 def test_moe_experts_expert_over_several_tiles(poisoned):
     """Expert 0 takes every token's first slot: 17 rows, two 16-row tiles (the second partly padding)."""
     gen = generator(5)
@@ -323,11 +354,12 @@ def test_expert_weights_reject_bad_tensors():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and host-sync detection need a GPU")
-def test_moe_decode_is_sync_free_and_graph_capturable():
+@pytest.mark.parametrize("config, n_tokens", [(None, 1), (DECODE_CONFIG, 4)])   # moe_decode's path, grouped GEMMs
+def test_moe_decode_is_sync_free_and_graph_capturable(config, n_tokens):
     """Routing and experts raise no host sync (sync debug mode "error") and replay from a CUDA graph
     on new inputs with the eager results."""
     gen = generator(6)
-    e, d, i, n_tokens, top_k = 16, 256, 128, 4, 4
+    e, d, i, top_k = 16, 256, 128, 4
     experts, _ = make_experts("fp8", gen, e, d, i)
     logits = torch.randn(n_tokens, e, generator=gen, device=DEVICE)
     bias = torch.randn(e, generator=gen, device=DEVICE) * 0.1
@@ -335,7 +367,7 @@ def test_moe_decode_is_sync_free_and_graph_capturable():
 
     def step():
         weights, ids = route_topk(logits, bias, top_k=top_k, scoring="sigmoid", n_group=4, topk_group=2)
-        return moe_experts(x, ids, weights, experts)
+        return moe_experts(x, ids, weights, experts, config=config)
 
     step()   # compiles outside the checks
     torch.cuda.synchronize()
