@@ -1,7 +1,8 @@
 """The two ceilings every benchmark reports, measured in the same run (METHOD: measure, don't quote).
 
 bf16 matmul 8192³ on random data (TFLOP/s) and a 1 GiB device-to-device copy of random bytes
-(GB/s, bytes read + written), medians of triton.testing.do_bench.
+(GB/s, bytes read + written), medians of triton.testing.do_bench; the fp8 and tf32 tensor-core
+ceilings for what the indexer computes (measure_indexer_tflops).
 """
 import sys
 
@@ -18,6 +19,24 @@ def measure_ceilings(device="cuda") -> tuple[float, float]:
     dst = torch.empty_like(src)
     gbps = 2 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
     return tflops, gbps
+
+
+def measure_indexer_tflops(device="cuda") -> dict[str, float]:
+    """The tensor-core ceilings of the indexer's two precisions (TFLOP/s, 8192^3 on random data):
+    "fp8", an e4m3 product through torch._scaled_mm (bf16 out), and "tf32", an fp32 matmul on tf32
+    tensor cores (the exact indexer multiplies fp32 q and keys as three tf32 products, tf32x3)."""
+    n = 8192
+    a, b = (torch.randn(n, n, device=device) for _ in range(2))
+    one = torch.ones((), device=device)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    fp8 = do_bench(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                   return_mode="median")
+    allowed, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
+    try:
+        tf32 = do_bench(lambda: a @ b, return_mode="median")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    return {"fp8": 2 * n**3 / fp8 / 1e9, "tf32": 2 * n**3 / tf32 / 1e9}
 
 
 def plot_roofline(path: str, title: str, points: list[tuple[str, float, float, float]],
