@@ -26,26 +26,27 @@ from .context import StepContext
 from .errors import InputError
 from .fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
-from .kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
-                          mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
-                          paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
+from .kernels.ops import (apply_rope_op as apply_rope, indexer_topk_op as indexer_topk,
+                          mla_decode_fp8_op as mla_decode_fp8, mla_query_absorb_op as mla_query_absorb,
+                          mla_value_proj_fp8_op as mla_value_proj_fp8, paged_indexer_scores_op as paged_indexer_scores,
+                          quantize_act_fp8_op as quantize_act_fp8, rms_norm_op as rms_norm,
                           sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
 from .blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from .formats import FP8_DTYPE
 from .kernels import ExpertWeights, moe_experts, route_topk
-from .rope import apply_rope_half, apply_rope_interleaved
 
 
 class RMSNorm(nn.Module):
+    """x · rsqrt(mean(x²) + eps) · weight over the last dim, in fp32, rounded to x's dtype (one
+    ``rms_norm`` launch: a row slice of a fused projection's output goes in as it is)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 def _linear(d_in: int, d_out: int, fp8: bool = False) -> nn.Module:
@@ -116,8 +117,7 @@ class LightningIndexer(nn.Module):
         self.weights_proj = _linear(cfg.hidden_size, self.n_heads)
 
     def _rope_and_rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        pe, rest = x.float().split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        x = torch.cat([apply_rope_half(pe, cos, sin), rest], dim=-1)
+        x = apply_rope(x, cos, sin, self.rope_dim, False, torch.float32)  # half-split rope on the first dims
         return hadamard_rotate(x) if self.precision == "fp8" else x
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,7 +133,7 @@ class LightningIndexer(nn.Module):
         fp32 q (exact), or e4m3 q with each head's scale folded into w (fp8). q: wq_b(qr) [T, H * D]
         when computed already (the attention's fused projection)."""
         q = self.wq_b(qr) if q is None else q
-        q = self._rope_and_rotate(q.view(-1, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        q = self._rope_and_rotate(q.view(-1, self.n_heads, self.head_dim), cos, sin)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         if self.precision == "fp8":
             q, q_scale = quantize_act_fp8(q.flatten(0, 1))
@@ -225,10 +225,10 @@ class MLAAttention(nn.Module):
         qr = self.q_a_layernorm(q_a)
         q, *index_q = self.fused_qr(qr) if self.fused_qr is not None else [p(qr) for p in self._qr_projections()]
         q_nope, q_rope = q.view(-1, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
-        q_rope = apply_rope_interleaved(q_rope, cos[:, None], sin[:, None])
+        q_rope = apply_rope(q_rope, cos, sin, self.rope, True)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], -1)
         latent = self.kv_a_layernorm(latent)
-        k_rope = apply_rope_interleaved(k_rope, cos, sin)
+        k_rope = apply_rope(k_rope, cos, sin, self.rope, True)
         if self.fp8_weights:
             q_latent = mla_query_absorb(q_nope.to(torch.bfloat16), self.kv_b_proj.weight,
                                         self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim)
