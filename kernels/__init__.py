@@ -19,6 +19,8 @@
 - ``quantize_act_fp8`` / ``fp8_gemm``: block-scaled fp8 linear layers on the checkpoint's e4m3 weights;
   ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
   weight, the value projection writing o_proj's fp8 input directly.
+- ``rms_norm`` / ``apply_rope``: RMSNorm of every row, rope on the first dims of every head (either
+  pair layout), one launch each (the runtime layers' norms and rope).
 - ``route_topk`` / ``route_hash`` (and ``check_tid2eid``): MoE routing (V3.2's grouped sigmoid top-k,
   V4's sqrt-softplus top-k and hash layers), one sync-free launch each, ties to the lower expert.
 - ``moe_experts`` on ``ExpertWeights`` (``expert_weights_fp8`` / ``expert_weights_fp4`` stack a
@@ -56,6 +58,8 @@ from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_index
                             quantize_index_keys, write_index_keys)
 from .fp8_gemm import fp8_gemm, quantize_act_fp8  # noqa: E402
 from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8  # noqa: E402
+from .rms_norm import rms_norm  # noqa: E402
+from .rope import apply_rope  # noqa: E402
 from .moe_routing import check_tid2eid, route_hash, route_topk  # noqa: E402
 from .moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.minirt.*)

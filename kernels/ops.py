@@ -22,6 +22,8 @@ from .moe_experts import ExpertWeights, moe_experts
 from .moe_routing import route_hash, route_topk
 from .lightning_indexer import indexer_topk
 from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
+from .rms_norm import rms_norm
+from .rope import apply_rope
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8
 from .sparse_mla_prefill import sparse_mla_prefill
 from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources
@@ -178,6 +180,29 @@ def paged_indexer_scores_op(q: torch.Tensor, weights: torch.Tensor, cache: torch
 def _(q, weights, cache, block_table, limit, n_keys=None):
     width = n_keys if n_keys is not None else block_table.shape[1] * cache.shape[1]  # pages × block_size
     return q.new_empty(q.shape[0], q.shape[1], width, dtype=torch.float32)
+
+
+@torch.library.custom_op("minirt::apply_rope", mutates_args=())
+def apply_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
+                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``minirt.kernels.apply_rope`` as a custom op: x's shape, out_dtype (default x's)."""
+    return apply_rope(x, cos, sin, rope_dims, interleaved, out_dtype)
+
+
+@apply_rope_op.register_fake
+def _(x, cos, sin, rope_dims, interleaved, out_dtype=None):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+@torch.library.custom_op("minirt::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``minirt.kernels.rms_norm`` as a custom op: [M, N] of x's dtype."""
+    return rms_norm(x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("minirt::fp8_gemm", mutates_args=())

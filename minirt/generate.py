@@ -26,7 +26,7 @@ class GenerationResult:
     decode_steps: int
     decode_seconds: float
     stop_reasons: list[str]
-    decode_step_seconds: float = float("nan")  # inside engine.decode alone; decode_seconds adds sampling, streaming
+    decode_step_seconds: float = float("nan")  # the decode steps alone (device time on CUDA); decode_seconds: the loop
 
     @property
     def decode_tokens(self) -> int:
@@ -82,17 +82,82 @@ def warm_up(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> fl
     return time.perf_counter() - start
 
 
+class _TokensToHost:
+    """One step's sampled tokens and its finiteness flag on their way to the host. On CUDA: copies into
+    pinned memory queued behind the step and an event, so reading them waits for that step alone,
+    not for one queued after it."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.tokens = torch.empty(batch, dtype=torch.int64, pin_memory=True)
+            self.finite = torch.ones(1, dtype=torch.bool, pin_memory=True)
+            self.done = torch.cuda.Event()
+
+    def start(self, tokens: torch.Tensor, finite: torch.Tensor | None) -> None:
+        """finite: None when the logits were checked already (prefill, the reference backend)."""
+        if not self.cuda:
+            self.pending = tokens, finite
+            return
+        self.tokens.copy_(tokens, non_blocking=True)
+        if finite is None:
+            self.finite.fill_(True)
+        else:
+            self.finite.copy_(finite.reshape(1), non_blocking=True)
+        self.done.record()
+
+    def read(self) -> tuple[list[int], bool]:
+        if not self.cuda:
+            tokens, finite = self.pending
+            return tokens.tolist(), finite is None or bool(finite)
+        self.done.synchronize()
+        return self.tokens.tolist(), bool(self.finite[0])
+
+
+class _StepClock:
+    """Seconds of the decode steps alone: device time between events around each step on CUDA, the
+    host's clock elsewhere (where a step runs synchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_seconds: list[float] = []
+
+    def __enter__(self):
+        if self.cuda:
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.events[-1][0].record()
+        else:
+            self.host_seconds.append(-time.perf_counter())
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.events[-1][1].record()
+        else:
+            self.host_seconds[-1] += time.perf_counter()
+
+    def seconds(self, steps: int) -> float:
+        """Of the first ``steps`` steps (after a device sync)."""
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.events[:steps]) * 1e-3
+        return sum(self.host_seconds[:steps])
+
+
 def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              eos_token_id: int | None = None, on_token: Callable[[int, int], None] | None = None,
              on_prefill: Callable[[int, int], None] | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` for each prompt; a sequence stops after it emits ``eos_token_id``.
 
-    ``on_token(sequence_index, token)`` is called for every new token as soon as it is sampled (streaming).
-    The cache is sized for the longest prompt plus ``max_new_tokens``; more than the model's
-    ``max_position_embeddings`` in total is an InputError. The result says why each sequence stopped
-    (``GenerationResult.stop_reasons``). ``on_prefill(done, total)``: prompt tokens prefilled so far
-    (the triton backend's chunks; ``Engine.prefill``'s progress). The first calls on a GPU include
-    Triton's compilation and the CUDA-graph capture: ``warm_up`` first keeps them out of the figures.
+    ``on_token(sequence_index, token)`` is called for every new token (streaming), while the device
+    runs the next decode step: the kernel engines take each step's tokens on the device
+    (``Engine.decode_queued``; greedy sampling stays there too), so the host's work on one token
+    (this callback: detokenising, printing) overlaps the next step. When every sequence stops at
+    ``eos_token_id``, the one step queued past it is discarded. The cache is sized for the longest
+    prompt plus ``max_new_tokens``; more than the model's ``max_position_embeddings`` in total is an
+    InputError. The result says why each sequence stopped (``GenerationResult.stop_reasons``).
+    ``on_prefill(done, total)``: prompt tokens prefilled so far (the triton backend's chunks;
+    ``Engine.prefill``'s progress). The first calls on a GPU include Triton's compilation and the
+    CUDA-graph capture: ``warm_up`` first keeps them out of the figures.
     """
     longest = max((len(p) for p in prompts), default=0)
     check_generation_length(engine.cfg, longest, max_new_tokens)
@@ -108,9 +173,20 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
 
     out: list[list[int]] = [[] for _ in prompts]
     stop: list[str | None] = [None] * len(prompts)
-    steps, step_seconds, start = 0, 0.0, time.perf_counter()
+    queue = getattr(engine, "decode_queued", None)  # the reference backend runs (and checks) each step at once
+    to_host, clock = _TokensToHost(len(prompts), device), _StepClock(device)
+    to_host.start(next_tokens, None)
+    steps, start = 0, time.perf_counter()
     while True:
-        for i, t in enumerate(next_tokens.tolist()):
+        # Queue the next step before reading the last tokens back; it is discarded if they end every sequence.
+        step_input, queued = next_tokens, steps < max_new_tokens - 1
+        if queued:
+            with clock:
+                logits, finite = queue(step_input) if queue is not None else (engine.decode(step_input), None)
+        tokens, last_finite = to_host.read()
+        if not last_finite:
+            engine.raise_non_finite(last_input, later_steps=int(queued))
+        for i, t in enumerate(tokens):
             if stop[i] is not None:
                 continue
             out[i].append(t)
@@ -120,14 +196,13 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
                 stop[i] = STOP_EOS
             elif len(out[i]) >= max_new_tokens:
                 stop[i] = STOP_LENGTH
-        if all(reason is not None for reason in stop):
+        if not queued or all(reason is not None for reason in stop):
             break
-        step_start = time.perf_counter()
-        logits = engine.decode(next_tokens)
-        _sync(device)  # sampling reads the logits on the host right after: this wait costs nothing more
-        step_seconds += time.perf_counter() - step_start
-        next_tokens = sample(logits, sampling, generator)
+        if sampling.temperature and finite is not None and not bool(finite):  # sampled on the host: check first
+            engine.raise_non_finite(step_input)
+        next_tokens, last_input = sample(logits, sampling, generator), step_input
+        to_host.start(next_tokens, finite)
         steps += 1
     _sync(device)
     return GenerationResult(out, sum(len(p) for p in prompts), prefill_seconds, steps, time.perf_counter() - start,
-                            stop, step_seconds)
+                            stop, clock.seconds(steps))

@@ -102,13 +102,12 @@ class KernelRuntime:
         if b == 0 or len(ids) != b:
             raise InputError(f"decode needs one token per prefilled sequence ({b}), got {len(ids)}")
         tokens = torch.tensor(ids, device=self.device)
-        lens = [n + 1 for n in self._lens]
-        self.cache.check_room(lens)
-        self._lens = lens
+        self._advance_lens()
         if topk_override is not None or expert_override is not None or not self.use_cuda_graph:
             logits, finite = self._decode_step(tokens, topk_override, expert_override), None
         else:
             logits, finite = self._decode_graphed(tokens)
+            logits = logits.clone()  # the graph's output buffer: the next replay overwrites it
 
         def rerun() -> torch.Tensor:  # the same step again: it rewrites the slot it wrote
             self.cache.seq_lens[: tokens.shape[0]] -= 1
@@ -116,6 +115,41 @@ class KernelRuntime:
 
         self._check_finite(logits, "decode", rerun, finite)
         return logits
+
+    @torch.inference_mode()
+    def decode_queued(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode`` for a loop that keeps its tokens on the device (``minirt.generate``): the step is
+        queued, not waited for. tokens: [b] int64 on the engine's device, ids the caller vouches for
+        (sampled from this engine's logits: not read back to be checked). Returns (logits [b, vocab]
+        fp32, finite: a 0-d bool tensor, whether every logit is finite), both still being computed.
+        On CUDA the logits are the decode graph's output buffer: read them (queue the work that does)
+        before the next decode call. The caller reads ``finite`` once the step is done and, when it is
+        False, calls ``raise_non_finite``."""
+        b = len(self._lens) if self.cache is not None else 0
+        if not (isinstance(tokens, torch.Tensor) and tokens.shape == (b,) and b and tokens.dtype == torch.int64
+                and tokens.device.type == self.device.type):
+            got = f"{tokens.dtype} {tuple(tokens.shape)} on {tokens.device}" if isinstance(tokens, torch.Tensor) \
+                else type(tokens).__name__
+            raise InputError(f"decode_queued needs int64 tokens [{b}] (one per prefilled sequence) on "
+                             f"{self.device}, got {got}")
+        self._advance_lens()
+        logits, finite = self._decode_graphed(tokens) if self.use_cuda_graph else (self._decode_step(tokens), None)
+        return logits, torch.isfinite(logits).all() if finite is None else finite
+
+    def raise_non_finite(self, tokens: torch.Tensor, later_steps: int = 0) -> None:
+        """NumericalError for the decode step ``decode_queued(tokens)`` whose logits were not finite,
+        naming the first module whose output is not (the step rerun eagerly, ``later_steps`` steps
+        queued after it rolled back first)."""
+        def rerun() -> torch.Tensor:
+            self.cache.seq_lens[: tokens.shape[0]] -= later_steps + 1
+            return self._decode_step(tokens)
+
+        self._check_finite(None, "decode", rerun, torch.tensor(False))
+
+    def _advance_lens(self) -> None:
+        lens = [n + 1 for n in self._lens]
+        self.cache.check_room(lens)
+        self._lens = lens
 
     def _decode_graphed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, whether all are finite: a bool tensor the graph computes, None on the capturing call)."""
@@ -137,4 +171,4 @@ class KernelRuntime:
         graph, static_tokens, static_logits, static_finite = self._graphs[b]
         static_tokens.copy_(tokens)
         graph.replay()
-        return static_logits.clone(), static_finite
+        return static_logits, static_finite

@@ -7,10 +7,21 @@
 For each loading mode (``--modes``: weights bf16/fp8 x indexer exact/fp8) and each (batch, context)
 with batch * context <= ``--max-tokens``: random prompts of ``context`` tokens, a prefill, then the
 same prefill timed (chunked, the engine's default chunk), peak allocated memory over prefill and decode, and the median
-CUDA-graph decode step at that context, next to one eager step and the sum of its kernels
-(torch.profiler: every kernel's device time added up, i.e. the step with no launch gaps). A warm-up
-prefill and decode compile every kernel first. ``--split`` profiles one prefill of the longest b 1
-context and splits its kernel time into indexer / attention / linear / other.
+CUDA-graph decode step at that context (each step waited for, as ``engine.decode`` does), the
+step when steps are queued back to back (``engine.decode_queued``, as ``minirt generate`` runs
+them), one eager step and the sum of its kernels (torch.profiler: every kernel's device time added
+up, i.e. the step with no launch gaps). A warm-up prefill and decode compile every kernel first.
+``--split`` profiles one prefill of the longest b 1 context and splits its kernel time into indexer /
+attention / linear / other.
+
+Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
+(every weight it uses, with its block scales: linear layers, norms, lm_head, the batch's embedding
+rows, MoE layers' shared experts and at most batch x top-k routed experts; per layer and sequence
+the indexer keys of the context and the top-k latent entries) at the device-copy ceiling. Prefill:
+the indexer's FLOPs (2 x heads x head_dim per causal query-key pair, per layer) at the tensor-core
+ceiling of its precision (fp8: the e4m3 ceiling; exact: three bf16 products per product, bf16x3, at
+the bf16 ceiling).
+All ceilings are measured in the same run. DeepSeek-V4 rows have no floor columns.
 
 Several GPUs (``--tp N``, under torchrun; NCCL): the model split over N GPUs (``minirt.parallel``: heads,
 MLP width and vocabulary per rank, experts as expert parallelism), every row beside the same row on one
@@ -40,7 +51,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import minirt
 from minirt.errors import InputError
-from ceilings import measure_ceilings, write_report
+from minirt.models import deepseek_v32, family_of
+from ceilings import measure_ceilings, measure_fp8_tflops, write_report
 
 GIB = 2**30
 # Kernel-name fragments of each part of a prefill (Triton kernels by their function names; cuBLAS,
@@ -91,15 +103,50 @@ def collective_seconds(times: dict[str, float]) -> float:
     return sum(t for name, t in times.items() if "nccl" in name.lower())
 
 
+def decode_floor_bytes(engine, batch: int, context: int) -> tuple[int, int]:
+    """(weight bytes, cache bytes) a V3.2 decode step of ``batch`` sequences at ``context`` tokens must
+    read at least (what the module docstring lists)."""
+    cfg, total = engine.cfg, 0
+    for name, t in engine.model.state_dict().items():
+        size = t.numel() * t.element_size()
+        if name == "model.embed_tokens.weight":
+            size = batch * t[0].numel() * t.element_size()
+        elif ".mlp.experts." in name:  # routed experts: at most batch x top-k of them
+            size = size * min(1.0, batch * cfg.moe.num_experts_per_tok / cfg.moe.n_routed_experts)
+        total += int(size)
+    layer = engine.cache.layers[0]
+    entry = lambda t: t[0, 0].numel() * t.element_size()  # bytes per token of a [blocks, block_size, ...] cache
+    per_sequence = min(cfg.index_topk, context) * entry(layer.kv) + context * entry(layer.index_keys)
+    return total, engine.num_layers * batch * per_sequence
+
+
+def prefill_floor_flops(engine, batch: int, context: int) -> int:
+    """The indexer's FLOPs in a V3.2 prefill of ``batch`` prompts of ``context`` tokens: every causal
+    query-key pair, 2 x index_n_heads x index_head_dim each, per layer."""
+    cfg = engine.cfg
+    return engine.num_layers * batch * context * (context + 1) // 2 * 2 * cfg.index_n_heads * cfg.index_head_dim
+
+
+def queued_step_seconds(engine, tokens: torch.Tensor, steps: int) -> float:
+    """Seconds per decode step when ``steps`` steps are queued back to back, one sync at the end."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.decode_queued(tokens)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     prompts = random_prompts(engine, batch, context, seed)
-    engine.setup_cache(batch, context + 2 * steps + 8)
+    engine.setup_cache(batch, context + 3 * steps + 8)
     torch.cuda.reset_peak_memory_stats()
     engine.prefill(prompts)  # compiles what the warm-up's shapes did not (Triton specialises on sizes)
     prefill_s = timed(lambda: engine.prefill(prompts))
     tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device=engine.device)
     engine.decode(tokens)  # the first step of a batch size captures the graph
     step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
+    queued_s = queued_step_seconds(engine, tokens, steps)
     tp = engine.tp
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=engine.device)
     if tp.world > 1:
@@ -111,7 +158,8 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     engine.use_cuda_graph = True
     row = {"batch": batch, "context": context, "prefill_ms": prefill_s * 1e3,
            "prefill_tok_s": batch * context / prefill_s, "peak_gib": peak.item() / GIB, "step_ms": step_s * 1e3,
-           "eager_ms": eager_s * 1e3, "kernels_ms": kernels_s * 1e3, "graph_over_kernels": step_s / kernels_s}
+           "queued_ms": queued_s * 1e3, "eager_ms": eager_s * 1e3, "kernels_ms": kernels_s * 1e3,
+           "graph_over_kernels": step_s / kernels_s, "queued_over_kernels": queued_s / kernels_s}
     if tp.world > 1:
         row["step_collectives_ms"] = collective_seconds(step_kernels) * 1e3
         row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
@@ -149,9 +197,11 @@ def main() -> None:
     contexts = [int(c) for c in args.context.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
     matmul_tflops, copy_gbps = measure_ceilings()
+    fp8_tflops = measure_fp8_tflops()
     lines = [f"runtime, {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.date.today()}; "
              f"checkpoint {args.weights_dir}",
-             f"ceilings measured in the same run: bf16 matmul {matmul_tflops:.0f} TFLOP/s, device copy "
+             f"ceilings measured in the same run: bf16 matmul {matmul_tflops:.0f} TFLOP/s, fp8 matmul "
+             f"{fp8_tflops:.0f} TFLOP/s, device copy "
              f"{copy_gbps:.0f} GB/s", ""]
     for mode in args.modes.split(","):
         weights, precision = mode.split("/")
@@ -168,9 +218,10 @@ def main() -> None:
         lines += [f"### {label}: {engine.num_layers} layers (hidden {cfg.hidden_size}, "
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
-                  "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "
-                  "| kernel sum ms | graph / kernels |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| batch | context | prefill ms | prefill tok/s | prefill floor ms | prefill / floor | peak GiB "
+                  "| graph step ms | queued step ms | eager step ms | kernel sum ms | graph / kernels "
+                  "| queued / kernels | decode floor ms (weights + cache) | queued / floor |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for batch in batches:
             for i, context in enumerate(contexts):
                 if batch * context > args.max_tokens:
@@ -178,11 +229,25 @@ def main() -> None:
                 try:
                     r = bench_row(engine, batch, context, args.steps, seed=i)
                 except torch.cuda.OutOfMemoryError as e:
-                    lines.append(f"| {batch} | {context:,} | out of memory: {str(e).splitlines()[0][:80]} |||||||")
+                    lines.append(f"| {batch} | {context:,} | out of memory: {str(e).splitlines()[0][:80]} |||||||||||||")
                     engine.cache = None
                     torch.cuda.empty_cache()
                     continue
-                lines.append(row_line(r) + f"{r['graph_over_kernels']:.2f} |")
+                prefill_floor = decode_floor = "–"
+                prefill_ratio = decode_ratio = "–"
+                if family_of(cfg) is deepseek_v32:
+                    rate = fp8_tflops if precision == "fp8" else matmul_tflops / 3  # exact: bf16x3
+                    floor_ms = prefill_floor_flops(engine, batch, context) / (rate * 1e12) * 1e3
+                    prefill_floor, prefill_ratio = f"{floor_ms:,.1f}", f"{r['prefill_ms'] / floor_ms:.2f}"
+                    weight_bytes, cache_bytes = decode_floor_bytes(engine, batch, context)
+                    floor_ms = (weight_bytes + cache_bytes) / (copy_gbps * 1e9) * 1e3
+                    decode_floor = (f"{floor_ms:.3f} ({weight_bytes / 1e9:.2f} + {cache_bytes / 1e9:.3f} GB)")
+                    decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
+                lines.append(f"| {batch} | {context:,} | {r['prefill_ms']:,.1f} | {r['prefill_tok_s']:,.0f} | "
+                             f"{prefill_floor} | {prefill_ratio} | {r['peak_gib']:.1f} | {r['step_ms']:.2f} | "
+                             f"{r['queued_ms']:.2f} | {r['eager_ms']:.2f} | {r['kernels_ms']:.2f} | "
+                             f"{r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {decode_floor} | "
+                             f"{decode_ratio} |")
                 print(lines[-1], flush=True)
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)

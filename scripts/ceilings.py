@@ -1,7 +1,8 @@
 """The two ceilings every benchmark reports, measured in the same run (METHOD: measure, don't quote).
 
 bf16 matmul 8192³ on random data (TFLOP/s) and a 1 GiB device-to-device copy of random bytes
-(GB/s, bytes read + written), medians of triton.testing.do_bench.
+(GB/s, bytes read + written), medians of triton.testing.do_bench; and the fp8 tensor-core ceiling
+the fp8 indexer computes on (measure_fp8_tflops).
 """
 import sys
 
@@ -18,6 +19,17 @@ def measure_ceilings(device="cuda") -> tuple[float, float]:
     dst = torch.empty_like(src)
     gbps = 2 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
     return tflops, gbps
+
+
+def measure_fp8_tflops(device="cuda") -> float:
+    """The fp8 tensor-core ceiling (TFLOP/s): an e4m3 product 8192^3 of random data through
+    torch._scaled_mm (bf16 out), what the fp8 indexer computes on."""
+    n = 8192
+    one = torch.ones((), device=device)
+    a8, b8 = (torch.randn(n, n, device=device).to(torch.float8_e4m3fn) for _ in range(2))
+    ms = do_bench(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                  return_mode="median")
+    return 2 * n**3 / ms / 1e9
 
 
 def plot_roofline(path: str, title: str, points: list[tuple[str, float, float, float]],

@@ -6,7 +6,7 @@
 # tests:        runtime, CLI, README, embedding, MoE model, first-run, untrusted-input and V4 runtime tests
 #               with CUDA tensors (tiny and v4-tiny presets)
 # kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels; MoE
-#               kernels; the direct-launch path)
+#               kernels; the direct-launch path; the norm and rope kernels)
 # v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
 #               through the Gluon and the portable kernel), then bench_decode.py's V4 table
 # host-cost:    scripts/bench_host_cost.py (host µs per call of each public kernel function, eager beside
@@ -64,7 +64,7 @@ for stage in "$@"; do
     kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py \
                     tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py tests/test_indexer_cache.py \
                     tests/test_fp8_gemm.py tests/test_moe_kernels.py tests/test_sparse_mla_prefill_two_sources.py \
-                    tests/test_decode_launch.py ;;
+                    tests/test_decode_launch.py tests/test_rms_norm.py tests/test_rope_kernel.py ;;
     v4-decode)
       run v4-decode-tests python3 -m pytest -q tests/test_model1_cache.py tests/test_sparse_mla_decode_model1.py \
                             tests/test_sparse_mla_decode_model1_sm90.py

@@ -5,9 +5,9 @@ from conftest import DEVICE
 
 import minirt
 from minirt.context import PrefillTrace
-from minirt.errors import DeviceError, InputError
+from minirt.errors import DeviceError, InputError, NumericalError
 from minirt.generate import generate
-from minirt.sampling import SamplingParams
+from minirt.sampling import SamplingParams, sample
 from minirt.models.deepseek_v32.verify import FP8_WEIGHTS_TOLERANCES, TOLERANCES, run_verify, tolerances
 from minirt.report import rel_err, top1_agreement
 
@@ -113,6 +113,34 @@ def test_generate_is_deterministic(engine):
     assert sampled[0] == sampled[1]
     other = generate(engine, [prompt], 6, SamplingParams(temperature=5.0, seed=5)).tokens
     assert other != sampled[0]  # the seed matters (6 tokens from ~500 at high temperature)
+
+
+def test_generate_equals_a_step_by_step_loop(engine):
+    # generate queues each step before it reads the last tokens back; the tokens must be what the plain
+    # loop (decode, sample, read) gives, sequence by sequence, with one seeded generator across the batch.
+    prompts = [random_prompt(n, engine.cfg.vocab_size, seed=n) for n in (14, 9)]
+    params = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    generator = torch.Generator().manual_seed(params.seed)
+    engine.setup_cache(2, 14 + 4)
+    tokens = sample(engine.prefill(prompts), params, generator)
+    expected = [tokens.tolist()]
+    for _ in range(3):
+        tokens = sample(engine.decode(tokens), params, generator)
+        expected.append(tokens.tolist())
+    result = generate(engine, prompts, 4, params)
+    assert result.tokens == [list(seq) for seq in zip(*expected)]
+    assert result.decode_steps == 3 and result.decode_step_seconds > 0
+
+
+def test_non_finite_decode_in_generate_names_the_layer(tiny_master):
+    engine = minirt.load(tiny_master, device=DEVICE)
+    weight = engine.model.model.layers[1].post_attention_layernorm.weight
+
+    def overflow_after_the_first_token(seq, token):  # the steps queued after this one overflow
+        weight.data.fill_(3e38)
+
+    with pytest.raises(NumericalError, match=r"decode produced .* layer 1 \(model\.layers\.1\)"):
+        generate(engine, [[1, 2, 3]], 5, on_token=overflow_after_the_first_token)
 
 
 def test_generate_stops_on_eos(engine):

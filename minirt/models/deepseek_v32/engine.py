@@ -184,4 +184,5 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers:
         raise InputError(f"weights lack {len(missing)} tensors, e.g. '{missing[0]}'")
     params = dict(model.named_parameters()).keys()
     model.load_state_dict({k: weights[k].to(device, dtype if k in params else None) for k in wanted}, assign=True)
+    model.fuse_projections()
     return Engine(cfg, model.eval(), device, dtype, indexer_precision, prefill_chunk, tp)

@@ -26,32 +26,73 @@ from .context import StepContext
 from ...errors import InputError
 from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
-from ...kernels.ops import (indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
-                          mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
-                          paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
+from ...kernels.ops import (apply_rope_op as apply_rope, indexer_topk_op as indexer_topk,
+                          mla_decode_fp8_op as mla_decode_fp8, mla_query_absorb_op as mla_query_absorb,
+                          mla_value_proj_fp8_op as mla_value_proj_fp8, paged_indexer_scores_op as paged_indexer_scores,
+                          quantize_act_fp8_op as quantize_act_fp8, rms_norm_op as rms_norm,
                           sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
-from ...blockfp8 import block_scale_shape
+from ...blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from ...formats import FP8_DTYPE
 from ...kernels import ExpertWeights, moe_experts, route_topk
 from ...parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead, expert_parallel_moe
-from ...rope import apply_rope_half, apply_rope_interleaved
 
 
 class RMSNorm(nn.Module):
+    """x · rsqrt(mean(x²) + eps) · weight over the last dim, in fp32, rounded to x's dtype (one
+    ``rms_norm`` launch: a row slice of a fused projection's output goes in as it is)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 def _linear(d_in: int, d_out: int, fp8: bool = False) -> nn.Module:
     """A bias-free projection: block-fp8 weights as stored (``Fp8Linear``) or a plain float ``nn.Linear``."""
     return Fp8Linear(d_in, d_out) if fp8 else nn.Linear(d_in, d_out, bias=False)
+
+
+class FusedProjection(nn.Module):
+    """Projections of one input run as one GEMM: forward(x [..., in]) -> a tuple of each part's output
+    [..., out_i] (views of one [..., sum out_i] product), the same values the parts give one by one
+    up to the GEMM's fp32 summation order (its split-K follows the fused width).
+
+    parts: bias-free projections of one input width, all ``Fp8Linear`` (block-fp8: every part but the
+    last a whole number of 128-row scale blocks, so the block scales stack by rows) or all
+    ``nn.Linear`` of one dtype. Their weights are stacked by rows into this module's buffers, and each
+    part's weight (and scales) become views of its rows: no second copy, and the parts' state-dict
+    entries stay what they were (these buffers are not persistent). Raises InputError for parts that
+    do not stack.
+    """
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        fp8 = isinstance(parts[0], Fp8Linear)
+        kinds = {(isinstance(p, Fp8Linear), p.weight.shape[1], p.weight.dtype, p.weight.device) for p in parts}
+        if len(kinds) != 1 or not (fp8 or all(isinstance(p, nn.Linear) and p.bias is None for p in parts)):
+            raise InputError("FusedProjection: the parts must be all Fp8Linear or all bias-free nn.Linear, of one input "
+                             f"width, dtype and device; got {sorted(map(str, kinds))}")
+        self.sizes = [p.weight.shape[0] for p in parts]
+        if fp8 and any(n % DEFAULT_BLOCK[0] for n in self.sizes[:-1]):
+            raise InputError(f"FusedProjection: block-fp8 parts of {self.sizes} rows: all but the last need a "
+                             f"multiple of {DEFAULT_BLOCK[0]} (the scale blocks' rows)")
+        self.proj = Fp8Linear(parts[0].weight.shape[1], sum(self.sizes), device="meta") if fp8 else None
+        for name in ("weight", "weight_scale_inv") if fp8 else ("weight",):
+            stacked = torch.cat([getattr(p, name) for p in parts])
+            (self.proj if fp8 else self).register_buffer(name, stacked, persistent=False)
+            rows = 0
+            for p in parts:
+                n = getattr(p, name).shape[0]
+                view = stacked[rows : rows + n]
+                setattr(p, name, view if name in p._buffers else nn.Parameter(view, requires_grad=False))
+                rows += n
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.proj(x) if self.proj is not None else F.linear(x, self.weight)
+        return y.split(self.sizes, dim=-1)
 
 
 class LightningIndexer(nn.Module):
@@ -77,21 +118,23 @@ class LightningIndexer(nn.Module):
         self.weights_proj = _linear(cfg.hidden_size, self.n_heads)
 
     def _rope_and_rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        pe, rest = x.float().split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        x = torch.cat([apply_rope_half(pe, cos, sin), rest], dim=-1)
+        x = apply_rope(x, cos, sin, self.rope_dim, False, torch.float32)  # half-split rope on the first dims
         return hadamard_rotate(x) if self.precision == "fp8" else x
 
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> indexer keys [T, head_dim] fp32 (rotated in fp8 mode; the key cache
-        quantises them)."""
-        k = F.layer_norm(self.wk(x).float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
+        quantises them). k: wk(x) when computed already (the attention's fused projection)."""
+        k = F.layer_norm((self.wk(x) if k is None else k).float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
                          self.k_norm.eps)
         return self._rope_and_rotate(k, cos, sin)
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q: torch.Tensor | None = None):
         """x [T, hidden], qr [T, q_lora_rank] (q_a_layernorm output) -> q [T, H, D], w [T, H] fp32:
-        fp32 q (exact), or e4m3 q with each head's scale folded into w (fp8)."""
-        q = self._rope_and_rotate(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        fp32 q (exact), or e4m3 q with each head's scale folded into w (fp8). q: wq_b(qr) [T, H * D]
+        when computed already (the attention's fused projection)."""
+        q = self.wq_b(qr) if q is None else q
+        q = self._rope_and_rotate(q.view(-1, self.n_heads, self.head_dim), cos, sin)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         if self.precision == "fp8":
             q, q_scale = quantize_act_fp8(q.flatten(0, 1))
@@ -137,7 +180,8 @@ class MLAAttention(nn.Module):
     top-k override out of the step context. ``fp8_weights``: the projections keep the checkpoint's
     block-fp8 weights (``Fp8Linear``); kv_b's per-head products run on its stored fp8 weight and the
     value projection hands o_proj its fp8 input directly. ``tp``: this rank's H / N heads
-    (``minirt.parallel``); o_proj's partial sums are all-reduced.
+    (``minirt.parallel``); o_proj's partial sums are all-reduced. ``fuse_projections()``, once the
+    weights are loaded, runs the projections that share an input as one GEMM each.
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int = 0, indexer_precision: str = "exact",
@@ -156,25 +200,45 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), fp8_weights)
         self.o_proj = _linear(self.n_heads * self.v_dim, cfg.hidden_size, fp8_weights)
         self.indexer = LightningIndexer(cfg, indexer_precision, fp8_weights) if cfg.is_v32 else None
+        self.fused_x = self.fused_qr = None
+
+    def _x_projections(self) -> list[nn.Module]:
+        """The projections of the layer input x, the one that is not 128-row blocks (kv_a: 576) last."""
+        wk = [self.indexer.wk] if self.indexer is not None else []
+        return [self.q_a_proj, *wk, self.kv_a_proj_with_mqa]
+
+    def _qr_projections(self) -> list[nn.Module]:
+        return [self.q_b_proj] + ([self.indexer.wq_b] if self.indexer is not None else [])
+
+    def fuse_projections(self) -> None:
+        """Run q_a, the indexer's wk and kv_a (all of x) as one GEMM, and q_b with the indexer's wq_b
+        (both of qr) as another (``FusedProjection``: the weights become views of the stacked ones;
+        the state dict is unchanged). Call once the weights are loaded, on their device."""
+        self.fused_x, self.fused_qr = FusedProjection(self._x_projections()), FusedProjection(self._qr_projections())
 
     def _kv_b(self) -> torch.Tensor:
         return self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] -> (q_absorbed [T, H, 576], latent [T, 512], k_rope [T, 64], qr [T, q_lora_rank])."""
-        qr = self.q_a_layernorm(self.q_a_proj(x))
-        q_nope, q_rope = self.q_b_proj(qr).view(-1, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
-        q_rope = apply_rope_interleaved(q_rope, cos[:, None], sin[:, None])
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
+        """x [T, hidden] -> (q_absorbed [T, H, 576], latent [T, 512], k_rope [T, 64], qr [T, q_lora_rank],
+        index_k, index_q): the indexer's projections wk(x) [T, index_head_dim] and wq_b(qr)
+        [T, index_n_heads * index_head_dim] as they come out of the GEMMs (None without an indexer)."""
+        q_a, *index_k, kv_a = self.fused_x(x) if self.fused_x is not None else [p(x) for p in self._x_projections()]
+        qr = self.q_a_layernorm(q_a)
+        q, *index_q = self.fused_qr(qr) if self.fused_qr is not None else [p(qr) for p in self._qr_projections()]
+        q_nope, q_rope = q.view(-1, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
+        q_rope = apply_rope(q_rope, cos, sin, self.rope, True)
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], -1)
         latent = self.kv_a_layernorm(latent)
-        k_rope = apply_rope_interleaved(k_rope, cos, sin)
+        k_rope = apply_rope(k_rope, cos, sin, self.rope, True)
         if self.fp8_weights:
             q_latent = mla_query_absorb(q_nope.to(torch.bfloat16), self.kv_b_proj.weight,
                                         self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim)
             q_rope = q_rope.to(torch.bfloat16)
         else:
             q_latent = torch.einsum("thn,hnc->thc", q_nope, self._kv_b()[:, : self.nope])
-        return torch.cat([q_latent, q_rope], dim=-1), latent, k_rope, qr
+        return (torch.cat([q_latent, q_rope], dim=-1), latent, k_rope, qr, index_k[0] if index_k else None,
+                index_q[0] if index_q else None)
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """o_latent [T, H, kv_lora_rank] -> [T, hidden] (summed over the ranks' heads)."""
@@ -195,26 +259,26 @@ class MLAAttention(nn.Module):
         sequence over the fp8 paged cache. The top-k positions come from ``ctx.topk_override`` for
         this layer when given, else from the indexer (V3.2) or every earlier position (V3).
         """
-        q_abs, latent, k_rope, qr = self.project(x, ctx.cos, ctx.sin)
+        q_abs, latent, k_rope, qr, index_k, index_q = self.project(x, ctx.cos, ctx.sin)
         cache = ctx.cache.layers[self.layer_index] if ctx.cache is not None else None
         if cache is not None:
             write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), ctx.slots)
             if self.indexer is not None:
-                cache.write_index_keys(self.indexer.keys(x, ctx.cos, ctx.sin), ctx.slots)
+                cache.write_index_keys(self.indexer.keys(x, ctx.cos, ctx.sin, index_k), ctx.slots)
         override = ctx.topk_override[self.layer_index] if ctx.topk_override is not None else None
         if ctx.is_prefill:
-            o_latent = self._prefill(q_abs, latent, k_rope, x, qr, ctx, override)
+            o_latent = self._prefill(q_abs, latent, k_rope, x, qr, index_q, ctx, override)
         else:
-            o_latent = self._decode(q_abs, x, qr, ctx, override)
+            o_latent = self._decode(q_abs, x, qr, index_q, ctx, override)
         return self.output(o_latent)
 
-    def _prefill(self, q_abs, latent, k_rope, x, qr, ctx: StepContext, override) -> torch.Tensor:
+    def _prefill(self, q_abs, latent, k_rope, x, qr, index_q, ctx: StepContext, override) -> torch.Tensor:
         stash = ctx.stash.layer(self.layer_index, self.kv_lora_rank + self.rope)
         stash[ctx.stash_rows, 0] = torch.cat([latent, k_rope], dim=-1).to(torch.bfloat16)
         if override is not None:
             topk = override.to(device=x.device, dtype=torch.int32)
         else:
-            topk = self._prefill_topk(x, qr, ctx)
+            topk = self._prefill_topk(x, qr, index_q, ctx)
         if ctx.trace is not None:
             ctx.trace.record("topk", self.layer_index, topk)
         # The kernel indexes stash rows: shift each token's positions by its sequence's first row.
@@ -224,7 +288,7 @@ class MLAAttention(nn.Module):
                                             d_v=self.kv_lora_rank)
         return o_latent
 
-    def _prefill_topk(self, x, qr, ctx: StepContext) -> torch.Tensor:
+    def _prefill_topk(self, x, qr, index_q, ctx: StepContext) -> torch.Tensor:
         """Top-k positions [N, k] of a prefill step, segment by segment, −1 padded."""
         if self.indexer is None:  # V3: dense causal attention is top-k over every earlier position
             pos = torch.arange(max(s.end for s in ctx.segments), device=x.device, dtype=torch.int32)
@@ -232,7 +296,7 @@ class MLAAttention(nn.Module):
         if ctx.cache is None:
             raise InputError("the indexer scores the keys in the cache: build the context with a cache, "
                              "or give topk_override")
-        index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin)
+        index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin, index_q)
         keys = ctx.cache.layers[self.layer_index].index_keys
         topk = []
         for seg in ctx.segments:  # one sequence each: scored over its keys up to the segment's end
@@ -242,7 +306,7 @@ class MLAAttention(nn.Module):
                                             ctx.positions[None, rows], n_keys=seg.end)[0])
         return torch.cat(topk)
 
-    def _decode(self, q_abs, x, qr, ctx: StepContext, override) -> torch.Tensor:
+    def _decode(self, q_abs, x, qr, index_q, ctx: StepContext, override) -> torch.Tensor:
         """One query token per sequence of ``ctx.block_table``. The indexer reads each sequence's keys
         up to its position only, with static shapes (the block table's width) and no host sync, so a
         whole decode step can be captured in a CUDA graph."""
@@ -250,7 +314,7 @@ class MLAAttention(nn.Module):
         if override is not None:
             topk = override.to(torch.int32)[:, None]
         elif self.indexer is not None:
-            index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin)
+            index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin, index_q)
             topk = self.indexer.select(index_q[:, None], index_w[:, None], cache.index_keys, ctx.block_table,
                                        ctx.positions[:, None])
         else:
@@ -264,7 +328,8 @@ class MLAAttention(nn.Module):
 class DenseMLP(nn.Module):
     """SwiGLU down(silu(gate(x)) · up(x)) of width ``intermediate_size`` (default the config's: a
     dense layer's MLP; a MoE layer's shared experts pass theirs). ``tp``: this rank's 1 / N of the
-    width, the down projection's partial sums all-reduced."""
+    width, the down projection's partial sums all-reduced. ``fuse_projections()``, once the weights are
+    loaded, runs gate and up as one GEMM."""
 
     def __init__(self, cfg: ModelConfig, fp8_weights: bool = False, intermediate_size: int | None = None,
                  tp: TensorParallel = SINGLE):
@@ -274,9 +339,14 @@ class DenseMLP(nn.Module):
         self.gate_proj = _linear(cfg.hidden_size, width, fp8_weights)
         self.up_proj = _linear(cfg.hidden_size, width, fp8_weights)
         self.down_proj = _linear(width, cfg.hidden_size, fp8_weights)
+        self.fused_gate_up = None
+
+    def fuse_projections(self) -> None:
+        self.fused_gate_up = FusedProjection([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class TopkRouter(nn.Module):
@@ -388,6 +458,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE.from_config(cfg, fp8_weights, tp) if cfg.is_moe_layer(layer_index) \
             else DenseMLP(cfg, fp8_weights, tp=tp)
 
+    def fuse_projections(self) -> None:
+        """The attention's and the dense MLP's (a MoE layer's shared experts') projections that share
+        an input as one GEMM each (``MLAAttention.fuse_projections``, ``DenseMLP.fuse_projections``),
+        once the weights are loaded; the state dict is unchanged."""
+        self.self_attn.fuse_projections()
+        mlp = self.mlp.shared_experts if isinstance(self.mlp, MoE) else self.mlp
+        if mlp is not None:
+            mlp.fuse_projections()
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [N, hidden] float (the residual stream of a step's N tokens: a prefill step's segments back
         to back, or one token per sequence in a decode step) -> [N, hidden], x's dtype.
@@ -438,6 +517,11 @@ class Transformer(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp.world == 1 \
             else VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp)
+
+    def fuse_projections(self) -> None:
+        """Every layer's ``DecoderLayer.fuse_projections`` (the engine calls it once the weights are loaded)."""
+        for layer in self.model.layers:
+            layer.fuse_projections()
 
     def forward(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """tokens [N] -> the last layer's residual stream [N, hidden]."""

@@ -1,0 +1,48 @@
+"""apply_rope (one launch) against the eager reference's rope functions in fp64, both pair layouts."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from minirt.errors import InputError
+from minirt.kernels import apply_rope
+from minirt.rope import apply_rope_half, apply_rope_interleaved
+from minirt.verify import rel_err
+
+
+def angles(t: int, pairs: int, gen):
+    theta = torch.rand(t, pairs, generator=gen, dtype=torch.float64) * 6.3
+    return theta.cos(), theta.sin()
+
+
+@pytest.mark.parametrize("interleaved, heads, dtype", [(True, 5, torch.bfloat16), (False, 3, torch.float32)])
+def test_rope_matches_the_reference_on_a_slice(interleaved, heads, dtype):
+    gen = torch.Generator().manual_seed(heads)
+    t, rope, dim = 4, 64, 128 if not interleaved else 64
+    wide = torch.randn(t, heads, dim + 64, generator=gen)
+    x = wide.to(DEVICE, dtype)[..., 32 : 32 + dim]  # token and head strides wider than the dims
+    cos, sin = angles(t, rope // 2, gen)
+    out = apply_rope(x, cos.float().to(DEVICE), sin.float().to(DEVICE), rope, interleaved, torch.float32)
+    assert out.shape == x.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
+    rotate = apply_rope_interleaved if interleaved else apply_rope_half
+    xd = x.double().cpu()
+    expected = torch.cat([rotate(xd[..., :rope], cos[:, None], sin[:, None]), xd[..., rope:]], dim=-1)
+    assert rel_err(out, expected) < 1e-6
+    assert torch.equal(out[..., rope:].cpu(), xd[..., rope:].float())  # the rest is copied as it is
+    # Into x's dtype on a 2-D [T, D] input.
+    flat = apply_rope(x[:, 0], cos.float().to(DEVICE), sin.float().to(DEVICE), rope, interleaved)
+    assert flat.dtype == dtype and rel_err(flat, expected[:, 0]) < (2**-8 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_rope_refuses_bad_input():
+    x = torch.randn(2, 64, device=DEVICE)
+    cos = torch.ones(2, 32, device=DEVICE)
+    with pytest.raises(InputError, match="rope_dims must be an even power of two"):
+        apply_rope(x, cos, cos, 48, True)
+    with pytest.raises(InputError, match=r"sin must be a float tensor \[2, 32\]"):
+        apply_rope(x, cos, cos[:1], 64, True)
+
+
+def test_rope_op_schema_and_fake():
+    x = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
+    cos = torch.rand(3, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    torch.library.opcheck(torch.ops.minirt.apply_rope, (x, cos, cos, 32, False, torch.float32))
