@@ -1,7 +1,7 @@
 """RMSNorm in one launch: what a decode step's norms cost in kernels (9 small torch ops each before).
 
 y[m, :] = x[m, :] · rsqrt(mean(x[m, :]²) + eps) · weight, computed in fp32 and rounded to x's dtype
-(DeepSeek's RMSNorm, as ``minirt.layers.RMSNorm`` and the eager reference define it).
+(DeepSeek's RMSNorm, as ``minirt.models.deepseek_v32.layers.RMSNorm`` and the eager reference define it).
 """
 from __future__ import annotations
 

@@ -188,7 +188,7 @@ def expert_range(cfg, tp: TensorParallel) -> range:
 def local_specs(cfg, specs: dict, tp: TensorParallel) -> dict:
     """``specs`` (name → TensorSpec, full shapes) with this rank's shapes, and only its experts' tensors
     (what ``load_checkpoint(..., tp=tp)`` holds: for its memory check)."""
-    from .checkpoint import stacked_expert_name
+    from .models.deepseek_v32.checkpoint import stacked_expert_name
 
     mine = expert_range(cfg, tp)
     out = {}

@@ -32,7 +32,7 @@ from ceilings import measure_ceilings, write_report
 from minirt.kernels import lightning_indexer
 from minirt.kernels.lightning_indexer import IndexerConfig, default_config, indexer_topk, lightning_indexer_scores
 from minirt.kernels.sparse_mla_prefill import sparse_mla_prefill
-from minirt.verify import topk_overlap
+from minirt.report import topk_overlap
 
 T, S, H, D, TOPK = 4096, 32768, 64, 128, 2048
 DECODE_BATCHES = (1, 32, 128)

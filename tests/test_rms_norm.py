@@ -5,7 +5,7 @@ import torch
 from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.kernels import rms_norm
-from minirt.verify import rel_err
+from minirt.report import rel_err
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.kernels import apply_rope
 from minirt.rope import apply_rope_half, apply_rope_interleaved
-from minirt.verify import rel_err
+from minirt.report import rel_err
 
 
 def angles(t: int, pairs: int, gen):

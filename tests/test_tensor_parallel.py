@@ -108,7 +108,7 @@ def test_each_rank_loads_its_shard(tiny_moe3, fp8_as_stored):
     (their block scales too, when kept fp8), and nothing else; the loader needs no process group.
     Rank 1 of 2: its shards start inside the tensors (a dequantised row shard reads from a whole
     scale block)."""
-    from minirt.checkpoint import SCALE_SUFFIX, load_checkpoint
+    from minirt.models.deepseek_v32.checkpoint import SCALE_SUFFIX, load_checkpoint
     from minirt.parallel import TensorParallel, expert_range, weight_shard
 
     cfg, whole = load_checkpoint(tiny_moe3, fp8_as_stored=fp8_as_stored)
