@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The interpreter runs a launch's programs one after another and each op of a program costs tens to hundreds
 # of µs of Python whatever its block size: a row-wise kernel takes many rows per program when interpreted
 # (up to this many elements per op), one row per program when compiled (as many programs as rows).
-INTERPRETED_BLOCK_ELEMENTS = 1 << 16
+INTERPRETED_BLOCK_ELEMENTS = 1 << 18
 
 
 def rows_per_program(n_rows: int, row_elements: int) -> int:
