@@ -63,9 +63,12 @@ def _patch_language_once_per_launch() -> None:
         return
     languages = (tl, tl.core)
     launch = {"patched": None}   # ids of the language modules patched in the running launch; None between launches
+    seen: dict = {}              # function -> ids of the language modules its globals hold
 
     def patched_language(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages)
+        if fn not in seen:
+            seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages)
+        return seen[fn]
 
     def patch_once(fn):
         wanted = patched_language(fn)
