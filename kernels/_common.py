@@ -14,6 +14,21 @@ from ..errors import InputError
 # so kernels upcast operands to fp32 when interpreted; compiled code keeps bf16 tensor-core dots.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# The interpreter runs a launch's programs one after another and each op of a program costs tens to hundreds
+# of µs of Python whatever its block size: a row-wise kernel takes many rows per program when interpreted
+# (up to this many elements per op), one row per program when compiled (as many programs as rows).
+INTERPRETED_BLOCK_ELEMENTS = 1 << 18
+
+
+def rows_per_program(n_rows: int, row_elements: int) -> int:
+    """Rows one program of a row-wise kernel takes: 1 compiled; interpreted, the power of two that covers
+    n_rows, at most INTERPRETED_BLOCK_ELEMENTS // row_elements (row_elements: its widest op's elements a row)."""
+    if not INTERPRET:
+        return 1
+    most = max(1, INTERPRETED_BLOCK_ELEMENTS // max(1, row_elements))
+    return min(triton.next_power_of_2(max(1, n_rows)), 1 << (most.bit_length() - 1))
+
+
 # minirt.formats' constants in the form @triton.jit code reads (its globals must be constexprs); host code
 # uses minirt.formats itself (a constexpr argument would be compiled in, not passed).
 LOG2E = tl.constexpr(formats.LOG2E)

@@ -40,7 +40,7 @@ from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape, dequantize_block_f
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
-from ._common import INTERPRET, check_device
+from ._common import INTERPRET, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from ._launch import cdiv, described, launch, per_signature
 
@@ -51,17 +51,19 @@ assert DEFAULT_BLOCK == (BLOCK_K, BLOCK_K)
 _QUANT_GROUPS = 8
 
 
-@triton.jit(do_not_specialize=["n_groups"])
-def _quantize_act_kernel(x_ptr, q_ptr, scale_ptr, n_groups, stride_xm, stride_qm, stride_sm,
-                         GROUPS: tl.constexpr, GROUP: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    mask = groups < n_groups
+@triton.jit(do_not_specialize=["n_rows", "n_groups"])
+def _quantize_act_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_groups, stride_xm, stride_qm, stride_sm,
+                         ROWS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    # Program (row block, group block): ROWS rows x GROUPS groups, one group per tile row.
+    tile = tl.arange(0, ROWS * GROUPS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tile // GROUPS
+    groups = tl.program_id(1) * GROUPS + tile % GROUPS
+    mask = (rows < n_rows) & (groups < n_groups)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols, mask=mask[:, None], other=0.0).to(tl.float32)
     codes, scale = pow2_quantize_rows(x, MIN_EXPONENT)
-    tl.store(q_ptr + row * stride_qm + cols, codes.to(tl.uint8), mask=mask[:, None])
-    tl.store(scale_ptr + row * stride_sm + groups, scale, mask=mask)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols, codes.to(tl.uint8), mask=mask[:, None])
+    tl.store(scale_ptr + rows * stride_sm + groups, scale, mask=mask)
 
 
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +94,10 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
     if x.numel() > 0:
-        launch(_quantize_act_kernel, (m, cdiv(n_groups, _QUANT_GROUPS)),
-               (x, x_fp8.view(torch.uint8), scales, n_groups, x.stride(0), k, n_groups),
-               dict(GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT), compiled)
+        rows = rows_per_program(m, _QUANT_GROUPS * FP8_GROUP)
+        launch(_quantize_act_kernel, (cdiv(m, rows), cdiv(n_groups, _QUANT_GROUPS)),
+               (x, x_fp8.view(torch.uint8), scales, m, n_groups, x.stride(0), k, n_groups),
+               dict(ROWS=rows, GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT), compiled)
     return x_fp8, scales
 
 
@@ -148,8 +151,16 @@ def decode_config(m: int) -> Fp8GemmConfig:
                          group_m=1, num_warps=4, num_stages=6)
 
 
+# Interpreted, the tile kernel's time goes by programs and ops, not by elements (_common.rows_per_program):
+# a few large tiles, unsplit.
+INTERPRETED_CONFIG = Fp8GemmConfig(block_m=128, block_n=512, split_k=1)
+
+
 def default_config(m: int) -> Fp8GemmConfig:
-    """The tile kernel's launch for M tokens: decode_config(m) for M <= 128, PREFILL_CONFIG above."""
+    """The tile kernel's launch for M tokens: decode_config(m) for M <= 128, PREFILL_CONFIG above;
+    interpreted, INTERPRETED_CONFIG."""
+    if INTERPRET:
+        return INTERPRETED_CONFIG
     return decode_config(m) if m <= 128 else PREFILL_CONFIG
 
 

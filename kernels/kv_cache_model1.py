@@ -32,9 +32,9 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
-from ._common import check_device, check_slots, check_tensors, rows_of, writable_slot
+from ._common import check_device, check_slots, check_tensors, rows_of, rows_per_program
 from ._fp8 import pow2_quantize_rows
-from ._launch import described, launch, per_signature
+from ._launch import cdiv, described, launch, per_signature
 from .kv_cache_fp8 import CacheGeometry
 
 # The layout in the form @triton.jit code reads (here and in sparse_mla_decode).
@@ -244,26 +244,37 @@ def model1_entry_addresses(cache_ptr, slot, block_size, block_stride):
     return page_ptr + offset * M1_DATA_BYTES, page_ptr + block_size * M1_DATA_BYTES + offset * M1_SCALE_BYTES
 
 
-@triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride", "stride_kv"])
-def _write_kv_model1_kernel(cache_ptr, kv_ptr, slot_ptr, block_size, num_slots, block_stride, stride_kv):
-    entry = tl.program_id(0).to(tl.int64)
-    slot, valid = writable_slot(slot_ptr, entry, num_slots)
-    data, scales = model1_entry_addresses(cache_ptr, slot, block_size, block_stride)
-
-    # The nope tiles as the rows 0..6 of an [8, 64] block (row 7 masked: the rope, stored as bits).
-    tiles = tl.arange(0, 8)
+@triton.jit(do_not_specialize=["n_entries", "block_size", "num_slots", "block_stride", "stride_kv"])
+def _write_kv_model1_kernel(cache_ptr, kv_ptr, slot_ptr, n_entries, block_size, num_slots, block_stride, stride_kv,
+                            ROWS: tl.constexpr):
+    # Program: ROWS entries (rows_per_program). Each entry's nope tiles as the rows 0..6 of an [8, 64]
+    # block (row 7 masked: the rope, stored as bits), the entries' blocks stacked.
+    pieces = tl.arange(0, ROWS * 8)
+    entry = tl.program_id(0).to(tl.int64) * ROWS + pieces // 8
+    tiles = pieces % 8
+    in_range = entry < n_entries
+    slot = tl.load(slot_ptr + entry, mask=in_range, other=-1).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    data, scales = model1_entry_addresses(cache_ptr, tl.where(valid, slot, 0), block_size, block_stride)
     cols = tiles[:, None] * M1_TILE + tl.arange(0, M1_TILE)[None, :]
-    nope_tile = (tiles < M1_TILES)[:, None]
-    row = kv_ptr + entry * stride_kv
-    nope = tl.load(row + cols, mask=nope_tile, other=0.0).to(tl.float32)
+    nope_tile = tiles < M1_TILES
+    nope = tl.load(kv_ptr + entry[:, None] * stride_kv + cols, mask=(in_range & nope_tile)[:, None],
+                   other=0.0).to(tl.float32)
     codes, scale = pow2_quantize_rows(nope, MIN_SCALE_EXPONENT)
-    tl.store(data + cols, codes.to(tl.uint8), mask=valid & nope_tile)
+    tl.store(data[:, None] + cols, codes.to(tl.uint8), mask=(valid & nope_tile)[:, None])
     # ue8m0 byte = the float32 exponent field of the power-of-two scale; the pad byte (tile 7) is 0.
-    exponent = tl.where(tiles < M1_TILES, scale.to(tl.int32, bitcast=True) >> 23, 0)
+    exponent = tl.where(nope_tile, scale.to(tl.int32, bitcast=True) >> 23, 0)
     tl.store(scales + tiles, exponent.to(tl.uint8), mask=valid)
-    rope_cols = tl.arange(0, M1_ROPE)
-    rope = tl.load(row.to(tl.pointer_type(tl.int16)) + M1_NOPE + rope_cols)
-    tl.store((data + M1_NOPE).to(tl.pointer_type(tl.int16)) + rope_cols, rope, mask=valid)
+
+    entries = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    slots = tl.load(slot_ptr + entries, mask=entries < n_entries, other=-1).to(tl.int64)
+    entry_valid = (slots >= 0) & (slots < num_slots)
+    entry_data, _ = model1_entry_addresses(cache_ptr, tl.where(entry_valid, slots, 0), block_size, block_stride)
+    rope_cols = tl.arange(0, M1_ROPE)[None, :]
+    rope = tl.load((kv_ptr + entries[:, None] * stride_kv).to(tl.pointer_type(tl.int16)) + M1_NOPE + rope_cols,
+                   mask=(entries < n_entries)[:, None])
+    tl.store((entry_data[:, None] + M1_NOPE).to(tl.pointer_type(tl.int16)) + rope_cols, rope,
+             mask=entry_valid[:, None])
 
 
 def write_kv_model1(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -288,8 +299,10 @@ def write_kv_model1(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
     slots = slots.reshape(-1).contiguous()
     if slots.numel() == 0:
         return
-    launch(_write_kv_model1_kernel, (slots.numel(),), (kv_cache, kv, slots, geometry.block_size, geometry.num_slots,
-                                                        geometry.block_stride, kv.stride(0)), {}, compiled)
+    n = slots.numel()
+    rows = rows_per_program(n, formats.MODEL1_DIM)
+    launch(_write_kv_model1_kernel, (cdiv(n, rows),), (kv_cache, kv, slots, n, geometry.block_size, geometry.num_slots,
+                                                      geometry.block_stride, kv.stride(0)), dict(ROWS=rows), compiled)
 
 
 # Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> (the cache's

@@ -1,6 +1,6 @@
 """DeepSeek-V4's mHC (manifold-constrained hyper-connections) mixing, fused: one launch for the mixing
 weights, Sinkhorn and the collapse of a sub-layer's input (``hc_pre``), one for the new residual state
-(``hc_post``). One program per token; everything in fp32.
+(``hc_post``). One program per token (compiled; interpreted, per block of tokens); everything in fp32.
 
     m     = (fn · flat X) · rsqrt(mean(flat X²) + eps)            X [N, hc, D], fn [(2 + hc)·hc, hc·D]
     pre   = σ(m[:hc]·scale[0] + base[:hc]) + hc_eps
@@ -18,67 +18,80 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import check_device
+from ._common import check_device, rows_per_program
+
+_BLOCK = 256   # columns per step
 
 
 @triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, eps, hc_eps,
-                   D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr):
+def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps, hc_eps,
+                   D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # D is a compile-time constant (one model's hidden size): the interpreter loops over constant bounds only.
-    row = tl.program_id(0).to(tl.int64)
+    # A program takes ROWS tokens (rows_per_program), each reduced on its own.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
     K: tl.constexpr = HC * D  # one row of flat X
-    x_row = x_ptr + row * K
+    x_rows = x_ptr + rows * K
     streams = tl.arange(0, HC)
     pairs = tl.arange(0, HC * HC)
-    acc_pre = tl.zeros([HC], dtype=tl.float32)
-    acc_post = tl.zeros([HC], dtype=tl.float32)
-    acc_comb = tl.zeros([HC * HC], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_pre = tl.zeros([ROWS, HC], dtype=tl.float32)
+    acc_post = tl.zeros([ROWS, HC], dtype=tl.float32)
+    acc_comb = tl.zeros([ROWS, HC * HC], dtype=tl.float32)
+    sumsq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         valid = cols < K
-        x = tl.load(x_row + cols, mask=valid, other=0.0)
+        x = tl.load(x_rows[:, None] + cols[None, :], mask=in_rows[:, None] & valid[None, :], other=0.0)
         sumsq += x * x
-        acc_pre += tl.sum(tl.load(fn_ptr + streams[:, None] * K + cols[None, :], mask=valid[None, :], other=0.0)
-                          * x[None, :], axis=1)
-        acc_post += tl.sum(tl.load(fn_ptr + (HC + streams[:, None]) * K + cols[None, :], mask=valid[None, :],
-                                   other=0.0) * x[None, :], axis=1)
-        acc_comb += tl.sum(tl.load(fn_ptr + (2 * HC + pairs[:, None]) * K + cols[None, :], mask=valid[None, :],
-                                   other=0.0) * x[None, :], axis=1)
-    r = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / K + eps)
+        fn_pre = tl.load(fn_ptr + streams[:, None] * K + cols[None, :], mask=valid[None, :], other=0.0)
+        acc_pre += tl.sum(fn_pre[None, :, :] * x[:, None, :], axis=2)
+        fn_post = tl.load(fn_ptr + (HC + streams[:, None]) * K + cols[None, :], mask=valid[None, :], other=0.0)
+        acc_post += tl.sum(fn_post[None, :, :] * x[:, None, :], axis=2)
+        fn_comb = tl.load(fn_ptr + (2 * HC + pairs[:, None]) * K + cols[None, :], mask=valid[None, :], other=0.0)
+        acc_comb += tl.sum(fn_comb[None, :, :] * x[:, None, :], axis=2)
+    r = 1.0 / tl.sqrt(tl.sum(sumsq, axis=1) / K + eps)
     s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(acc_pre * r * s_pre + tl.load(base_ptr + streams)) + hc_eps
-    post = 2.0 * tl.sigmoid(acc_post * r * s_post + tl.load(base_ptr + HC + streams))
-    logits = tl.reshape(acc_comb * r * s_comb + tl.load(base_ptr + 2 * HC + pairs), (HC, HC))
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    pre = tl.sigmoid(acc_pre * r[:, None] * s_pre + tl.load(base_ptr + streams)[None, :]) + hc_eps
+    post = 2.0 * tl.sigmoid(acc_post * r[:, None] * s_post + tl.load(base_ptr + HC + streams)[None, :])
+    logits = tl.reshape(acc_comb * r[:, None] * s_comb + tl.load(base_ptr + 2 * HC + pairs)[None, :], (ROWS, HC, HC))
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     for _ in range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + row * HC + streams, post)
-    tl.store(comb_ptr + row * HC * HC + pairs, tl.reshape(comb, (HC * HC,)))
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    tl.store(post_ptr + rows[:, None] * HC + streams[None, :], post, mask=in_rows[:, None])
+    tl.store(comb_ptr + rows[:, None] * HC * HC + pairs[None, :], tl.reshape(comb, (ROWS, HC * HC)),
+             mask=in_rows[:, None])
     for d0 in range(0, D, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         valid = cols < D
-        x = tl.load(x_row + streams[:, None] * D + cols[None, :], mask=valid[None, :], other=0.0)
-        tl.store(collapsed_ptr + row * D + cols, tl.sum(pre[:, None] * x, axis=0), mask=valid)
+        x = tl.load(x_rows[:, None, None] + streams[None, :, None] * D + cols[None, None, :],
+                    mask=in_rows[:, None, None] & valid[None, None, :], other=0.0)
+        tl.store(collapsed_ptr + rows[:, None] * D + cols[None, :], tl.sum(pre[:, :, None] * x, axis=1),
+                 mask=in_rows[:, None] & valid[None, :])
 
 
 @triton.jit
-def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
     streams = tl.arange(0, HC)
-    post = tl.load(post_ptr + row * HC + streams)
-    comb = tl.load(comb_ptr + row * HC * HC + streams[:, None] * HC + streams[None, :])  # [j, k]
+    post = tl.load(post_ptr + rows[:, None] * HC + streams[None, :], mask=in_rows[:, None], other=0.0)
     for d0 in range(0, D, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         valid = cols < D
-        f = tl.load(f_ptr + row * D + cols, mask=valid, other=0.0)
-        x = tl.load(x_ptr + row * HC * D + streams[:, None] * D + cols[None, :], mask=valid[None, :], other=0.0)
-        mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [k, BLOCK]: Σ_j comb[j, k] X[j]
-        tl.store(out_ptr + row * HC * D + streams[:, None] * D + cols[None, :], post[:, None] * f[None, :] + mixed,
-                 mask=valid[None, :])
+        f = tl.load(f_ptr + rows[:, None] * D + cols[None, :], mask=in_rows[:, None] & valid[None, :], other=0.0)
+        mixed = post[:, :, None] * f[:, None, :]   # [ROWS, k, BLOCK], plus Σ_j comb[j, k] X[j]
+        for j in tl.static_range(HC):
+            comb_j = tl.load(comb_ptr + rows[:, None] * HC * HC + j * HC + streams[None, :], mask=in_rows[:, None],
+                             other=0.0)
+            x_j = tl.load(x_ptr + rows[:, None] * HC * D + j * D + cols[None, :],
+                          mask=in_rows[:, None] & valid[None, :], other=0.0)
+            mixed += comb_j[:, :, None] * x_j[:, None, :]
+        tl.store(out_ptr + rows[:, None, None] * HC * D + streams[None, :, None] * D + cols[None, None, :], mixed,
+                 mask=in_rows[:, None, None] & valid[None, None, :])
 
 
 def _check(name: str, t, shape: tuple) -> None:
@@ -117,8 +130,10 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     collapsed = X.new_empty(N, D)
     post, comb = X.new_empty(N, hc), X.new_empty(N, hc, hc)
     if N:
-        _hc_pre_kernel[(N,)](X, fn, base, scale, collapsed, post, comb, float(eps), float(hc_eps), D=D,
-                             ITERS=sinkhorn_iters, HC=hc, BLOCK=256)
+        rows = rows_per_program(N, (2 + hc) * hc * _BLOCK)
+        _hc_pre_kernel[(triton.cdiv(N, rows),)](X, fn, base, scale, collapsed, post, comb, N, float(eps),
+                                                float(hc_eps), D=D, ITERS=sinkhorn_iters, HC=hc, ROWS=rows,
+                                                BLOCK=_BLOCK)
     return collapsed, post, comb
 
 
@@ -148,5 +163,6 @@ def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     check_device({"F": F, "X": X, "post": post, "comb": comb})
     out = torch.empty_like(X)
     if N:
-        _hc_post_kernel[(N,)](F, X, post, comb, out, D=D, HC=hc, BLOCK=256)
+        rows = rows_per_program(N, hc * _BLOCK)
+        _hc_post_kernel[(triton.cdiv(N, rows),)](F, X, post, comb, out, N, D=D, HC=hc, ROWS=rows, BLOCK=_BLOCK)
     return out

@@ -47,7 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import INTERPRET, check_device
+from ._common import INTERPRET, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
@@ -347,18 +347,20 @@ def _split_columns(cols, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _gather_quantize_kernel(x_ptr, row_token_ptr, q_ptr, scale_ptr, stride_xt,
-                            D: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
-    # Program (row, group block): the row's token's GROUPS x 128 columns, quantised; padding rows zero.
-    row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    token = tl.load(row_token_ptr + row).to(tl.int64)
-    mask = groups < D // _BLOCK_K
+def _gather_quantize_kernel(x_ptr, row_token_ptr, q_ptr, scale_ptr, n_rows, stride_xt,
+                            D: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+    # Program (row block, group block): each of ROWS rows' token's GROUPS x 128 columns (one group per
+    # tile row), quantised; padding rows zero.
+    tile = tl.arange(0, ROWS * GROUPS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tile // GROUPS
+    groups = tl.program_id(1) * GROUPS + tile % GROUPS
+    mask = (rows < n_rows) & (groups < D // _BLOCK_K)
+    token = tl.load(row_token_ptr + rows, mask=mask, other=-1).to(tl.int64)
     cols = groups[:, None] * _BLOCK_K + tl.arange(0, _BLOCK_K)[None, :]
-    x = tl.load(x_ptr + token * stride_xt + cols, mask=mask[:, None] & (token >= 0), other=0.0).to(tl.float32)
-    codes, scale = pow2_quantize_rows(x, _ACT_MIN_EXPONENT)
-    tl.store(q_ptr + row * D + _split_columns(cols, SPLIT), codes.to(tl.uint8), mask=mask[:, None])
-    tl.store(scale_ptr + row * (D // _BLOCK_K) + groups, scale, mask=mask)
+    x = tl.load(x_ptr + token[:, None] * stride_xt + cols, mask=(mask & (token >= 0))[:, None], other=0.0)
+    codes, scale = pow2_quantize_rows(x.to(tl.float32), _ACT_MIN_EXPONENT)
+    tl.store(q_ptr + rows[:, None] * D + _split_columns(cols, SPLIT), codes.to(tl.uint8), mask=mask[:, None])
+    tl.store(scale_ptr + rows * (D // _BLOCK_K) + groups, scale, mask=mask)
 
 
 @triton.jit
@@ -553,18 +555,19 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, out_ptr, stride_ot,
-                    D: tl.constexpr, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Program (token, column block): the weighted sum of its slots' expert rows, in slot order.
-    token = tl.program_id(0).to(tl.int64)
+def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, out_ptr, n_tokens, stride_ot,
+                    D: tl.constexpr, TOP_K: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (token block, column block): per token the weighted sum of its slots' expert rows, in slot order.
+    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    mask = (tokens < n_tokens)[:, None] & (cols < D)[None, :]
+    acc = tl.zeros((TOKENS, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        row = tl.load(row_of_slot_ptr + token * TOP_K + j).to(tl.int64)
-        weight = tl.load(weights_ptr + token * TOP_K + j)
-        y = tl.load(y_ptr + row * D + cols, mask=(row >= 0) & (cols < D), other=0.0)
-        acc += tl.where(row >= 0, weight, 0.0) * y.to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < D)
+        row = tl.load(row_of_slot_ptr + tokens * TOP_K + j, mask=tokens < n_tokens, other=-1).to(tl.int64)
+        weight = tl.load(weights_ptr + tokens * TOP_K + j, mask=tokens < n_tokens, other=0.0)
+        y = tl.load(y_ptr + row[:, None] * D + cols[None, :], mask=mask & (row >= 0)[:, None], other=0.0)
+        acc += tl.where(row >= 0, weight, 0.0)[:, None] * y.to(tl.float32)
+    tl.store(out_ptr + tokens[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _GATHER_GROUPS = 8       # 128-column groups per gather program
@@ -577,9 +580,10 @@ def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor, split: bool) -> t
     rows, d = row_token.numel(), x.shape[1]
     x_fp8 = torch.empty((rows, d), dtype=FP8_DTYPE, device=x.device)
     x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
-    _gather_quantize_kernel[(rows, triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
-        x, row_token, x_fp8.view(torch.uint8), x_scales, x.stride(0),
-        D=d, GROUPS=_GATHER_GROUPS, SPLIT=split)
+    per_program = rows_per_program(rows, _GATHER_GROUPS * BLOCK_K)
+    _gather_quantize_kernel[(triton.cdiv(rows, per_program), triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
+        x, row_token, x_fp8.view(torch.uint8), x_scales, rows, x.stride(0),
+        D=d, ROWS=per_program, GROUPS=_GATHER_GROUPS, SPLIT=split)
     return x_fp8, x_scales
 
 
@@ -711,6 +715,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
 def _combine(y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [T, D] = the weighted sums of each token's slots' rows of y (_combine_kernel)."""
     n_tokens, top_k = weights.shape
-    _combine_kernel[(n_tokens, triton.cdiv(out.shape[1], _COMBINE_BLOCK))](
-        y, row_of_slot, weights.contiguous(), out, out.stride(0), D=out.shape[1], TOP_K=top_k, BLOCK_D=_COMBINE_BLOCK)
+    tokens = rows_per_program(n_tokens, _COMBINE_BLOCK)
+    _combine_kernel[(triton.cdiv(n_tokens, tokens), triton.cdiv(out.shape[1], _COMBINE_BLOCK))](
+        y, row_of_slot, weights.contiguous(), out, n_tokens, out.stride(0), D=out.shape[1], TOP_K=top_k, TOKENS=tokens,
+        BLOCK_D=_COMBINE_BLOCK)
     return out

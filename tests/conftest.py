@@ -1,8 +1,12 @@
 import os
 import shutil
 
-import pytest
-import torch
+# The interpreter's numpy products are small (one tile a program): OpenBLAS's threads only spin between
+# them (on a busy 2-core machine the tile GEMMs took 4x the CPU time). Read when numpy loads (with torch).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run under the interpreter; it must be chosen before any kernel
 # module is imported (triton reads the variable when a @triton.jit function is defined).
