@@ -342,23 +342,3 @@ def load_tensor(file, stored: StoredTensor, name: str, device: torch.device, dty
         else:
             out.copy_(value)
     return out
-    step = max(1, READ_CHUNK_BYTES // max(1, stored.nbytes // rows))
-    if scale_inv is not None:
-        step = max(block[0], step // block[0] * block[0])  # whole scale blocks per chunk
-    per_row = math.prod(stored.shape[1:])
-    for start in range(0, rows, step):
-        n = min(step, rows - start)
-        raw = _read_rows(file, stored, name, start, n)
-        check_finite(raw, name, stored.shard, first=start * per_row)
-        raw = raw.to(device)
-        if scale_inv is not None:
-            value = dequantize_block_fp8(raw, scale_inv[start // block[0] : -(-(start + n) // block[0])], block, dtype)
-        else:
-            value = raw.to(dtype)
-        if value.dtype != stored.dtype:
-            check_finite(value, name, stored.shard, f"value after conversion to {dtype}", first=start * per_row)
-        if stored.shape:
-            out[start : start + n].copy_(value)
-        else:
-            out.copy_(value)
-    return out
