@@ -17,8 +17,11 @@ from typing import Any, Callable
 
 import torch
 
+from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
+
 from .blockfp8 import FP8_DTYPE, dequantize_block_fp8
-from .errors import CheckpointError, InputError
+from .device import available_memory
+from .errors import CheckpointError, DeviceError, InputError
 from .parallel import Shard
 from .files import MAX_HEADER_BYTES, MAX_INDEX_BYTES, is_present, member, open_regular, os_reason, read_json, shown, stat_regular
 
@@ -167,6 +170,22 @@ class LoadPlan:
     def tensor_names(self) -> tuple[str, ...]:
         """Names of the stored tensors to read, weights and scales."""
         return tuple(self.stored)
+
+
+def check_weights_fit(plan: LoadPlan, device: torch.device, top: int, layers: list[int]) -> None:
+    """DeviceError, with both numbers and the largest layer count that fits, when the weights ``plan``
+    would hold (``top`` bytes outside the layers plus ``layers[i]`` bytes for layer i) exceed the free
+    memory of ``device``: before anything is read."""
+    need, free = top + sum(layers), available_memory(device)
+    if need <= free:
+        return
+    fits, total = 0, top
+    while fits < len(layers) and total + layers[fits] <= free:
+        total += layers[fits]
+        fits += 1
+    advice = f"at most {fits} layer(s) fit (--layers {fits})" if fits else "not even one layer fits"
+    raise DeviceError(f"{plan.num_layers} layer(s) of {plan.path} need {decimal(need)} of weights on {device.type}, "
+                      f"{decimal(free)} is free: {advice}")
 
 
 def read_weight_map(path: Path) -> tuple[str, dict[str, str]]:

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 import minirt
 import minirt.models.deepseek_v32.checkpoint as checkpoint
+import minirt.shards as shards
 from minirt.blockfp8 import dequantize_block_fp8
 from minirt.models.deepseek_v32.checkpoint import expert_bytes, load_checkpoint, stacked_expert_specs, tensor_specs
 from minirt.shards import INDEX_FILE
@@ -101,7 +102,7 @@ def test_load_refuses_layers_that_do_not_fit(tiny_moe, monkeypatch):
     top, layers = checkpoint.layer_memory_bytes(preset_config("tiny"), tensor_specs(preset_config("tiny"), 4),
                                                 torch.float32, False)
     free = top + sum(layers[:3]) + 1
-    monkeypatch.setattr(checkpoint, "available_memory", lambda device: free)
+    monkeypatch.setattr(shards, "available_memory", lambda device: free)
     with pytest.raises(DeviceError, match=r"4 layer\(s\) .* need .* of weights on cpu, .* is free: at most 3 layer"):
         load_checkpoint(tiny_moe)
     _, w = load_checkpoint(tiny_moe, num_layers=3)

@@ -569,9 +569,9 @@ def test_symlink_loop_is_named_as_one(tiny, tmp_path):
 
 
 def test_weights_larger_than_the_memory_are_refused_before_reading(tiny, monkeypatch):
-    import minirt.models.deepseek_v32.checkpoint as checkpoint
+    import minirt.shards as shards
 
-    monkeypatch.setattr(checkpoint, "available_memory", lambda device: 1_000_000)
+    monkeypatch.setattr(shards, "available_memory", lambda device: 1_000_000)
     read = []
     with pytest.raises(DeviceError, match=r"2 layer\(s\) of .* need [\d.]+ [kMG]B of weights on cpu, 1.0 MB is free"):
         load_checkpoint(tiny, progress=lambda done, total, name: read.append(name))

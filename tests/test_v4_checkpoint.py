@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from minirt.shards import INDEX_FILE
 from minirt.cli import app
-from minirt.errors import CheckpointError
+from minirt.errors import CheckpointError, DeviceError
 from minirt.models.deepseek_v4 import V4Quantization
-from minirt.models.deepseek_v4.checkpoint import load_checkpoint, plan_load, stored_layout, tensor_specs
+from minirt.models.deepseek_v4.checkpoint import layer_memory_bytes, load_checkpoint, plan_load, stored_layout, tensor_specs
 from minirt.models.deepseek_v4.quant import check_pow2_scales, dequantize_fp4, quantize_fp4
 from minirt.synthetic import is_synthetic_checkpoint, preset_config, write_synthetic_checkpoint
 
@@ -178,3 +178,24 @@ def test_cli_init_and_info(tmp_path, v4_master):
     assert "cache CSA layer" in out.output and "274.0 B/token" in out.output  # 584 / 4 + 4 · 128 / 4
     result = runner.invoke(app, ["init", str(v4_master), "--preset", "v4-tiny", "--seed", "7"])
     assert result.exit_code == 0 and "already complete" in result.output
+
+
+@pytest.mark.parametrize("dtype, as_stored", [(torch.bfloat16, True), (torch.float32, False)])
+def test_memory_estimate_is_what_loading_holds(v4_master, dtype, as_stored):
+    plan = plan_load(v4_master, 3)
+    top, layers = layer_memory_bytes(plan, dtype, as_stored)
+    _, weights = load_checkpoint(v4_master, 3, dtype=dtype, as_stored=as_stored)
+    held = {i: 0 for i in range(3)} | {"top": 0}
+    for name, t in weights.items():
+        held[int(name.split(".")[1]) if name.startswith("layers.") else "top"] += t.numel() * t.element_size()
+    assert (top, layers) == (held["top"], [held[i] for i in range(3)])
+
+
+def test_weights_larger_than_the_memory_are_refused_before_reading(v4_master, monkeypatch):
+    import minirt.shards as shards
+
+    monkeypatch.setattr(shards, "available_memory", lambda device: 1_000_000)
+    read = []
+    with pytest.raises(DeviceError, match=r"4 layer\(s\) of .* need [\d.]+ [kMG]B of weights on cpu, 1.0 MB is free"):
+        load_checkpoint(v4_master, progress=lambda done, total, name: read.append(name))
+    assert read == []

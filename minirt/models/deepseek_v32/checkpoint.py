@@ -15,18 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.filesize import decimal  # sizes in kB / MB / GB, as disks are sold
 
 from ...blockfp8 import FP8_DTYPE, block_scale_shape
 from ...config import ModelConfig
-from ...device import available_memory, resolve_device
-from ...errors import CheckpointError, DeviceError, InputError
+from ...device import resolve_device
+from ...errors import CheckpointError, InputError
 from ...files import as_path
-from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_checkpoint_dir, check_load_dtype, load_tensor,
-                       locate_tensors, open_shards)
+from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_checkpoint_dir, check_load_dtype, check_weights_fit,
+                       load_tensor, locate_tensors, open_shards)
 from ...parallel import SINGLE, Shard, TensorParallel, expert_range, local_specs, weight_shard
 
 SCALE_SUFFIX = "_scale_inv"
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -256,17 +256,8 @@ def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as
     """DeviceError, with both numbers and the largest layer count that fits, when the weights of
     ``plan`` (or ``specs``, a rank's share of them) exceed the free memory of ``device``: before
     anything is read."""
-    top, layers = layer_memory_bytes(plan.config, plan.specs if specs is None else specs, dtype, fp8_as_stored)
-    need, free = top + sum(layers), available_memory(device)
-    if need <= free:
-        return
-    fits, total = 0, top
-    while fits < len(layers) and total + layers[fits] <= free:
-        total += layers[fits]
-        fits += 1
-    advice = f"at most {fits} layer(s) fit (--layers {fits})" if fits else "not even one layer fits"
-    raise DeviceError(f"{plan.num_layers} layer(s) of {plan.path} need {decimal(need)} of weights on {device.type}, "
-                      f"{decimal(free)} is free: {advice}")
+    check_weights_fit(plan, device, *layer_memory_bytes(plan.config, plan.specs if specs is None else specs, dtype,
+                                                         fp8_as_stored))
 
 
 def load_checkpoint(

@@ -23,8 +23,8 @@ import torch
 
 from ...blockfp8 import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
 from ...device import resolve_device
-from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_finite, check_load_dtype, load_tensor, locate_tensors,
-                       open_shards)
+from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_finite, check_load_dtype, check_weights_fit, load_tensor,
+                       locate_tensors, open_shards)
 from ...errors import CheckpointError, InputError
 from .config import FP4_BLOCK, DeepseekV4Config, LayerKind, MODEL_TYPE
 from .quant import E8M0_DTYPE, check_pow2_scales, dequantize_fp4
@@ -187,6 +187,23 @@ def _check_tid2eid(t: torch.Tensor, name: str, num_experts: int) -> None:
                               f"[0, n_routed_experts={num_experts})")
 
 
+def layer_memory_bytes(plan: LoadPlan, dtype: torch.dtype, as_stored: bool) -> tuple[int, list[int]]:
+    """(bytes outside the layers, [bytes of layer i]) that :func:`load_checkpoint` holds for ``plan``:
+    fp8 / fp4 weights with their scales as stored (``as_stored``) or dequantised to ``dtype``, ``tid2eid``
+    int64, every other weight in ``dtype``."""
+    top, layers = 0, [0] * plan.num_layers
+    for name, spec in plan.specs.items():
+        if spec.fmt in ("fp8", "fp4") and as_stored:
+            size = sum(plan.stored[n].nbytes for n in stored_layout(name, spec))
+        else:
+            size = math.prod(spec.shape) * (8 if spec.fmt == "int64" else dtype.itemsize)
+        if name.startswith("layers."):
+            layers[int(name.split(".")[1])] += size
+        else:
+            top += size
+    return top, layers
+
+
 def load_checkpoint(
     path: str | Path,
     num_layers: int | None = None,
@@ -201,7 +218,9 @@ def load_checkpoint(
     With ``as_stored`` the fp8 / fp4 weights stay as stored instead (float8_e4m3fn, or int8 packed fp4),
     each with its ``.scale`` entry (:func:`scale_name`) as released (float8_e8m0fnu), checked as powers of two.
 
-    Opens only the shards :func:`plan_load` lists. Refused with a CheckpointError naming the tensor: a
+    Opens only the shards :func:`plan_load` lists, after checking that the weights fit in ``device``'s free
+    memory (:func:`layer_memory_bytes`; DeviceError naming both sizes and the largest layer count that
+    fits). Refused with a CheckpointError naming the tensor: a
     stored NaN / ±Inf, a scale that is not a positive power of two (ue8m0: zero, NaN, 3.0, ...), a
     ``tid2eid`` entry outside [0, n_routed_experts), a value that overflows ``dtype``.
     ``progress(done, total, name)`` is called after each weight with bytes read so far and in total.
@@ -209,6 +228,7 @@ def load_checkpoint(
     check_load_dtype(dtype)
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
+    check_weights_fit(plan, device, *layer_memory_bytes(plan, dtype, as_stored))
     weights: dict[str, torch.Tensor] = {}
     done = 0
     with open_shards(plan) as files:

@@ -88,9 +88,11 @@ def check_tensor_parallel(cfg: DeepseekV4Config | None, tp: TensorParallel) -> N
 
 def check_generate_fits(cfg: DeepseekV4Config, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int,
                         device) -> None:
-    """DeepSeek-V4 has no estimate of its weights' memory yet, so nothing is refused before loading; the
-    caches are checked against the free memory when they are allocated (``V4Cache``: DeviceError)."""
+    """Nothing to refuse before loading: the loader checks that the weights fit (``load_checkpoint``) and
+    the engine that the caches do when it allocates them (``V4Cache``), each with a DeviceError naming
+    both sizes."""
 
 
 def check_verify_fits(cfg: DeepseekV4Config, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
-    """As :func:`check_generate_fits`: no estimate of the eager reference's memory yet, nothing refused."""
+    """As :func:`check_generate_fits`: the runtime's and then the reference's weights (dequantised, fp32)
+    are each checked when they load; the reference's activations are not estimated."""
