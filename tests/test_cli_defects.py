@@ -192,7 +192,9 @@ def test_generate_long_run_says_how_long(tiny):
     (tiny / "config.json").write_text(json.dumps(config))
     proc = subprocess.Popen([sys.executable, "-m", "minirt", "generate", str(tiny), "-n", "100000",
                              "--backend", "reference", "--device", "cpu"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+                            # as a terminal's Ctrl-C finds it: a background job inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = threading.Timer(180, proc.kill)  # no note by then: the line read below comes back empty
     deadline.start()
     try:
