@@ -219,3 +219,20 @@ def test_v4_each_rank_loads_its_slices(v4_tiny3):
         assert t.dtype == expect.dtype and torch.equal(t.view(torch.uint8), expect.contiguous().view(torch.uint8)), name
     assert kinds == {"dim 0", "dim 1", "whole"}
     assert mine["layers.0.attn.attn_sink"].shape == (4,) and mine["head.weight"].shape == (256, 256)
+
+
+def test_v4_check_tensor_parallel(v4_tiny3):
+    """v4-tiny (8 heads, 2 output groups, 8 experts): tp 2 passes; tp 3 cuts the heads (InputError, what
+    the CLI's --tp reports), tp 4 the output groups (ConfigError)."""
+    from minirt.config import load_config
+    from minirt.errors import ConfigError
+    from minirt.models import family_of
+    from minirt.parallel import TensorParallel
+
+    cfg = load_config(v4_tiny3 / "config.json")
+    check = family_of(cfg).check_tensor_parallel
+    check(cfg, TensorParallel(0, 2))
+    with pytest.raises(InputError, match="tp=3 does not divide the 8 attention heads"):
+        check(cfg, TensorParallel(0, 3))
+    with pytest.raises(ConfigError, match=r"o_groups \(2\) divisible by 4"):
+        check(cfg, TensorParallel(0, 4))
