@@ -1,5 +1,6 @@
 """Tensor + expert parallelism (minirt.parallel) over 2 gloo processes on the CPU: the same logits as one
-process, prefill and decode, on the tiny preset's dense and MoE layers; and the bad-input errors."""
+process, prefill and decode, on the tiny preset's dense and MoE layers and on v4-tiny's SWA / CSA / HCA
+layers; each rank's slices of the checkpoint; and the bad-input errors."""
 import os
 
 import pytest
@@ -25,12 +26,13 @@ def run(engine) -> dict[str, torch.Tensor]:
     return {"logits": torch.cat(logits), "hidden": torch.stack(trace.hidden_states)}
 
 
-def _rank(rank: int, world: int, init_file: str, checkpoint: str, out_dir: str) -> None:
+def _rank(rank: int, world: int, init_file: str, checkpoint: str, out_dir: str, runner=run, args=()) -> None:
+    """One rank of the group: saves ``runner(engine, *args)`` as rank{rank}.pt in out_dir."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.save(run(minirt.load(checkpoint, device="cpu", tp=world)), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(runner(minirt.load(checkpoint, device="cpu", tp=world), *args), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -149,17 +151,6 @@ def run_v4(engine, moe_input: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"logits": torch.cat(logits), "attn0": trace._joined("attn")[0], "moe": moe}
 
 
-def _rank_v4(rank: int, world: int, init_file: str, checkpoint: str, out_dir: str, moe_input) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.save(run_v4(minirt.load(checkpoint, device="cpu", tp=world), moe_input),
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def v4_tiny3(tmp_path_factory):
     """v4-tiny's SWA, CSA and HCA layers (the first two hash-routed, the third top-k)."""
@@ -176,8 +167,8 @@ def test_v4_two_ranks_match_one_process(v4_tiny3, tmp_path):
     flipped fp8 steps downstream (~2 % here)."""
     moe_input = torch.randn(13, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_v4, args=(r, 2, str(tmp_path / "init"), str(v4_tiny3), str(tmp_path), moe_input))
-             for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "init"), str(v4_tiny3), str(tmp_path), run_v4,
+                                             (moe_input,))) for r in range(2)]
     for p in procs:
         p.start()
     single = run_v4(minirt.load(v4_tiny3, device="cpu"), moe_input)  # meanwhile
@@ -197,7 +188,7 @@ def test_v4_two_ranks_match_one_process(v4_tiny3, tmp_path):
 def test_v4_each_rank_loads_its_slices(v4_tiny3):
     """load_checkpoint(tp=...) gives rank 1 of 2 exactly its rows / columns of the split weights (their
     fp8 block scales in whole blocks), only its routed experts, and every other tensor whole."""
-    from minirt.models.deepseek_v4.checkpoint import load_checkpoint
+    from minirt.models.deepseek_v4.checkpoint import layer_memory_bytes, load_checkpoint, plan_load
     from minirt.models.deepseek_v4.parallel import expert_range, weight_shard
     from minirt.parallel import TensorParallel
 
@@ -219,6 +210,9 @@ def test_v4_each_rank_loads_its_slices(v4_tiny3):
         assert t.dtype == expect.dtype and torch.equal(t.view(torch.uint8), expect.contiguous().view(torch.uint8)), name
     assert kinds == {"dim 0", "dim 1", "whole"}
     assert mine["layers.0.attn.attn_sink"].shape == (4,) and mine["head.weight"].shape == (256, 256)
+    top, layers = layer_memory_bytes(plan_load(v4_tiny3), torch.bfloat16, True, tp)  # what the fit check counts
+    held = [sum(t.nbytes for n, t in mine.items() if n.startswith(f"layers.{i}.")) for i in range(3)]
+    assert layers == held and top == sum(t.nbytes for t in mine.values()) - sum(held)
 
 
 def test_v4_check_tensor_parallel(v4_tiny3):

@@ -189,16 +189,22 @@ def _check_tid2eid(t: torch.Tensor, name: str, num_experts: int) -> None:
                               f"[0, n_routed_experts={num_experts})")
 
 
-def layer_memory_bytes(plan: LoadPlan, dtype: torch.dtype, as_stored: bool) -> tuple[int, list[int]]:
+def layer_memory_bytes(plan: LoadPlan, dtype: torch.dtype, as_stored: bool,
+                       tp: TensorParallel = SINGLE) -> tuple[int, list[int]]:
     """(bytes outside the layers, [bytes of layer i]) that :func:`load_checkpoint` holds for ``plan``:
     fp8 / fp4 weights with their scales as stored (``as_stored``) or dequantised to ``dtype``, ``tid2eid``
-    int64, every other weight in ``dtype``."""
+    int64, every other weight in ``dtype``; with ``tp``, rank ``tp.rank``'s experts and slices only."""
     top, layers = 0, [0] * plan.num_layers
     for name, spec in plan.specs.items():
+        if not holds(plan.config, name, tp):
+            continue
         if spec.fmt in ("fp8", "fp4") and as_stored:
             size = sum(plan.stored[n].nbytes for n in stored_layout(name, spec))
         else:
             size = math.prod(spec.shape) * (8 if spec.fmt == "int64" else dtype.itemsize)
+        shard = weight_shard(plan.config, name, tp)
+        if shard is not None:  # a slice of whole scale blocks: the same fraction of the scales
+            size = size * (shard.stop - shard.start) // spec.shape[shard.dim]
         if name.startswith("layers."):
             layers[int(name.split(".")[1])] += size
         else:
@@ -228,13 +234,13 @@ def load_checkpoint(
     ``tid2eid`` entry outside [0, n_routed_experts), a value that overflows ``dtype``.
     ``progress(done, total, name)`` is called after each weight with bytes read so far and in total.
     ``tp`` (``minirt.parallel``): only this rank's part of each split weight (``.parallel.weight_shard``,
-    its fp8 ``.scale`` in whole 128×128 blocks) and only its routed experts (``.parallel.expert_range``);
-    the memory check counts the whole checkpoint.
+    its fp8 ``.scale`` in whole 128×128 blocks) and only its routed experts (``.parallel.expert_range``),
+    which is what the memory check counts.
     """
     check_load_dtype(dtype)
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
-    check_weights_fit(plan, device, *layer_memory_bytes(plan, dtype, as_stored))
+    check_weights_fit(plan, device, *layer_memory_bytes(plan, dtype, as_stored, tp))
     weights: dict[str, torch.Tensor] = {}
     done = 0
     with open_shards(plan) as files:

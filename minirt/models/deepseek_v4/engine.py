@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ...backend import check_prompts
 from ...context import KVStash, PrefillTrace, Segment
