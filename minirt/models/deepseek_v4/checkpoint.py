@@ -26,7 +26,9 @@ from ...device import resolve_device
 from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_finite, check_load_dtype, check_weights_fit, load_tensor,
                        locate_tensors, open_shards)
 from ...errors import CheckpointError, InputError
+from ...parallel import SINGLE, TensorParallel
 from .config import FP4_BLOCK, DeepseekV4Config, LayerKind, MODEL_TYPE
+from .parallel import holds, weight_shard
 from .quant import E8M0_DTYPE, check_pow2_scales, dequantize_fp4
 
 SCALE_DTYPES = (E8M0_DTYPE, torch.float32)  # fp32 scales: V4-Flash-Base's fp8 experts
@@ -187,16 +189,22 @@ def _check_tid2eid(t: torch.Tensor, name: str, num_experts: int) -> None:
                               f"[0, n_routed_experts={num_experts})")
 
 
-def layer_memory_bytes(plan: LoadPlan, dtype: torch.dtype, as_stored: bool) -> tuple[int, list[int]]:
+def layer_memory_bytes(plan: LoadPlan, dtype: torch.dtype, as_stored: bool,
+                       tp: TensorParallel = SINGLE) -> tuple[int, list[int]]:
     """(bytes outside the layers, [bytes of layer i]) that :func:`load_checkpoint` holds for ``plan``:
     fp8 / fp4 weights with their scales as stored (``as_stored``) or dequantised to ``dtype``, ``tid2eid``
-    int64, every other weight in ``dtype``."""
+    int64, every other weight in ``dtype``; with ``tp``, rank ``tp.rank``'s experts and slices only."""
     top, layers = 0, [0] * plan.num_layers
     for name, spec in plan.specs.items():
+        if not holds(plan.config, name, tp):
+            continue
         if spec.fmt in ("fp8", "fp4") and as_stored:
             size = sum(plan.stored[n].nbytes for n in stored_layout(name, spec))
         else:
             size = math.prod(spec.shape) * (8 if spec.fmt == "int64" else dtype.itemsize)
+        shard = weight_shard(plan.config, name, tp)
+        if shard is not None:  # a slice of whole scale blocks: the same fraction of the scales
+            size = size * (shard.stop - shard.start) // spec.shape[shard.dim]
         if name.startswith("layers."):
             layers[int(name.split(".")[1])] += size
         else:
@@ -211,6 +219,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     as_stored: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
     """Load the first ``num_layers`` layers (None: all) and the top-level tensors of a V4 checkpoint,
     dequantised: returns (config, {name: tensor}) with the :func:`tensor_specs` names and shapes, float
@@ -224,18 +233,26 @@ def load_checkpoint(
     stored NaN / ±Inf, a scale that is not a positive power of two (ue8m0: zero, NaN, 3.0, ...), a
     ``tid2eid`` entry outside [0, n_routed_experts), a value that overflows ``dtype``.
     ``progress(done, total, name)`` is called after each weight with bytes read so far and in total.
+    ``tp`` (``minirt.parallel``): only this rank's part of each split weight (``.parallel.weight_shard``,
+    its fp8 ``.scale`` in whole 128×128 blocks) and only its routed experts (``.parallel.expert_range``),
+    which is what the memory check counts.
     """
     check_load_dtype(dtype)
     device = resolve_device(device)
     plan = plan_load(path, num_layers)
-    check_weights_fit(plan, device, *layer_memory_bytes(plan, dtype, as_stored))
+    check_weights_fit(plan, device, *layer_memory_bytes(plan, dtype, as_stored, tp))
     weights: dict[str, torch.Tensor] = {}
     done = 0
     with open_shards(plan) as files:
         cpu = torch.device("cpu")
         for name, spec in plan.specs.items():
+            if not holds(plan.config, name, tp):
+                continue
             names = list(stored_layout(name, spec))
-            raw = [load_tensor(files[plan.stored[n].shard], plan.stored[n], n, cpu, plan.stored[n].dtype) for n in names]
+            shard = weight_shard(plan.config, name, tp)
+            shards = [shard, shard.in_blocks((128, 128), name)] if shard and spec.fmt == "fp8" else [shard] * len(names)
+            raw = [load_tensor(files[plan.stored[n].shard], plan.stored[n], n, cpu, plan.stored[n].dtype, shard=sh)
+                   for n, sh in zip(names, shards)]
             if spec.fmt in ("fp8", "fp4"):
                 check_pow2_scales(raw[1], names[1])
             if spec.fmt in ("fp8", "fp4") and as_stored:

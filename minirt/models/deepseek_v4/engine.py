@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ...backend import check_prompts
 from ...context import KVStash, PrefillTrace, Segment
 from ...runtime import DEFAULT_PREFILL_CHUNK, KernelRuntime, check_prefill_chunk, plan_chunks
 from ...errors import ConfigError, InputError, NumericalError
 from ...norms import rmsnorm
+from ...parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead
 from .cache import V4Cache
 from .config import DeepseekV4Config, LayerKind
 from .layers import V4Layer, V4Step
@@ -30,15 +30,22 @@ class EngineV4(KernelRuntime):
     A prefill step attends the prefill's bf16 keys and compressed entries (kept for the whole prefill),
     and carries each compressor's partial window to the next step in its fp32 state, so any chunk size
     gives the same numbers. Decode reads the fp8 MODEL1 caches; on CUDA a step is captured once per batch
-    size as a CUDA graph and replayed (``use_cuda_graph = False`` runs every step eagerly)."""
+    size as a CUDA graph and replayed (``use_cuda_graph = False`` runs every step eagerly).
+
+    ``tp`` (``minirt.parallel``): the layers hold this rank's heads and experts, the embedding and head its
+    rows of the vocabulary (``top``'s ``embed.weight`` / ``head.weight`` [vocab / N, D]); inputs and
+    logits are whole, the same on every rank."""
 
     backend = "triton"
     weights = "fp8"
 
     def __init__(self, cfg: DeepseekV4Config, layers: torch.nn.ModuleList, top: dict[str, torch.Tensor],
-                 device: torch.device, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 device: torch.device, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tp: TensorParallel = SINGLE):
         self.cfg, self.layers, self.device, self.dtype = cfg, layers, device, torch.bfloat16
-        self.embed, self.head = top["embed.weight"].to(torch.bfloat16), top["head.weight"].to(torch.bfloat16)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp)
+        for module, name in ((self.embed, "embed.weight"), (self.head, "head.weight")):
+            module.weight = torch.nn.Parameter(top[name].to(torch.bfloat16), requires_grad=False)
         self.norm = top["norm.weight"].float()
         self.hc_head = tuple(top[f"hc_head_{k}"].float() for k in ("fn", "base", "scale"))
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
@@ -65,10 +72,10 @@ class EngineV4(KernelRuntime):
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Next-token logits [N, vocab] fp32 of residual states X [N, hc, D]."""
         y = rmsnorm(hc_head(X, *self.hc_head, self.cfg), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(y.to(torch.bfloat16), self.head).float()
+        return self.head(y.to(torch.bfloat16)).float()
 
     def _run(self, step: V4Step) -> torch.Tensor:
-        X = self.embed[step.tokens].float()[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        X = self.embed(step.tokens).float()[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             X = layer(X, step)
         return X
@@ -151,9 +158,10 @@ class EngineV4(KernelRuntime):
 
 
 def build_engine_v4(cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
-                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> EngineV4:
+                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tp: TensorParallel = SINGLE) -> EngineV4:
     """An EngineV4 from a config and DeepSeek-named tensors on ``device`` as stored
-    (``load_checkpoint(..., as_stored=True)``: fp8 / fp4 weights with their ``.scale`` entries)."""
+    (``load_checkpoint(..., as_stored=True)``: fp8 / fp4 weights with their ``.scale`` entries); with
+    ``tp``, this rank's parts of them (``load_checkpoint(..., as_stored=True, tp=tp)``)."""
     if cfg.quantization is None:
         raise ConfigError("the V4 kernel runtime runs fp8 checkpoints (fp8 linears, fp4 or fp8 experts); this one "
                           "stores no quantization_config: use backend='reference'")
@@ -167,6 +175,6 @@ def build_engine_v4(cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], num
     layers = torch.nn.ModuleList()
     for i in range(num_layers):
         prefix = f"layers.{i}."
-        layers.append(V4Layer({n[len(prefix):]: t for n, t in weights.items() if n.startswith(prefix)}, cfg, i))
-    return EngineV4(cfg, layers, weights, device, prefill_chunk)
+        layers.append(V4Layer({n[len(prefix):]: t for n, t in weights.items() if n.startswith(prefix)}, cfg, i, tp))
+    return EngineV4(cfg, layers, weights, device, prefill_chunk, tp)
 

@@ -15,6 +15,9 @@ Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
 * MoE (:class:`MoE`): ``route_hash`` / ``route_topk`` and ``moe_experts`` (fp4 routed experts; the shared
   expert as a one-expert fp8 ``moe_experts`` call, every token weight 1).
 
+Over a tensor-parallel group (``tp``, :mod:`.parallel`) a layer holds its rank's heads and output groups
+(``wo_b``'s partial sums all-reduced) and its routed experts (``expert_parallel_moe``).
+
 A decode step has static shapes and no host synchronisation (CUDA-graph capturable); prefill steps
 plan their segments on the host.
 """
@@ -35,9 +38,11 @@ from ...kernels import mhc
 from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
 from ...kernels.moe_routing import route_hash, route_topk
 from ...norms import rmsnorm
+from ...parallel import SINGLE, TensorParallel, expert_parallel_moe
 from .cache import CompressorState, LayerState, V4Cache
 from .checkpoint import scale_name
 from .config import DeepseekV4Config, LayerKind
+from .parallel import expert_range
 from .reference import rope_tail, unweighted_rmsnorm
 
 
@@ -222,14 +227,17 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    """One layer's attention of ``kind`` on x [N, D] bf16 (attn_norm applied): [N, D] fp32."""
+    """One layer's attention of ``kind`` on x [N, D] bf16 (attn_norm applied): [N, D] fp32. ``tp``: ``w``
+    holds this rank's heads and output groups; the output is summed over the ranks."""
 
-    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, kind: LayerKind):
+    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, kind: LayerKind,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg, self.index, self.kind, self.rope = cfg, index, kind, rope_family(kind)
+        self.cfg, self.index, self.kind, self.rope, self.tp = cfg, index, kind, rope_family(kind), tp
+        self.heads = cfg.num_attention_heads // tp.world
         self.wq_a, self.wq_b, self.wkv = (_linear(w, f"attn.{n}.weight") for n in ("wq_a", "wq_b", "wkv"))
         self.q_norm, self.kv_norm = w["attn.q_norm.weight"].float(), w["attn.kv_norm.weight"].float()
-        g = cfg.o_groups
+        g = cfg.o_groups // tp.world
         wo_a, wo_a_scale = w["attn.wo_a.weight"], w[scale_name("attn.wo_a.weight")]
         rows, scale_rows = wo_a.shape[0] // g, wo_a_scale.shape[0] // g
         self.wo_a = nn.ModuleList(fp8_linear(wo_a[k * rows:(k + 1) * rows], wo_a_scale[k * scale_rows:(k + 1) * scale_rows])
@@ -242,7 +250,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, step: V4Step) -> Tensor:
         cfg, N = self.cfg, x.shape[0]
-        eps, H, hd = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.head_dim
+        eps, H, hd = cfg.rms_norm_eps, self.heads, cfg.head_dim
         cos, sin = step.rope[self.rope]
         qr = rmsnorm(self.wq_a(x).float(), self.q_norm, eps)
         q = rope_tail(unweighted_rmsnorm(self.wq_b(qr).float().view(N, H, hd), eps), cos, sin).to(torch.bfloat16)
@@ -259,9 +267,9 @@ class Attention(nn.Module):
         o = (self._prefill_attention(q, kv, step, topk) if step.is_prefill
              else self._decode_attention(q, step, state, topk))
         o = rope_tail(o.float(), cos, -sin).to(torch.bfloat16)  # K = V carried the keys' rope
-        groups = o.view(N, cfg.o_groups, -1)
+        groups = o.view(N, len(self.wo_a), -1)
         z = torch.cat([proj(groups[:, k]) for k, proj in enumerate(self.wo_a)], dim=-1)
-        out = self.wo_b(z).float()
+        out = self.tp.all_reduce(self.wo_b(z).float())
         if step.trace is not None:
             step.trace.record("attn", self.index, out)
         return out
@@ -334,17 +342,19 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """The MoE FFN on x [N, D] bf16 (ffn_norm applied): [N, D] fp32 = routed experts + shared expert."""
+    """The MoE FFN on x [N, D] bf16 (ffn_norm applied): [N, D] fp32 = routed experts + shared expert.
+    ``tp``: ``w`` holds this rank's routed experts (``expert_range``); every rank routes every token and
+    ``expert_parallel_moe`` dispatches them (its sum of the ranks' partials is rounded to bf16)."""
 
-    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int):
+    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg, self.hash = cfg, cfg.is_hash_layer(index)
+        self.cfg, self.hash, self.tp = cfg, cfg.is_hash_layer(index), tp
         self.gate = w["ffn.gate.weight"].float()
         self.tid2eid = w["ffn.gate.tid2eid"] if self.hash else None
         self.bias = None if self.hash else w["ffn.gate.bias"].float()
-        E, fmt = cfg.n_routed_experts, cfg.quantization.expert_dtype
-        parts = [[w[f"ffn.experts.{e}.{k}.weight"] for e in range(E)] for k in ("w1", "w3", "w2")]
-        scales = [[w[scale_name(f"ffn.experts.{e}.{k}.weight")] for e in range(E)] for k in ("w1", "w3", "w2")]
+        experts, fmt = expert_range(cfg, tp), cfg.quantization.expert_dtype
+        parts = [[w[f"ffn.experts.{e}.{k}.weight"] for e in experts] for k in ("w1", "w3", "w2")]
+        scales = [[w[scale_name(f"ffn.experts.{e}.{k}.weight")] for e in experts] for k in ("w1", "w3", "w2")]
         stack = expert_weights_fp4 if fmt == "fp4" else expert_weights_fp8
         self.experts: ExpertWeights = stack(parts[0], scales[0], parts[1], scales[1], parts[2], scales[2])
         shared = [w[f"ffn.shared_experts.{k}.weight"] for k in ("w1", "w3", "w2")]
@@ -353,33 +363,43 @@ class MoE(nn.Module):
                                          [shared[2]], [shared_scales[2]])
 
     def forward(self, x: Tensor, tokens: Tensor) -> Tensor:
-        cfg, N = self.cfg, x.shape[0]
+        cfg = self.cfg
         logits = F.linear(x.float(), self.gate)
         route = dict(scoring=cfg.scoring_func, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
         if self.hash:
             weights, ids = route_hash(logits, self.tid2eid, tokens, **route)
         else:
             weights, ids = route_topk(logits, self.bias, top_k=cfg.num_experts_per_tok, **route)
-        routed = moe_experts(x, ids, weights, self.experts, swiglu_limit=cfg.swiglu_limit)
-        one = torch.ones(N, 1, device=x.device)
-        shared = moe_experts(x, torch.zeros(N, 1, dtype=torch.int32, device=x.device), one, self.shared,
-                             swiglu_limit=cfg.swiglu_limit)
-        return routed.float() + shared.float()
+        if self.tp.world > 1:
+            return expert_parallel_moe(x, None, self._routed, self._shared, (weights, ids), cfg.n_routed_experts,
+                                       self.tp).float()
+        return self._routed(x, ids, weights).float() + self._shared(x).float()
+
+    def _routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """[T, D] bf16: this rank's experts' weighted sum (slots of other experts: id -1, skipped)."""
+        return moe_experts(x, ids, weights, self.experts, swiglu_limit=self.cfg.swiglu_limit)
+
+    def _shared(self, x: Tensor) -> Tensor:
+        """[T, D] bf16: the shared expert, every token weight 1."""
+        one = torch.ones(x.shape[0], 1, device=x.device)
+        return moe_experts(x, torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device), one, self.shared,
+                           swiglu_limit=self.cfg.swiglu_limit)
 
 
 class V4Layer(nn.Module):
     """One DeepSeek-V4 layer on X [N, hc, D] fp32 (contiguous): ``X = post · attn(attn_norm(Σ pre X)) + combᵀ X``,
     then the same with the MoE.
     ``w``: the layer's tensors by names relative to ``layers.{index}.``, fp8 / fp4 as stored with their
-    ``.scale`` entries (``load_checkpoint(..., as_stored=True)``)."""
+    ``.scale`` entries (``load_checkpoint(..., as_stored=True)``); with ``tp``, this rank's parts of them
+    (``load_checkpoint(..., tp=tp)``)."""
 
-    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int):
+    def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg, self.index, self.kind = cfg, index, cfg.layer_kinds[index]
         self.hc = {part: tuple(w[f"hc_{part}_{k}"].float() for k in ("fn", "base", "scale")) for part in ("attn", "ffn")}
         self.attn_norm, self.ffn_norm = w["attn_norm.weight"].float(), w["ffn_norm.weight"].float()
-        self.attn = Attention(w, cfg, index, self.kind)
-        self.ffn = MoE(w, cfg, index)
+        self.attn = Attention(w, cfg, index, self.kind, tp)
+        self.ffn = MoE(w, cfg, index, tp)
 
     def forward(self, X: Tensor, step: V4Step) -> Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps

@@ -15,6 +15,7 @@ from .cache import cache_bytes_per_token, fixed_bytes_per_seq
 from .checkpoint import load_checkpoint, plan_load
 from .config import DeepseekV4Config
 from .engine import EngineV4, build_engine_v4
+from .parallel import check_tensor_parallel
 from .reference import ReferenceModelV4
 
 def load(path: str | Path, layers: int | None, device: torch.device, backend: str, progress=None,
@@ -24,18 +25,22 @@ def load(path: str | Path, layers: int | None, device: torch.device, backend: st
     the kernel runtime :class:`EngineV4` (fp8 / fp4 weights as stored, prefill steps of ``prefill_chunk``
     tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind
     ``minirt.backend.ReferenceEngine``. InputError for V3.2's options: a ``dtype``, ``indexer_precision``
-    other than "exact", ``weights`` "bf16", and a ``tp`` group of more than one process
-    (``check_tensor_parallel``)."""
-    check_tensor_parallel(None, tp)
+    other than "exact", ``weights`` "bf16". ``tp``: this process's place in the tensor-parallel group
+    (``minirt.parallel``; :func:`check_tensor_parallel`), which the kernel runtime loads its shards for
+    (:mod:`.parallel`); the reference loads the whole model on every rank."""
     if dtype is not None or indexer_precision != "exact" or weights == "bf16":
         raise InputError(f"DeepSeek-V4 runs fp8 weights, bf16 activations and an exact indexer: dtype={dtype}, "
                          f"indexer_precision={indexer_precision!r} / weights={weights!r} apply to DeepSeek-V3.2 only")
     if backend == "reference":
         cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress)
         return ReferenceEngine(ReferenceModelV4(cfg, weights, layers, torch.float32, device))
-    cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.bfloat16, progress=progress, as_stored=True)
+    from ...config import load_config  # minirt.config names the families: imported late
+
+    check_tensor_parallel(load_config(Path(path) / "config.json"), tp)
+    cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.bfloat16, progress=progress, as_stored=True,
+                                   tp=tp)
     return build_engine_v4(cfg, weights, layers or cfg.num_hidden_layers, device,
-                           DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+                           DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk, tp)
 
 
 def info_rows(path: Path, cfg: DeepseekV4Config, layers: int | None) -> list[tuple[str, str]]:
@@ -76,14 +81,6 @@ def cache_rows(cfg: DeepseekV4Config, num_layers: int) -> list[tuple[str, str]]:
             for k in sorted(set(kinds))]
     total = sum(per_token[k.name] for k in kinds)
     return rows + [(f"cache, {num_layers} layers", f"{total:.1f} B/token, {decimal(int(total * (1 << 20)))} at 1M tokens")]
-
-
-def check_tensor_parallel(cfg: DeepseekV4Config | None, tp: TensorParallel) -> None:
-    """InputError for a group of more than one process: DeepSeek-V4's heads, ``wo_a`` groups and experts
-    are not split over processes (yet), so it loads in one (``cfg`` is not needed)."""
-    if tp.world > 1:
-        raise InputError("tensor parallelism (--tp / tp) runs DeepSeek-V3 / V3.2 checkpoints; DeepSeek-V4 loads "
-                         "in one process")
 
 
 def check_generate_fits(cfg: DeepseekV4Config, num_layers: int, batch: int, prompt_len: int, max_new_tokens: int,
