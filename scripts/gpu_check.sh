@@ -29,7 +29,8 @@
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
 # tp:           (2 GPUs) the v32-moe checkpoint (3 dense + 2 MoE layers), `minirt
-#               verify` on 1 GPU and at --tp 2 under torchrun (NCCL), then bench_runtime.py --tp 2 beside 1 GPU
+#               verify` on 1 GPU and at --tp 2 under torchrun (NCCL), v4-tiny's verify at --tp 2, then
+#               bench_runtime.py --tp 2 beside 1 GPU
 # Tables and plots go to $OUT (default /tmp/minirt-out), each step's output to $OUT/<step>.log, its exit
 # status and time to $OUT/summary.txt; the script exits 1 if any step failed. A step still running
 # DEADLINE seconds after the start (default 570) is stopped and later ones are skipped, so a job with a
@@ -108,6 +109,9 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       [ -f $V32M/config.json ] || run v32-moe-init minirt init $V32M --preset v32 --layers 5 --device cuda
       run tp-verify-1gpu minirt verify $V32M --json --prefill-chunk 1024
       run tp-verify-2gpu python3 -m torch.distributed.run --nproc-per-node 2 -m minirt verify $V32M --tp 2 --json --prefill-chunk 1024
+      V4T=/tmp/minirt-v4-tiny
+      [ -f $V4T/config.json ] || run v4-tiny-init minirt init $V4T --preset v4-tiny
+      run tp-verify-v4 python3 -m torch.distributed.run --nproc-per-node 2 -m minirt verify $V4T --tp 2 --json
       run tp-bench python3 -m torch.distributed.run --nproc-per-node 2 scripts/bench_runtime.py $V32M --tp 2 \
         --modes fp8/exact --context 1024,8192 --batch 1,16 --out "$OUT/runtime_tp2.md" ;;
     *) echo "unknown stage $stage"; status=1 ;;
