@@ -81,7 +81,8 @@ def test_load_tp_bad_input(tiny_moe3):
     with pytest.raises(InputError, match="tp must be a whole number >= 1"):
         minirt.load(tiny_moe3, device="cpu", tp=0)
     from minirt.config import ModelConfig
-    from minirt.parallel import TensorParallel, check_tensor_parallel
+    from minirt.models.deepseek_v32.parallel import check_tensor_parallel
+    from minirt.parallel import TensorParallel
     with pytest.raises(InputError, match="tp=3 does not divide the 4 attention heads"):
         check_tensor_parallel(ModelConfig.from_file(tiny_moe3), TensorParallel(0, 3))
 
@@ -111,7 +112,8 @@ def test_each_rank_loads_its_shard(tiny_moe3, fp8_as_stored):
     Rank 1 of 2: its shards start inside the tensors (a dequantised row shard reads from a whole
     scale block)."""
     from minirt.models.deepseek_v32.checkpoint import SCALE_SUFFIX, load_checkpoint
-    from minirt.parallel import TensorParallel, expert_range, weight_shard
+    from minirt.models.deepseek_v32.parallel import expert_range, weight_shard
+    from minirt.parallel import TensorParallel
 
     cfg, whole = load_checkpoint(tiny_moe3, fp8_as_stored=fp8_as_stored)
     tp = TensorParallel(1, 2)

@@ -10,7 +10,7 @@ from .loader import info_rows, load
 from .memory import check_generate_fits, check_verify_fits
 from .reference import ReferenceModel, ReferenceOutput
 from .verify import default_prompt_len, run_verify
-from ...parallel import check_tensor_parallel
+from .parallel import check_tensor_parallel
 
 __all__ = ["load_checkpoint", "plan_load", "tensor_specs", "load", "info_rows", "ReferenceModel", "ReferenceOutput",
            "Engine", "build_engine", "run_verify", "default_prompt_len", "check_generate_fits", "check_verify_fits",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,8 @@ from ...errors import CheckpointError, InputError
 from ...files import as_path
 from ...shards import (UNQUANTIZED_DTYPES, LoadPlan, Progress, check_checkpoint_dir, check_load_dtype, check_weights_fit,
                        load_tensor, locate_tensors, open_shards)
-from ...parallel import SINGLE, Shard, TensorParallel, expert_range, local_specs, weight_shard
+from ...parallel import SINGLE, Shard, TensorParallel
+from .parallel import expert_range, weight_shard
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -249,6 +250,20 @@ def weight_memory_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: t
     """Bytes of all the weights ``load_checkpoint`` holds for ``specs`` (``layer_memory_bytes`` summed)."""
     top, layers = layer_memory_bytes(cfg, specs, dtype, fp8_as_stored)
     return top + sum(layers)
+
+
+def local_specs(cfg, specs: dict, tp: TensorParallel) -> dict:
+    """``specs`` (name → TensorSpec, full shapes) with this rank's shapes, and only its experts' tensors
+    (what ``load_checkpoint(..., tp=tp)`` holds: for its memory check)."""
+    mine = expert_range(cfg, tp)
+    out = {}
+    for name, spec in specs.items():
+        slot = stacked_expert_name(name)
+        if slot is not None and slot[1] not in mine:
+            continue
+        shard = weight_shard(cfg, name, tp)
+        out[name] = spec if shard is None else replace(spec, shape=shard.shape(spec.shape))
+    return out
 
 
 def _check_fits(plan: LoadPlan, device: torch.device, dtype: torch.dtype, fp8_as_stored: bool,

@@ -10,7 +10,8 @@ from ...backend import ReferenceEngine
 from ...config import ModelConfig
 from ...errors import InputError
 from ...files import is_present
-from ...parallel import SINGLE, TensorParallel, check_tensor_parallel
+from ...parallel import SINGLE, TensorParallel
+from .parallel import check_tensor_parallel
 from .cache import cache_bytes_per_token
 from .checkpoint import expert_bytes, load_checkpoint, plan_load
 from .engine import Engine, build_engine

@@ -18,6 +18,7 @@ from .engine import EngineV4, build_engine_v4
 from .parallel import check_tensor_parallel
 from .reference import ReferenceModelV4
 
+
 def load(path: str | Path, layers: int | None, device: torch.device, backend: str, progress=None,
          prefill_chunk: int | None = None, *, dtype: torch.dtype | None = None, indexer_precision: str = "exact",
          weights: str | None = None, tp: TensorParallel = SINGLE) -> EngineV4 | ReferenceEngine:
