@@ -150,7 +150,8 @@ def run_v4(engine, moe_input: torch.Tensor) -> dict[str, torch.Tensor]:
     trace = PrefillTrace()
     logits = [engine.prefill(V4_PROMPTS, trace=trace), engine.decode(torch.tensor([20, 21]))]
     moe = engine.layers[-1].ffn(moe_input, torch.arange(moe_input.shape[0]))
-    return {"logits": torch.cat(logits), "attn0": trace._joined("attn")[0], "moe": moe}
+    return {"logits": torch.cat(logits), "attn0": trace._joined("attn")[0], "moe": moe,
+            "tp_world": torch.tensor(engine.tp.world)}
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +182,7 @@ def test_v4_two_ranks_match_one_process(v4_tiny3, tmp_path):
     for key in single:
         assert torch.equal(rank0[key], rank1[key]), key
         assert rank0[key].shape == single[key].shape and torch.isfinite(rank0[key]).all(), key
+    assert (int(rank0["tp_world"]), int(single["tp_world"])) == (2, 1)  # the engine knows its group
     assert rel_err(rank0["attn0"], single["attn0"]) < 5e-3
     assert rel_err(rank0["moe"], single["moe"]) < 5e-3
     assert rel_err(rank0["logits"][:2], single["logits"][:2]) < 0.1   # prefill

@@ -41,7 +41,7 @@ class EngineV4(KernelRuntime):
 
     def __init__(self, cfg: DeepseekV4Config, layers: torch.nn.ModuleList, top: dict[str, torch.Tensor],
                  device: torch.device, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tp: TensorParallel = SINGLE):
-        self.cfg, self.layers, self.device, self.dtype = cfg, layers, device, torch.bfloat16
+        self.cfg, self.layers, self.device, self.dtype, self.tp = cfg, layers, device, torch.bfloat16, tp
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp)
         for module, name in ((self.embed, "embed.weight"), (self.head, "head.weight")):
