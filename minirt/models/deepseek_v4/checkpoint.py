@@ -229,9 +229,9 @@ def load_checkpoint(
 
     Opens only the shards :func:`plan_load` lists, after checking that the weights fit in ``device``'s free
     memory (:func:`layer_memory_bytes`; DeviceError naming both sizes and the largest layer count that
-    fits). Refused with a CheckpointError naming the tensor: a
-    stored NaN / ±Inf, a scale that is not a positive power of two (ue8m0: zero, NaN, 3.0, ...), a
-    ``tid2eid`` entry outside [0, n_routed_experts), a value that overflows ``dtype``.
+    fits). Refused with a CheckpointError naming the tensor: a stored NaN / ±Inf, a scale that is not a
+    positive power of two (ue8m0: zero, NaN, 3.0, ...), a ``tid2eid`` entry outside [0, n_routed_experts),
+    a value that overflows ``dtype``.
     ``progress(done, total, name)`` is called after each weight with bytes read so far and in total.
     ``tp`` (``minirt.parallel``): only this rank's part of each split weight (``.parallel.weight_shard``,
     its fp8 ``.scale`` in whole 128×128 blocks) and only its routed experts (``.parallel.expert_range``),
