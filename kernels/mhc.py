@@ -1,6 +1,5 @@
-"""DeepSeek-V4's mHC (manifold-constrained hyper-connections) mixing, fused: one launch for the mixing
-weights, Sinkhorn and the collapse of a sub-layer's input (``hc_pre``), one for the new residual state
-(``hc_post``). One program per token (compiled; interpreted, per block of tokens); everything in fp32.
+"""DeepSeek-V4's mHC (manifold-constrained hyper-connections) mixing, fused, in fp32: the mixing weights,
+Sinkhorn and the collapse of a sub-layer's input (``hc_pre``), then the new residual state (``hc_post``).
 
     m     = (fn · flat X) · rsqrt(mean(flat X²) + eps)            X [N, hc, D], fn [(2 + hc)·hc, hc·D]
     pre   = σ(m[:hc]·scale[0] + base[:hc]) + hc_eps
@@ -9,8 +8,19 @@ weights, Sinkhorn and the collapse of a sub-layer's input (``hc_pre``), one for 
             then columns normalised, then (iters − 1) times rows and columns (each divided by its sum + hc_eps)
     collapsed = Σ_j pre[j]·X[j]                                   (hc_pre's outputs: collapsed, post, comb)
     X'[k] = post[k]·F + Σ_j comb[j, k]·X[j]                        (hc_post)
+
+Launch shapes. m's reduction runs over hc·D (V4: 16384) columns against a 1.5 MB fn. With many tokens
+(prefill) ``hc_pre`` is one launch, a program per block of tokens reducing its rows over every column then
+collapsing them (the second read of its rows comes from L2). With few (decode) that is a few programs, each
+reading all of fn: the columns are split across programs instead (``_hc_pre_partial_kernel``: partial sums of
+fn·x and x² per split, no atomics), and a second launch (``_hc_pre_finish_kernel``) adds the splits in a fixed
+order, computes the mixing weights and collapses a slice of D per program. ``hc_post`` takes a slice of D
+per program, as many slices as fill the GPU. Interpreted, a program takes a block of rows
+(``rows_per_program``); every row is computed on its own whatever the block.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -18,28 +28,32 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import check_device, rows_per_program
+from ._common import INTERPRET, check_device, rows_per_program
 
 _BLOCK = 256   # columns per step
+# Programs a launch should have to keep every SM busy with loads in flight, per SM: below this many token
+# blocks hc_pre splits its reduction's columns, and hc_post (and the finish) split D.
+_PROGRAMS_PER_SM = 4
+# Fewest columns of flat X a split reduces (one step of _BLOCK): fewer would make its partial sums' traffic
+# (N · 25 floats a split) rival the fn slice it reads.
+_MIN_SPLIT_COLUMNS = _BLOCK
+# Rows a compiled hc_pre program takes when there are enough tokens (prefill).
+_PREFILL_ROWS = 4
 
 
 @triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps, hc_eps,
-                   D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # D is a compile-time constant (one model's hidden size): the interpreter loops over constant bounds only.
-    # A program takes ROWS tokens (rows_per_program), each reduced on its own.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    in_rows = rows < n_rows
-    K: tl.constexpr = HC * D  # one row of flat X
-    x_rows = x_ptr + rows * K
+def _reduce_columns(x_rows, in_rows, fn_ptr, k_lo, K: tl.constexpr, K_SLICE: tl.constexpr, HC: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """fn · x and Σ x² of ROWS rows (x_rows: their flat X) over columns [k_lo, k_lo + K_SLICE) ∩ [0, K):
+    (pre [ROWS, HC], post [ROWS, HC], comb [ROWS, HC·HC], sumsq [ROWS]), fp32."""
     streams = tl.arange(0, HC)
     pairs = tl.arange(0, HC * HC)
     acc_pre = tl.zeros([ROWS, HC], dtype=tl.float32)
     acc_post = tl.zeros([ROWS, HC], dtype=tl.float32)
     acc_comb = tl.zeros([ROWS, HC * HC], dtype=tl.float32)
     sumsq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
+    for k0 in range(0, K_SLICE, BLOCK):
+        cols = k_lo + k0 + tl.arange(0, BLOCK)
         valid = cols < K
         x = tl.load(x_rows[:, None] + cols[None, :], mask=in_rows[:, None] & valid[None, :], other=0.0)
         sumsq += x * x
@@ -49,7 +63,19 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, 
         acc_post += tl.sum(fn_post[None, :, :] * x[:, None, :], axis=2)
         fn_comb = tl.load(fn_ptr + (2 * HC + pairs[:, None]) * K + cols[None, :], mask=valid[None, :], other=0.0)
         acc_comb += tl.sum(fn_comb[None, :, :] * x[:, None, :], axis=2)
-    r = 1.0 / tl.sqrt(tl.sum(sumsq, axis=1) / K + eps)
+    return acc_pre, acc_post, acc_comb, tl.sum(sumsq, axis=1)
+
+
+@triton.jit
+def _mix_and_collapse(acc_pre, acc_post, acc_comb, sumsq, rows, in_rows, x_rows, base_ptr, scale_ptr, collapsed_ptr,
+                      post_ptr, comb_ptr, eps, hc_eps, write_mix, d_lo, D: tl.constexpr, D_SLICE: tl.constexpr,
+                      ITERS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """From the full sums of _reduce_columns: the mixing weights (post and comb stored where write_mix) and
+    collapsed's columns [d_lo, d_lo + D_SLICE) ∩ [0, D) of ROWS rows."""
+    K: tl.constexpr = HC * D
+    streams = tl.arange(0, HC)
+    pairs = tl.arange(0, HC * HC)
+    r = 1.0 / tl.sqrt(sumsq / K + eps)
     s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
     pre = tl.sigmoid(acc_pre * r[:, None] * s_pre + tl.load(base_ptr + streams)[None, :]) + hc_eps
     post = 2.0 * tl.sigmoid(acc_post * r[:, None] * s_post + tl.load(base_ptr + HC + streams)[None, :])
@@ -60,11 +86,12 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, 
     for _ in range(ITERS - 1):
         comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    tl.store(post_ptr + rows[:, None] * HC + streams[None, :], post, mask=in_rows[:, None])
+    mix_rows = in_rows & write_mix
+    tl.store(post_ptr + rows[:, None] * HC + streams[None, :], post, mask=mix_rows[:, None])
     tl.store(comb_ptr + rows[:, None] * HC * HC + pairs[None, :], tl.reshape(comb, (ROWS, HC * HC)),
-             mask=in_rows[:, None])
-    for d0 in range(0, D, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
+             mask=mix_rows[:, None])
+    for d0 in range(0, D_SLICE, BLOCK):
+        cols = d_lo + d0 + tl.arange(0, BLOCK)
         valid = cols < D
         x = tl.load(x_rows[:, None, None] + streams[None, :, None] * D + cols[None, None, :],
                     mask=in_rows[:, None, None] & valid[None, None, :], other=0.0)
@@ -73,14 +100,68 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, 
 
 
 @triton.jit
+def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps, hc_eps,
+                   D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # D is a compile-time constant (one model's hidden size): the interpreter loops over constant bounds only.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
+    x_rows = x_ptr + rows * (HC * D)
+    acc_pre, acc_post, acc_comb, sumsq = _reduce_columns(x_rows, in_rows, fn_ptr, 0, HC * D, HC * D, HC, ROWS, BLOCK)
+    _mix_and_collapse(acc_pre, acc_post, acc_comb, sumsq, rows, in_rows, x_rows, base_ptr, scale_ptr, collapsed_ptr,
+                      post_ptr, comb_ptr, eps, hc_eps, True, 0, D, D, ITERS, HC, ROWS, BLOCK)
+
+
+@triton.jit
+def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
+                           K_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # part [N, SPLITS, (2 + HC)·HC + 1]: a row's sums of fn·x then Σ x², over split program_id(1)'s columns.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
+    split = tl.program_id(1)
+    acc_pre, acc_post, acc_comb, sumsq = _reduce_columns(x_ptr + rows * (HC * D), in_rows, fn_ptr, split * K_SLICE,
+                                                         HC * D, K_SLICE, HC, ROWS, BLOCK)
+    W: tl.constexpr = (2 + HC) * HC + 1
+    part_rows = part_ptr + (rows * SPLITS + split) * W
+    streams = tl.arange(0, HC)
+    tl.store(part_rows[:, None] + streams[None, :], acc_pre, mask=in_rows[:, None])
+    tl.store(part_rows[:, None] + HC + streams[None, :], acc_post, mask=in_rows[:, None])
+    tl.store(part_rows[:, None] + 2 * HC + tl.arange(0, HC * HC)[None, :], acc_comb, mask=in_rows[:, None])
+    tl.store(part_rows + W - 1, sumsq, mask=in_rows)
+
+
+@triton.jit
+def _hc_pre_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps,
+                          hc_eps, D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
+                          D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # The splits' sums added in one order by every program of a row (each recomputes the mixing weights:
+    # 25·SPLITS floats and a 4×4 Sinkhorn, cheaper than a third launch); program_id(1) collapses a D slice.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
+    W: tl.constexpr = (2 + HC) * HC + 1
+    part_rows = part_ptr + rows[:, None, None] * (SPLITS * W) + tl.arange(0, SPLITS)[None, :, None] * W
+    in3 = in_rows[:, None, None]
+    streams = tl.arange(0, HC)[None, None, :]
+    acc_pre = tl.sum(tl.load(part_rows + streams, mask=in3, other=0.0), axis=1)
+    acc_post = tl.sum(tl.load(part_rows + HC + streams, mask=in3, other=0.0), axis=1)
+    acc_comb = tl.sum(tl.load(part_rows + 2 * HC + tl.arange(0, HC * HC)[None, None, :], mask=in3, other=0.0), axis=1)
+    sumsq = tl.sum(tl.sum(tl.load(part_rows + W - 1, mask=in3, other=0.0), axis=2), axis=1)
+    d_split = tl.program_id(1)
+    _mix_and_collapse(acc_pre, acc_post, acc_comb, sumsq, rows, in_rows, x_ptr + rows * (HC * D), base_ptr, scale_ptr,
+                      collapsed_ptr, post_ptr, comb_ptr, eps, hc_eps, d_split == 0, d_split * D_SLICE, D, D_SLICE,
+                      ITERS, HC, ROWS, BLOCK)
+
+
+@triton.jit
 def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                    D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # program_id(1): the slice of D, [d_lo, d_lo + D_SLICE) ∩ [0, D), this program writes.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_rows = rows < n_rows
     streams = tl.arange(0, HC)
+    d_lo = tl.program_id(1) * D_SLICE
     post = tl.load(post_ptr + rows[:, None] * HC + streams[None, :], mask=in_rows[:, None], other=0.0)
-    for d0 in range(0, D, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
+    for d0 in range(0, D_SLICE, BLOCK):
+        cols = d_lo + d0 + tl.arange(0, BLOCK)
         valid = cols < D
         f = tl.load(f_ptr + rows[:, None] * D + cols[None, :], mask=in_rows[:, None] & valid[None, :], other=0.0)
         mixed = post[:, :, None] * f[:, None, :]   # [ROWS, k, BLOCK], plus Σ_j comb[j, k] X[j]
@@ -94,6 +175,62 @@ def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.con
                  mask=in_rows[:, None, None] & valid[None, None, :])
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: a few programs per launch keep the split paths exercised
+
+
+def _d_slice(D: int, row_programs: int, device: torch.device, block: int = _BLOCK) -> int:
+    """Columns of D a program takes (a multiple of block): all of them when row_programs (programs along
+    the rows) fill the GPU, else slices enough for _PROGRAMS_PER_SM programs per SM."""
+    blocks = triton.cdiv(D, block)
+    slices = min(blocks, triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), row_programs))
+    return triton.cdiv(blocks, max(1, slices)) * block
+
+
+def hc_pre_splits(N: int, hc: int, D: int, device: torch.device) -> int:
+    """The column splits hc_pre's reduction takes for N tokens (a power of two; 1: the one-launch kernel):
+    none when N's token blocks (_pre_tile's; interpreted, N: the bits must not depend on the block) fill the
+    GPU, else as many as give _PROGRAMS_PER_SM programs per SM, each at least _MIN_SPLIT_COLUMNS columns."""
+    programs = N if INTERPRET else triton.cdiv(N, _pre_tile(N, hc, device)[0])
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), programs)
+    most = max(1, hc * D // _MIN_SPLIT_COLUMNS)
+    splits = min(wanted, most)
+    return 1 << (splits.bit_length() - 1)
+
+
+def _pre_tile(N: int, hc: int, device: torch.device) -> tuple[int, int]:
+    """(rows a program, columns a step) of hc_pre's kernels for N tokens. Compiled: _PREFILL_ROWS rows when
+    that still gives _PROGRAMS_PER_SM programs per SM (fn, read once a program, is then read N / rows times,
+    and a program's rows are few enough to be read again from L2 to collapse them), with columns cut so that
+    a step's [rows, hc², columns] products stay as large as one row's; else 1 row."""
+    if INTERPRET:
+        return rows_per_program(N, (2 + hc) * hc * _BLOCK), _BLOCK
+    if triton.cdiv(N, _PREFILL_ROWS) >= _PROGRAMS_PER_SM * _num_sms(device):
+        return _PREFILL_ROWS, _BLOCK // _PREFILL_ROWS
+    return 1, _BLOCK
+
+
+def _launch_hc_pre(X, fn, base, scale, collapsed, post, comb, eps: float, hc_eps: float, iters: int, rows: int,
+                   block: int, splits: int) -> None:
+    """hc_pre's kernels on checked inputs (N >= 1) in a given launch shape (benchmarks time each)."""
+    N, hc, D = X.shape
+    if splits == 1:
+        _hc_pre_kernel[(triton.cdiv(N, rows),)](X, fn, base, scale, collapsed, post, comb, N, eps, hc_eps, D=D,
+                                                ITERS=iters, HC=hc, ROWS=rows, BLOCK=block)
+        return
+    k_slice = triton.cdiv(triton.cdiv(hc * D, splits), block) * block
+    part = X.new_empty(N, splits, (2 + hc) * hc + 1)
+    _hc_pre_partial_kernel[(triton.cdiv(N, rows), splits)](X, fn, part, N, D=D, HC=hc, SPLITS=splits, K_SLICE=k_slice,
+                                                           ROWS=rows, BLOCK=block)
+    d_slice = _d_slice(D, triton.cdiv(N, rows), X.device, block)
+    _hc_pre_finish_kernel[(triton.cdiv(N, rows), triton.cdiv(D, d_slice))](
+        X, part, base, scale, collapsed, post, comb, N, eps, hc_eps, D=D, ITERS=iters, HC=hc, SPLITS=splits,
+        D_SLICE=d_slice, ROWS=rows, BLOCK=block)
+
+
 def _check(name: str, t, shape: tuple) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
         raise InputError(f"{name} must be a contiguous float32 tensor {list(shape)}, got "
@@ -101,20 +238,23 @@ def _check(name: str, t, shape: tuple) -> None:
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float, hc_eps: float,
-           sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           sinkhorn_iters: int, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
-    mHC's mixing weights and the collapsed sub-layer input (module docstring), in one launch.
+    mHC's mixing weights and the collapsed sub-layer input (module docstring): one launch, or two when the
+    reduction's columns are split.
 
     Args:
         X: [N, hc, D] float32, contiguous, the residual state (hc a power of two; V4: 4).
         fn: [(2 + hc)·hc, hc·D], base: [(2 + hc)·hc], scale: [3], float32 (``hc_attn_*`` / ``hc_ffn_*``).
         eps: the input RMSNorm's epsilon (rms_norm_eps); hc_eps: mHC's; sinkhorn_iters >= 1.
+        splits: column splits of the reduction, a power of two (1: one launch); None: hc_pre_splits'.
+            Splits past one per _BLOCK columns take none (a split without columns adds zeros).
 
     Returns:
         (collapsed [N, D], post [N, hc], comb [N, hc, hc]), float32, every element written. Sync-free.
 
     Raises:
-        minirt.errors.InputError: wrong dtypes, shapes or devices.
+        minirt.errors.InputError: wrong dtypes, shapes, devices or splits.
     """
     if not isinstance(X, torch.Tensor) or X.dim() != 3:
         raise InputError(f"X must be a float32 tensor [N, hc, D], got {tuple(getattr(X, 'shape', ()))}")
@@ -122,6 +262,9 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     if hc < 1 or hc & (hc - 1) or isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) \
             or sinkhorn_iters < 1:
         raise InputError(f"hc must be a power of two and sinkhorn_iters >= 1, got {hc}, {sinkhorn_iters!r}")
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1
+                               or splits & (splits - 1)):
+        raise InputError(f"splits must be a power of two or None, got {splits!r}")
     _check("X", X, (N, hc, D))
     _check("fn", fn, ((2 + hc) * hc, hc * D))
     _check("base", base, ((2 + hc) * hc,))
@@ -130,16 +273,16 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     collapsed = X.new_empty(N, D)
     post, comb = X.new_empty(N, hc), X.new_empty(N, hc, hc)
     if N:
-        rows = rows_per_program(N, (2 + hc) * hc * _BLOCK)
-        _hc_pre_kernel[(triton.cdiv(N, rows),)](X, fn, base, scale, collapsed, post, comb, N, float(eps),
-                                                float(hc_eps), D=D, ITERS=sinkhorn_iters, HC=hc, ROWS=rows,
-                                                BLOCK=_BLOCK)
+        rows, block = _pre_tile(N, hc, X.device)
+        _launch_hc_pre(X, fn, base, scale, collapsed, post, comb, float(eps), float(hc_eps), sinkhorn_iters, rows,
+                       block, hc_pre_splits(N, hc, D, X.device) if splits is None else splits)
     return collapsed, post, comb
 
 
 def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """
-    mHC's new residual state ``X'[k] = post[k]·F + Σ_j comb[j, k]·X[j]`` (combᵀ · X), in one launch.
+    mHC's new residual state ``X'[k] = post[k]·F + Σ_j comb[j, k]·X[j]`` (combᵀ · X), in one launch (D split
+    across programs when the tokens alone do not fill the GPU).
 
     Args:
         F: [N, D] float32, the sub-layer's output; X: [N, hc, D] float32; post: [N, hc] and comb [N, hc, hc]
@@ -164,5 +307,12 @@ def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     out = torch.empty_like(X)
     if N:
         rows = rows_per_program(N, hc * _BLOCK)
-        _hc_post_kernel[(triton.cdiv(N, rows),)](F, X, post, comb, out, N, D=D, HC=hc, ROWS=rows, BLOCK=_BLOCK)
+        _launch_hc_post(F, X, post, comb, out, rows, _d_slice(D, triton.cdiv(N, rows), X.device))
     return out
+
+
+def _launch_hc_post(F, X, post, comb, out, rows: int, d_slice: int) -> None:
+    """hc_post's kernel on checked inputs (N >= 1), d_slice columns of D a program (benchmarks time each)."""
+    N, hc, D = X.shape
+    _hc_post_kernel[(triton.cdiv(N, rows), triton.cdiv(D, d_slice))](F, X, post, comb, out, N, D=D, HC=hc,
+                                                                     D_SLICE=d_slice, ROWS=rows, BLOCK=_BLOCK)
