@@ -59,8 +59,8 @@ def main() -> None:
         new_splits = mhc.hc_pre_splits(N, hc, D, X.device)
         shapes = [("old", 1, 256, 1), ("new", new_rows, new_block, new_splits)]
         if args.sweep:
-            shapes += [(f"r{r} b{b} s{s}", r, b, s) for r in (1, 2, 4, 8) for b in (32, 64, 128, 256)
-                       for s in (1, 4, 16, 64, 128) if r * b <= 512 and (s == 1 or N * s <= 4096)]
+            shapes += [("sweep", r, b, s) for r in (1, 2, 4, 8) for b in {256 // r, 512 // r}
+                       for s in (1, 8, 32, 128) if s == 1 or N * s <= 4096]
         for label, r, b, s in shapes:
             out = [torch.full((N, D), float("nan"), device="cuda"), torch.full((N, hc), float("nan"), device="cuda"),
                    torch.full((N, hc, hc), float("nan"), device="cuda")]
