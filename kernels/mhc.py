@@ -37,44 +37,72 @@ _PROGRAMS_PER_SM = 4
 # Fewest columns of flat X a split reduces (one step of _BLOCK): fewer would make its partial sums' traffic
 # (N · 25 floats a split) rival the fn slice it reads.
 _MIN_SPLIT_COLUMNS = _BLOCK
-# Rows a compiled hc_pre program takes when there are enough tokens (prefill).
-_PREFILL_ROWS = 4
+# From this many tokens the compiled reduction takes blocks of up to _DOT_ROWS rows through tl.dot,
+# _DOT_BLOCK columns a step.
+_DOT_MIN_TOKENS = 16
+_DOT_ROWS = 64
+_DOT_BLOCK = 64
 
 
 @triton.jit
-def _reduce_columns(x_rows, in_rows, fn_ptr, k_lo, K: tl.constexpr, K_SLICE: tl.constexpr, HC: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce_columns(x_rows, in_rows, fn_ptr, k_lo, M: tl.constexpr, K: tl.constexpr, K_SLICE: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr):
     """fn · x and Σ x² of ROWS rows (x_rows: their flat X) over columns [k_lo, k_lo + K_SLICE) ∩ [0, K):
-    (pre [ROWS, HC], post [ROWS, HC], comb [ROWS, HC·HC], sumsq [ROWS]), fp32."""
-    streams = tl.arange(0, HC)
-    pairs = tl.arange(0, HC * HC)
-    acc_pre = tl.zeros([ROWS, HC], dtype=tl.float32)
-    acc_post = tl.zeros([ROWS, HC], dtype=tl.float32)
-    acc_comb = tl.zeros([ROWS, HC * HC], dtype=tl.float32)
+    (m [ROWS, M padded to a power of two] (0 past M), sumsq [ROWS]), fp32. DOT: the products through
+    tl.dot in three tf32 passes (fp32-accurate; ROWS >= 16), else as broadcast products summed per step."""
+    MP: tl.constexpr = triton.next_power_of_2(M)
+    outputs = tl.arange(0, MP)
+    acc = tl.zeros([ROWS, MP], dtype=tl.float32)
     sumsq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for k0 in range(0, K_SLICE, BLOCK):
         cols = k_lo + k0 + tl.arange(0, BLOCK)
         valid = cols < K
         x = tl.load(x_rows[:, None] + cols[None, :], mask=in_rows[:, None] & valid[None, :], other=0.0)
         sumsq += x * x
-        fn_pre = tl.load(fn_ptr + streams[:, None] * K + cols[None, :], mask=valid[None, :], other=0.0)
-        acc_pre += tl.sum(fn_pre[None, :, :] * x[:, None, :], axis=2)
-        fn_post = tl.load(fn_ptr + (HC + streams[:, None]) * K + cols[None, :], mask=valid[None, :], other=0.0)
-        acc_post += tl.sum(fn_post[None, :, :] * x[:, None, :], axis=2)
-        fn_comb = tl.load(fn_ptr + (2 * HC + pairs[:, None]) * K + cols[None, :], mask=valid[None, :], other=0.0)
-        acc_comb += tl.sum(fn_comb[None, :, :] * x[:, None, :], axis=2)
-    return acc_pre, acc_post, acc_comb, tl.sum(sumsq, axis=1)
+        w = tl.load(fn_ptr + outputs[:, None] * K + cols[None, :], mask=(outputs < M)[:, None] & valid[None, :],
+                    other=0.0)
+        if DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+        else:
+            acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+    return acc, tl.sum(sumsq, axis=1)
 
 
 @triton.jit
-def _mix_and_collapse(acc_pre, acc_post, acc_comb, sumsq, rows, in_rows, x_rows, base_ptr, scale_ptr, collapsed_ptr,
-                      post_ptr, comb_ptr, eps, hc_eps, write_mix, d_lo, D: tl.constexpr, D_SLICE: tl.constexpr,
-                      ITERS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """From the full sums of _reduce_columns: the mixing weights (post and comb stored where write_mix) and
-    collapsed's columns [d_lo, d_lo + D_SLICE) ∩ [0, D) of ROWS rows."""
-    K: tl.constexpr = HC * D
+def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
+                           K_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr):
+    # part [N, SPLITS, (2 + HC)·HC + 1]: a row's sums of fn·x, then of x², over split program_id(1)'s columns.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
+    split = tl.program_id(1)
+    M: tl.constexpr = (2 + HC) * HC
+    m, sumsq = _reduce_columns(x_ptr + rows * (HC * D), in_rows, fn_ptr, split * K_SLICE, M, HC * D, K_SLICE, ROWS,
+                               BLOCK, DOT)
+    part_rows = part_ptr + (rows * SPLITS + split) * (M + 1)
+    outputs = tl.arange(0, triton.next_power_of_2(M))
+    tl.store(part_rows[:, None] + outputs[None, :], m, mask=in_rows[:, None] & (outputs < M)[None, :])
+    tl.store(part_rows + M, sumsq, mask=in_rows)
+
+
+@triton.jit
+def _hc_pre_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps,
+                          hc_eps, D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
+                          D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # The splits' sums are added in one order by every program of a row; each recomputes the mixing weights
+    # (25·SPLITS floats and a 4×4 Sinkhorn: cheaper than a third launch), the first stores post and comb, and
+    # program_id(1) collapses its slice [d_lo, d_lo + D_SLICE) ∩ [0, D).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
+    W: tl.constexpr = (2 + HC) * HC + 1
+    part_rows = part_ptr + rows[:, None, None] * (SPLITS * W) + tl.arange(0, SPLITS)[None, :, None] * W
+    in3 = in_rows[:, None, None]
     streams = tl.arange(0, HC)
     pairs = tl.arange(0, HC * HC)
+    acc_pre = tl.sum(tl.load(part_rows + streams[None, None, :], mask=in3, other=0.0), axis=1)
+    acc_post = tl.sum(tl.load(part_rows + HC + streams[None, None, :], mask=in3, other=0.0), axis=1)
+    acc_comb = tl.sum(tl.load(part_rows + 2 * HC + pairs[None, None, :], mask=in3, other=0.0), axis=1)
+    sumsq = tl.sum(tl.sum(tl.load(part_rows + W - 1, mask=in3, other=0.0), axis=2), axis=1)
+    K: tl.constexpr = HC * D
     r = 1.0 / tl.sqrt(sumsq / K + eps)
     s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
     pre = tl.sigmoid(acc_pre * r[:, None] * s_pre + tl.load(base_ptr + streams)[None, :]) + hc_eps
@@ -86,69 +114,19 @@ def _mix_and_collapse(acc_pre, acc_post, acc_comb, sumsq, rows, in_rows, x_rows,
     for _ in range(ITERS - 1):
         comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    mix_rows = in_rows & write_mix
+    d_split = tl.program_id(1)
+    mix_rows = in_rows & (d_split == 0)
     tl.store(post_ptr + rows[:, None] * HC + streams[None, :], post, mask=mix_rows[:, None])
     tl.store(comb_ptr + rows[:, None] * HC * HC + pairs[None, :], tl.reshape(comb, (ROWS, HC * HC)),
              mask=mix_rows[:, None])
+    x_rows = x_ptr + rows * K
     for d0 in range(0, D_SLICE, BLOCK):
-        cols = d_lo + d0 + tl.arange(0, BLOCK)
+        cols = d_split * D_SLICE + d0 + tl.arange(0, BLOCK)
         valid = cols < D
         x = tl.load(x_rows[:, None, None] + streams[None, :, None] * D + cols[None, None, :],
                     mask=in_rows[:, None, None] & valid[None, None, :], other=0.0)
         tl.store(collapsed_ptr + rows[:, None] * D + cols[None, :], tl.sum(pre[:, :, None] * x, axis=1),
                  mask=in_rows[:, None] & valid[None, :])
-
-
-@triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps, hc_eps,
-                   D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # D is a compile-time constant (one model's hidden size): the interpreter loops over constant bounds only.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    in_rows = rows < n_rows
-    x_rows = x_ptr + rows * (HC * D)
-    acc_pre, acc_post, acc_comb, sumsq = _reduce_columns(x_rows, in_rows, fn_ptr, 0, HC * D, HC * D, HC, ROWS, BLOCK)
-    _mix_and_collapse(acc_pre, acc_post, acc_comb, sumsq, rows, in_rows, x_rows, base_ptr, scale_ptr, collapsed_ptr,
-                      post_ptr, comb_ptr, eps, hc_eps, True, 0, D, D, ITERS, HC, ROWS, BLOCK)
-
-
-@triton.jit
-def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                           K_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # part [N, SPLITS, (2 + HC)·HC + 1]: a row's sums of fn·x then Σ x², over split program_id(1)'s columns.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    in_rows = rows < n_rows
-    split = tl.program_id(1)
-    acc_pre, acc_post, acc_comb, sumsq = _reduce_columns(x_ptr + rows * (HC * D), in_rows, fn_ptr, split * K_SLICE,
-                                                         HC * D, K_SLICE, HC, ROWS, BLOCK)
-    W: tl.constexpr = (2 + HC) * HC + 1
-    part_rows = part_ptr + (rows * SPLITS + split) * W
-    streams = tl.arange(0, HC)
-    tl.store(part_rows[:, None] + streams[None, :], acc_pre, mask=in_rows[:, None])
-    tl.store(part_rows[:, None] + HC + streams[None, :], acc_post, mask=in_rows[:, None])
-    tl.store(part_rows[:, None] + 2 * HC + tl.arange(0, HC * HC)[None, :], acc_comb, mask=in_rows[:, None])
-    tl.store(part_rows + W - 1, sumsq, mask=in_rows)
-
-
-@triton.jit
-def _hc_pre_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps,
-                          hc_eps, D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                          D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # The splits' sums added in one order by every program of a row (each recomputes the mixing weights:
-    # 25·SPLITS floats and a 4×4 Sinkhorn, cheaper than a third launch); program_id(1) collapses a D slice.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    in_rows = rows < n_rows
-    W: tl.constexpr = (2 + HC) * HC + 1
-    part_rows = part_ptr + rows[:, None, None] * (SPLITS * W) + tl.arange(0, SPLITS)[None, :, None] * W
-    in3 = in_rows[:, None, None]
-    streams = tl.arange(0, HC)[None, None, :]
-    acc_pre = tl.sum(tl.load(part_rows + streams, mask=in3, other=0.0), axis=1)
-    acc_post = tl.sum(tl.load(part_rows + HC + streams, mask=in3, other=0.0), axis=1)
-    acc_comb = tl.sum(tl.load(part_rows + 2 * HC + tl.arange(0, HC * HC)[None, None, :], mask=in3, other=0.0), axis=1)
-    sumsq = tl.sum(tl.sum(tl.load(part_rows + W - 1, mask=in3, other=0.0), axis=2), axis=1)
-    d_split = tl.program_id(1)
-    _mix_and_collapse(acc_pre, acc_post, acc_comb, sumsq, rows, in_rows, x_ptr + rows * (HC * D), base_ptr, scale_ptr,
-                      collapsed_ptr, post_ptr, comb_ptr, eps, hc_eps, d_split == 0, d_split * D_SLICE, D, D_SLICE,
-                      ITERS, HC, ROWS, BLOCK)
 
 
 @triton.jit
@@ -190,45 +168,42 @@ def _d_slice(D: int, row_programs: int, device: torch.device, block: int = _BLOC
     return triton.cdiv(blocks, max(1, slices)) * block
 
 
-def hc_pre_splits(N: int, hc: int, D: int, device: torch.device) -> int:
-    """The column splits hc_pre's reduction takes for N tokens (a power of two; 1: the one-launch kernel):
-    none when N's token blocks (_pre_tile's; interpreted, N: the bits must not depend on the block) fill the
-    GPU, else as many as give _PROGRAMS_PER_SM programs per SM, each at least _MIN_SPLIT_COLUMNS columns."""
-    programs = N if INTERPRET else triton.cdiv(N, _pre_tile(N, hc, device)[0])
+def hc_pre_splits(N: int, rows: int, hc: int, D: int, device: torch.device) -> int:
+    """The column splits of hc_pre's reduction for N tokens, rows a program (a power of two): 1 when the
+    token blocks fill the GPU, else as many as give _PROGRAMS_PER_SM programs per SM, each at least
+    _MIN_SPLIT_COLUMNS columns. Interpreted, as for one row a program (the bits must not depend on rows)."""
+    programs = N if INTERPRET else triton.cdiv(N, rows)
     wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), programs)
-    most = max(1, hc * D // _MIN_SPLIT_COLUMNS)
-    splits = min(wanted, most)
+    splits = max(1, min(wanted, hc * D // _MIN_SPLIT_COLUMNS))
     return 1 << (splits.bit_length() - 1)
 
 
-def _pre_tile(N: int, hc: int, device: torch.device) -> tuple[int, int]:
-    """(rows a program, columns a step) of hc_pre's kernels for N tokens. Compiled: _PREFILL_ROWS rows when
-    that still gives _PROGRAMS_PER_SM programs per SM (fn, read once a program, is then read N / rows times,
-    and a program's rows are few enough to be read again from L2 to collapse them), with columns cut so that
-    a step's [rows, hc², columns] products stay as large as one row's; else 1 row."""
+def _pre_tile(N: int, hc: int) -> tuple[int, int, bool]:
+    """(rows a program, columns a step, tl.dot) of hc_pre's reduction for N tokens. Compiled: with at least
+    _DOT_MIN_TOKENS tokens, blocks of up to _DOT_ROWS rows through tl.dot (fn is read once a block, not once
+    a token); else one row a program. Interpreted: rows_per_program's, broadcast products."""
     if INTERPRET:
-        return rows_per_program(N, (2 + hc) * hc * _BLOCK), _BLOCK
-    if triton.cdiv(N, _PREFILL_ROWS) >= _PROGRAMS_PER_SM * _num_sms(device):
-        return _PREFILL_ROWS, _BLOCK // _PREFILL_ROWS
-    return 1, _BLOCK
+        return rows_per_program(N, triton.next_power_of_2((2 + hc) * hc) * _BLOCK), _BLOCK, False
+    if N >= _DOT_MIN_TOKENS:
+        return min(_DOT_ROWS, triton.next_power_of_2(N)), _DOT_BLOCK, True
+    return 1, _BLOCK, False
 
 
 def _launch_hc_pre(X, fn, base, scale, collapsed, post, comb, eps: float, hc_eps: float, iters: int, rows: int,
-                   block: int, splits: int) -> None:
-    """hc_pre's kernels on checked inputs (N >= 1) in a given launch shape (benchmarks time each)."""
+                   block: int, dot: bool, splits: int) -> None:
+    """hc_pre's two launches on checked inputs (N >= 1), the reduction in a given launch shape (rows a
+    program, columns a step, tl.dot, column splits: benchmarks time each); the finish takes one row a
+    program compiled, rows_per_program's interpreted."""
     N, hc, D = X.shape
-    if splits == 1:
-        _hc_pre_kernel[(triton.cdiv(N, rows),)](X, fn, base, scale, collapsed, post, comb, N, eps, hc_eps, D=D,
-                                                ITERS=iters, HC=hc, ROWS=rows, BLOCK=block)
-        return
     k_slice = triton.cdiv(triton.cdiv(hc * D, splits), block) * block
     part = X.new_empty(N, splits, (2 + hc) * hc + 1)
     _hc_pre_partial_kernel[(triton.cdiv(N, rows), splits)](X, fn, part, N, D=D, HC=hc, SPLITS=splits, K_SLICE=k_slice,
-                                                           ROWS=rows, BLOCK=block)
-    d_slice = _d_slice(D, triton.cdiv(N, rows), X.device, block)
-    _hc_pre_finish_kernel[(triton.cdiv(N, rows), triton.cdiv(D, d_slice))](
+                                                           ROWS=rows, BLOCK=block, DOT=dot)
+    finish_rows = rows_per_program(N, hc * _BLOCK * splits)
+    d_slice = _d_slice(D, triton.cdiv(N, finish_rows), X.device)
+    _hc_pre_finish_kernel[(triton.cdiv(N, finish_rows), triton.cdiv(D, d_slice))](
         X, part, base, scale, collapsed, post, comb, N, eps, hc_eps, D=D, ITERS=iters, HC=hc, SPLITS=splits,
-        D_SLICE=d_slice, ROWS=rows, BLOCK=block)
+        D_SLICE=d_slice, ROWS=finish_rows, BLOCK=_BLOCK)
 
 
 def _check(name: str, t, shape: tuple) -> None:
@@ -240,15 +215,15 @@ def _check(name: str, t, shape: tuple) -> None:
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float, hc_eps: float,
            sinkhorn_iters: int, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
-    mHC's mixing weights and the collapsed sub-layer input (module docstring): one launch, or two when the
-    reduction's columns are split.
+    mHC's mixing weights and the collapsed sub-layer input (module docstring), in two launches (the
+    reduction's partial sums, then the rest).
 
     Args:
         X: [N, hc, D] float32, contiguous, the residual state (hc a power of two; V4: 4).
         fn: [(2 + hc)·hc, hc·D], base: [(2 + hc)·hc], scale: [3], float32 (``hc_attn_*`` / ``hc_ffn_*``).
         eps: the input RMSNorm's epsilon (rms_norm_eps); hc_eps: mHC's; sinkhorn_iters >= 1.
-        splits: column splits of the reduction, a power of two (1: one launch); None: hc_pre_splits'.
-            Splits past one per _BLOCK columns take none (a split without columns adds zeros).
+        splits: column splits of the reduction, a power of two; None: hc_pre_splits'. A split past the
+            last column adds zeros.
 
     Returns:
         (collapsed [N, D], post [N, hc], comb [N, hc, hc]), float32, every element written. Sync-free.
@@ -273,9 +248,9 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     collapsed = X.new_empty(N, D)
     post, comb = X.new_empty(N, hc), X.new_empty(N, hc, hc)
     if N:
-        rows, block = _pre_tile(N, hc, X.device)
+        rows, block, dot = _pre_tile(N, hc)
         _launch_hc_pre(X, fn, base, scale, collapsed, post, comb, float(eps), float(hc_eps), sinkhorn_iters, rows,
-                       block, hc_pre_splits(N, hc, D, X.device) if splits is None else splits)
+                       block, dot, hc_pre_splits(N, rows, hc, D, X.device) if splits is None else splits)
     return collapsed, post, comb
 
 
