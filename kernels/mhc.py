@@ -9,14 +9,15 @@ Sinkhorn and the collapse of a sub-layer's input (``hc_pre``), then the new resi
     collapsed = Σ_j pre[j]·X[j]                                   (hc_pre's outputs: collapsed, post, comb)
     X'[k] = post[k]·F + Σ_j comb[j, k]·X[j]                        (hc_post)
 
-Launch shapes. m's reduction runs over hc·D (V4: 16384) columns against a 1.5 MB fn. With many tokens
-(prefill) ``hc_pre`` is one launch, a program per block of tokens reducing its rows over every column then
-collapsing them (the second read of its rows comes from L2). With few (decode) that is a few programs, each
-reading all of fn: the columns are split across programs instead (``_hc_pre_partial_kernel``: partial sums of
-fn·x and x² per split, no atomics), and a second launch (``_hc_pre_finish_kernel``) adds the splits in a fixed
-order, computes the mixing weights and collapses a slice of D per program. ``hc_post`` takes a slice of D
-per program, as many slices as fill the GPU. Interpreted, a program takes a block of rows
-(``rows_per_program``); every row is computed on its own whatever the block.
+Launch shapes. m's reduction runs over hc·D (V4: 16384) columns against a 1.5 MB fn: one program a token
+reading all of it (the first version) left decode latency-bound on a few SMs and made prefill read fn once
+a token. ``hc_pre`` is two launches: ``_hc_pre_partial_kernel`` reduces a block of rows over a slice of the
+columns (blocks of up to 64 rows through tl.dot from 16 tokens, so fn is read once a block; one row a
+program below), the columns split across programs until the GPU is full (partial sums of fn·x and x² per
+split, no atomics); ``_hc_pre_finish_kernel`` adds the splits in a fixed order, computes the mixing weights
+and collapses a slice of D per program. ``hc_post`` takes a slice of D per program, as many slices as fill
+the GPU. Static shapes, no host sync: graph-capturable. Interpreted, a program takes a block of rows
+(``rows_per_program``) and every row is computed on its own whatever the block.
 """
 from __future__ import annotations
 

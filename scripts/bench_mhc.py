@@ -1,5 +1,5 @@
-"""Time DeepSeek-V4's mHC kernels (kernels/mhc.py) at decode and prefill token counts, new launch shapes
-beside the old one (one program a token, every column; hc_post: all of D a program).
+"""Time DeepSeek-V4's mHC kernels (kernels/mhc.py) at decode and prefill token counts, in the launch shapes
+the public functions choose (and, with --sweep, hc_pre's others).
 
     python3 scripts/bench_mhc.py [--out mhc-run.md] [--tokens 1 16 64 4096 16384] [--sweep]
 
@@ -9,7 +9,7 @@ collapsed, post, comb and hc_post's output; outputs poisoned with NaN first). µ
 over CUDA-graph replays, L2 cleared before each. GB/s counts the fewest bytes a call must move (hc_pre:
 X and fn read, collapsed, post, comb written; hc_post: F, X, post, comb read, X' written) against the
 device copy ceiling measured in the same run. --sweep adds hc_pre's other launch shapes (rows a
-program, columns a step, column splits).
+program, columns a step, tl.dot, column splits) and hc_post with all of D a program.
 """
 from __future__ import annotations
 
@@ -55,25 +55,25 @@ def main() -> None:
         expect_post = reference.hc_post(F, X, expect[1], expect[2])
         pre_bytes = 4 * (X.numel() + fn.numel() + N * D + N * hc + N * hc * hc)
         post_bytes = 4 * (F.numel() + 2 * X.numel() + N * hc + N * hc * hc)
-        new_rows, new_block = mhc._pre_tile(N, hc, X.device)
-        new_splits = mhc.hc_pre_splits(N, hc, D, X.device)
-        shapes = [("old", 1, 256, 1), ("new", new_rows, new_block, new_splits)]
+        tile_rows, block, dot = mhc._pre_tile(N, hc)
+        shapes = [("chosen", tile_rows, block, dot, mhc.hc_pre_splits(N, tile_rows, hc, D, X.device))]
         if args.sweep:
-            shapes += [("sweep", r, b, s) for r in (1, 2, 4, 8) for b in {256 // r, 512 // r}
-                       for s in (1, 8, 32, 128) if s == 1 or N * s <= 4096]
-        for label, r, b, s in shapes:
+            shapes += [("sweep", 1, 256, False, s) for s in (1, 8, 32, 64, 128) if N <= 64]
+            shapes += [("sweep", r, b, True, s) for r in (16, 32, 64, 128) for b in (32, 64) for s in (1, 2, 8, 32)
+                       if r <= max(16, triton.next_power_of_2(N)) and (s <= 2 or N <= 64)]
+        for label, r, b, dot, s in shapes:
             out = [torch.full((N, D), float("nan"), device="cuda"), torch.full((N, hc), float("nan"), device="cuda"),
                    torch.full((N, hc, hc), float("nan"), device="cuda")]
             run = lambda: mhc._launch_hc_pre(X, fn, base, scale, *out, mix["eps"], mix["hc_eps"],  # noqa: E731
-                                             mix["sinkhorn_iters"], r, b, s)
+                                             mix["sinkhorn_iters"], r, b, dot, s)
             run()
             err = max(rel(got, want) for got, want in zip(out, expect))
             us = bench_ms(run) * 1e3
-            rows.append(f"| hc_pre | {N} | {label} (rows {r}, block {b}, splits {s}) | {us:.1f} | "
-                        f"{pre_bytes / us / 1e3:.0f} | {err:.1e} |")
+            rows.append(f"| hc_pre | {N} | {label} (rows {r}, block {b}, {'tl.dot' if dot else 'broadcast'}, "
+                        f"splits {s}) | {us:.1f} | {pre_bytes / us / 1e3:.0f} | {err:.1e} |")
             print(rows[-1], flush=True)
-        new_slice = mhc._d_slice(D, N, X.device)
-        for label, d_slice in (("old", D), ("new", new_slice)):
+        post_shapes = [("chosen", mhc._d_slice(D, N, X.device))] + ([("sweep", D)] if args.sweep else [])
+        for label, d_slice in post_shapes:
             out = torch.full_like(X, float("nan"))
             run = lambda: mhc._launch_hc_post(F, X, expect[1], expect[2], out, 1, d_slice)  # noqa: E731
             run()
