@@ -32,11 +32,10 @@ from .lightning_indexer import indexer_topk
 TILE = 2048
 # The sort program holds next_pow2(topk) int64 keys; larger topk go to indexer_topk.
 MAX_TOPK = 4096
-_COARSE = 256                       # bins of a digit's top 8 bits
-_FINE = 65536                       # bins of a 16-bit digit
-_PASS_WORDS = _COARSE + _FINE       # one pass's histograms, int32
-_COUNTER = 2 * _PASS_WORDS          # the row's slot counter, after both passes' histograms
-_ROW_WORDS = _COUNTER + 1
+_COARSE = tl.constexpr(256)         # bins of a digit's top 8 bits
+_FINE = tl.constexpr(65536)         # bins of a 16-bit digit
+_PASS_WORDS = tl.constexpr(_COARSE.value + _FINE.value)     # one pass's histograms (coarse, then fine), int32
+_ROW_WORDS = 2 * _PASS_WORDS.value + 1      # both passes', then the row's slot counter
 # Order-preserving int32 image of -inf (lightning_indexer._NEG_INF_ORDERED): scores at or below it
 # are never selected.
 _NEG_INF_ORDERED = tl.constexpr(-2139095041)
@@ -58,16 +57,16 @@ def _pick_bin(hist_ptr, rem):
     """Of one pass's histograms at hist_ptr (256 coarse bins, then 65,536 fine), the 16-bit bin
     holding the rem-th largest digit (rem >= 1, at most the histogram's total) and how many digits
     lie in higher bins."""
-    offs = tl.arange(0, 256)
+    offs = tl.arange(0, _COARSE)
     coarse = tl.load(hist_ptr + offs)
     # Inclusive suffix sums are non-increasing: the bins whose suffix reaches rem are the top ones.
     suffix = tl.sum(coarse, 0) - tl.cumsum(coarse, 0) + coarse
     top = tl.maximum(tl.sum((suffix >= rem).to(tl.int32), 0) - 1, 0)
     above = tl.sum(tl.where(offs > top, coarse, 0), 0)
-    fine = tl.load(hist_ptr + 256 + top * 256 + offs)
+    fine = tl.load(hist_ptr + _COARSE + top * _COARSE + offs)
     suffix = above + tl.sum(fine, 0) - tl.cumsum(fine, 0) + fine
     low = tl.maximum(tl.sum((suffix >= rem).to(tl.int32), 0) - 1, 0)
-    return top * 256 + low, above + tl.sum(tl.where(offs > low, fine, 0), 0)
+    return top * _COARSE + low, above + tl.sum(tl.where(offs > low, fine, 0), 0)
 
 
 @triton.jit
@@ -75,28 +74,34 @@ def _threshold(hist_row, topk, PASSES: tl.constexpr):
     """The row's selection from its histograms: (take_all: topk >= the valid scores, all taken; the
     high 16-bit bin of the topk-th largest; the scores above that bin). With PASSES == 2 also
     (threshold T, the topk-th largest's int32 image; scores above T; scores equal to T)."""
-    n_valid = tl.sum(tl.load(hist_row + tl.arange(0, 256)), 0)
+    n_valid = tl.sum(tl.load(hist_row + tl.arange(0, _COARSE)), 0)
     take_all = n_valid <= topk
     high, above_high = _pick_bin(hist_row, tl.minimum(topk, n_valid))
     if PASSES == 1:
         return take_all, n_valid, high, above_high, 0, 0, 0
     else:
-        low_hist = hist_row + 256 + 65536
+        low_hist = hist_row + _PASS_WORDS
         low, above_low = _pick_bin(low_hist, tl.maximum(topk - above_high, 1))
-        n_equal = tl.load(low_hist + 256 + low)
+        n_equal = tl.load(low_hist + _COARSE + low)
         threshold = (high - 32768) * 65536 + low
         return take_all, n_valid, high, above_high, threshold, above_high + above_low, n_equal
+
+
+@triton.jit
+def _row_tile(scores_ptr, hist_ptr, n_keys, stride_row, TILE: tl.constexpr, ROW_WORDS: tl.constexpr):
+    """Program (row, tile)'s row, its TILE key indices, their scores' int32 images (-inf past the row)
+    and the row's workspace."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_keys, other=float("-inf"))
+    return row, cols, _ordered(x), hist_ptr + row.to(tl.int64) * ROW_WORDS
 
 
 @triton.jit(do_not_specialize=["n_keys", "stride_row", "topk"])
 def _histogram_kernel(scores_ptr, hist_ptr, n_keys, stride_row, topk,
                       PASS: tl.constexpr, TILE: tl.constexpr, ROW_WORDS: tl.constexpr):
     # Program (row, tile): TILE scores of one row, counted into that row's pass-PASS histograms.
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_keys, other=float("-inf"))
-    key = _ordered(x)
-    hist_row = hist_ptr + row.to(tl.int64) * ROW_WORDS
+    row, cols, key, hist_row = _row_tile(scores_ptr, hist_ptr, n_keys, stride_row, TILE, ROW_WORDS)
     high = (key >> 16) + 32768
     if PASS == 1:
         counted = key > _NEG_INF_ORDERED
@@ -106,28 +111,24 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_keys, stride_row, topk,
         take_all, n_valid, high_bin, above_high, t, a, e = _threshold(hist_row, topk, 1)
         counted = (key > _NEG_INF_ORDERED) & (high == high_bin) & (take_all == 0)
         digit = key & 0xFFFF
-        hist = hist_row + 256 + 65536
+        hist = hist_row + _PASS_WORDS
     # Coarse bins: one tile histogram, one atomic per non-empty bin (a row's scores share few of them).
-    coarse = tl.histogram(digit >> 8, 256, mask=counted)
-    tl.atomic_add(hist + tl.arange(0, 256), coarse, mask=coarse > 0, sem="relaxed")
-    tl.atomic_add(hist + 256 + digit, 1, mask=counted, sem="relaxed")
+    coarse = tl.histogram(digit >> 8, _COARSE, mask=counted)
+    tl.atomic_add(hist + tl.arange(0, _COARSE), coarse, mask=coarse > 0, sem="relaxed")
+    tl.atomic_add(hist + _COARSE + digit, 1, mask=counted, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["n_keys", "stride_row", "topk"])
 def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
                    TILE: tl.constexpr, ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr):
     # Program (row, tile): the tile's selected scores as int64 keys into the row's SLOTS slots.
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_keys, other=float("-inf"))
-    key = _ordered(x)
-    hist_row = hist_ptr + row.to(tl.int64) * ROW_WORDS
+    row, cols, key, hist_row = _row_tile(scores_ptr, hist_ptr, n_keys, stride_row, TILE, ROW_WORDS)
     take_all, n_valid, h, ah, threshold, n_above, n_equal = _threshold(hist_row, topk, 2)
     valid = key > _NEG_INF_ORDERED
     # Scores equal to T are taken here only when all of them are; else the sort program picks them.
     chosen = valid & ((key > threshold) | ((key == threshold) & (n_above + n_equal == topk)) | take_all)
     n_chosen = tl.sum(chosen.to(tl.int32), 0)
-    first = tl.atomic_add(hist_row + 2 * (256 + 65536), n_chosen, sem="relaxed")
+    first = tl.atomic_add(hist_row + 2 * _PASS_WORDS, n_chosen, sem="relaxed")
     slot = first + tl.cumsum(chosen.to(tl.int32), 0) - 1
     # (value, then lower index) in one int64, unique per index: lightning_indexer._order_keys.
     order_key = (key.to(tl.int64) << 32) | (cols.to(tl.int64) ^ 0xFFFFFFFF)
