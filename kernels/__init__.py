@@ -12,7 +12,8 @@
   V32 cache, dequantising in registers; over a MODEL1 cache (plus an optional extra one, V4's window
   and compressed entries in one softmax) the same function.
 - ``lightning_indexer_scores`` / ``indexer_topk``: V3.2's indexer scores (exact mode) and a top-k
-  with ties going to the lower key index, free of host syncs.
+  with ties going to the lower key index, free of host syncs; ``decode_topk``: the same top-k for a
+  few long rows (decode), each row split over many programs.
 - ``paged_indexer_scores`` and the fp8 indexer key cache (``new_index_cache``, ``write_index_keys``,
   ``quantize_index_keys``, ``dequantize_index_cache``): the indexer over a paged key cache, for
   decode steps and prefill chunks, reading only the positions each row may see.
@@ -53,6 +54,7 @@ from .kv_cache_model1 import (dequantize_kv_model1, model1_cache_entries, model1
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402
 from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources  # noqa: E402
 from .lightning_indexer import indexer_topk, lightning_indexer_scores  # noqa: E402
+from .decode_topk import decode_topk  # noqa: E402
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
 from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_indexer_scores,  # noqa: E402
                             quantize_index_keys, write_index_keys)

@@ -171,8 +171,10 @@ class StreamConfig:
     block_n: weight rows per program, 16, 32, 64 or 128 (inside one 128-row scale block); 64 and
     128 run Hopper's fp8 wgmma (64 rows per instruction), 16 and 32 mma.sync on fp16 copies.
     split_k: programs per block of rows, each over a contiguous range of k blocks; the last one to
-    finish sums the fp32 partials in split order. None picks enough to give every SM
-    STREAM_PROGRAMS_PER_SM programs (short weights: q_a, kv_a, wk), 1 never splits.
+    finish sums the fp32 partials in split order. None picks the split whose waves of
+    STREAM_PROGRAMS_PER_SM resident programs per SM are estimated to finish first (short weights
+    such as the fused q_a / wk / kv_a projection: many splits; long ones: few full waves), 1 never
+    splits.
     num_stages: software pipeline depth: num_stages - 1 k blocks of weight rows in flight per
     program. Default: 128 rows x 128 x 4 = 64 KB per program, two programs per SM (5 stages of
     16 + 2 KB take 90 KB of shared memory), i.e. 128 KB per SM against the ~64 KB that H200's
@@ -192,13 +194,17 @@ STREAM_CONFIG = StreamConfig()
 # stream the weight once. More would read it once per 16 tokens; _scaled_mm (or the tile kernel) then
 # does better.
 STREAM_MAX_M = 16
-# Automatic split-K aims at this many programs per SM (all resident at once: each takes
-# num_stages x (block_n + 16) x 128 bytes of shared memory, 90 KB by default), keeping >= 2 k blocks
-# per program and the fp32 partials' traffic (splits x N x M values, 8 bytes each: written once, read
-# once) <= 1/8 of the weight's N x K bytes.
+# Automatic split-K counts this many resident programs per SM (each takes num_stages x (block_n + 16)
+# x 128 bytes of shared memory, 90 KB by default) and picks the split whose waves of resident
+# programs finish first: a launch of 280 programs on 264 slots (V3.2's o_proj at 5 splits) takes two
+# full program times, one of 224 (4 splits) one and a bit. It keeps >= 2 k blocks per program and the
+# fp32 partials' traffic (splits x N x M values, 8 bytes each: written once, read once) <= 1/8 of the
+# weight's N x K bytes; a program's fixed cost (scales, pipeline fill, partial store) is counted as
+# _STREAM_PROGRAM_OVERHEAD k blocks.
 STREAM_PROGRAMS_PER_SM = 2
 _STREAM_MIN_K_BLOCKS = 2
 _STREAM_PARTIAL_SHARE = 8
+_STREAM_PROGRAM_OVERHEAD = 2
 # _scaled_mm gets M in multiples of 16: its 1x128 activation scales are read column-major, and
 # 16-byte aligned columns need M % 4 == 0 (it raised RuntimeError at M = 1 on the H200, ran at 64).
 SCALED_MM_ROWS = 16
@@ -366,14 +372,25 @@ def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, devi
     return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 
+# Cached: the search would cost every decode GEMM tens of microseconds of host time.
+@functools.lru_cache(maxsize=None)
 def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int, device: torch.device) -> int:
-    """k blocks per stream program: config.split_k splits, or (None) enough for STREAM_PROGRAMS_PER_SM
-    programs per SM within the limits set out at STREAM_PROGRAMS_PER_SM."""
+    """k blocks per stream program: config.split_k splits, or (None) the split that minimises the
+    estimated time, rounds x (k blocks per program + _STREAM_PROGRAM_OVERHEAD), where rounds =
+    ceil(programs / (STREAM_PROGRAMS_PER_SM x SMs)) counts the waves of resident programs, within the
+    limits set out at STREAM_PROGRAMS_PER_SM (the fewest splits among equal estimates)."""
     n_k_blocks = cdiv(k, BLOCK_K)
     split = config.split_k
     if split is None:
-        split = min(cdiv(STREAM_PROGRAMS_PER_SM * _num_sms(device), tiles),
-                    n_k_blocks // _STREAM_MIN_K_BLOCKS, k // (_STREAM_PARTIAL_SHARE * 8 * m))
+        slots = STREAM_PROGRAMS_PER_SM * _num_sms(device)
+        most = max(1, min(n_k_blocks // _STREAM_MIN_K_BLOCKS, k // (_STREAM_PARTIAL_SHARE * 8 * m)))
+
+        def estimate(splits: int) -> tuple[int, int]:
+            per_split = cdiv(n_k_blocks, splits)
+            programs = tiles * cdiv(n_k_blocks, per_split)
+            return cdiv(programs, slots) * (per_split + _STREAM_PROGRAM_OVERHEAD), splits
+
+        split = min(range(1, most + 1), key=estimate)
     return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 

@@ -14,6 +14,7 @@ import torch
 
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
+from .decode_topk import decode_topk
 from .fp8_gemm import fp8_gemm, quantize_act_fp8
 from .indexer_cache import paged_indexer_scores, write_index_keys
 from .kv_cache_fp8 import write_kv_fp8
@@ -44,10 +45,12 @@ write_index_keys_op = _registered(write_index_keys, ("cache",))   # writes the f
 for _op in (write_kv_fp8_op, write_kv_model1_op, write_index_keys_op):
     _op.register_fake(_writes_in_place)
 indexer_topk_op = _registered(indexer_topk)  # [..., topk] int32
+decode_topk_op = _registered(decode_topk)    # [..., topk] int32
 quantize_act_fp8_op = _registered(quantize_act_fp8)  # (x_fp8 [M, K], scales [M, K / 128])
 
 
 @indexer_topk_op.register_fake
+@decode_topk_op.register_fake
 def _(scores, topk):
     return scores.new_empty(*scores.shape[:-1], topk, dtype=torch.int32)
 

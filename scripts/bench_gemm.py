@@ -1,6 +1,7 @@
 """Benchmark minirt's block-scaled fp8 GEMM and fused MLA head projections on DeepSeek-V3.2's shapes.
 
     python3 scripts/bench_gemm.py [--out results.md] [--variants 128,128,8,3 64,128,4,4,swap stream:64,4,4 ...]
+                                  [--decode-only]
 
 Linear layers: every block-fp8 weight of a V3.2 dense layer used as a GEMM (shapes from
 checkpoint.tensor_specs of the v32 preset; kv_b_proj is applied per head, below) at M tokens in
@@ -15,6 +16,8 @@ rows (M <= 16) also give the weights' bytes per second (fp8: N x K bytes; bf16: 
 last line sums a decode step's fp8 linear layers (3 V3.2 layers at M = 1). Targets: prefill (M >=
 4096, the target column) fp8_gemm >= 0.8x _scaled_mm and faster than bf16; decode, that sum's
 weights streamed at >= 3 TB/s (single small weights cannot: a launch costs microseconds).
+--decode-only: M in {1, 16} over the GEMMs the runtime launches (q_a + wk + kv_a, q_b + wq_b and
+gate + up fused, as FusedProjection runs them), no head projections (well under 3 minutes).
 MLA head projections (H 128, nope = v = 128, latent 512) at T in {1, 4096}: the fused kernels
 against torch.bmm with a dequantised bf16 copy of W_v / W_k (plus quantize_act_fp8 for the value
 projection, whose fused kernel writes fp8). Every kernel is checked against a dequantised fp32
@@ -57,6 +60,19 @@ def linear_shapes():
         if spec.quantized and "kv_b_proj" not in name:
             shapes.setdefault(spec.shape, []).append(name.split(".")[-2])
     return [(names, n, k) for (n, k), names in shapes.items()]
+
+
+# The runtime's fused projections (FusedProjection: one GEMM over weights stacked by rows).
+FUSED = (("q_a_proj", "wk", "kv_a_proj_with_mqa"), ("q_b_proj", "wq_b"), ("gate_proj", "up_proj"))
+
+
+def runtime_shapes():
+    """[(names, N, K)] of the GEMMs a v32-preset layer launches: the FUSED groups as one weight each
+    (named "a+b"), the other weights as linear_shapes gives them."""
+    by_name = {name: (n, k) for names, n, k in linear_shapes() for name in names}
+    fused = [(["+".join(group)], sum(by_name[g][0] for g in group), by_name[group[0]][1]) for group in FUSED]
+    alone = [([name], n, k) for name, (n, k) in by_name.items() if not any(name in g for g in FUSED)]
+    return fused + alone
 
 
 def bench_ms(fn):
@@ -132,7 +148,7 @@ def gbps(nbytes, ms):
     return f"{nbytes / ms / 1e6:.0f}" if ms else "-"
 
 
-def bench_linears(scaled_name, scaled_mm, variants, lines):
+def bench_linears(scaled_name, scaled_mm, variants, lines, shapes=None, m_values=M_VALUES):
     names = ["fp8_gemm", "tiles forced", "_scaled_mm", "bf16 matmul"] + [f"fp8_gemm {v}" for v in variants]
     lines += ["", f"## Linear layers (fp8_gemm vs torch._scaled_mm with {scaled_name})", "",
               "| weight | N x K | M | path | " + " | ".join(names)
@@ -142,12 +158,12 @@ def bench_linears(scaled_name, scaled_mm, variants, lines):
     device = torch.device("cuda", torch.cuda.current_device())
     decode_ms = 0.0
     decode_bytes = 0
-    for names_w, n, k in linear_shapes():
+    for names_w, n, k in shapes or linear_shapes():
         gen = torch.Generator("cuda").manual_seed(n + k)
         w, w_scales = quantize_block_fp8(torch.randn(n, k, generator=gen, device="cuda"))
         w_fp32 = dequantize_block_fp8(w, w_scales)
         w_bf16 = w_fp32.bfloat16()
-        for m in M_VALUES:
+        for m in m_values:
             x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
             a, a_scales = gemm.quantize_act_fp8(x)
             rows = min(m, CHECK_ROWS)
@@ -242,6 +258,9 @@ def main():
                         help="extra fp8_gemm launches, one column each: the tile kernel's "
                              "block_m,block_n,num_warps,num_stages[,swap] (swap: b . a^T; split-K automatic) "
                              "or the stream kernel's stream:block_n,num_warps,num_stages[,split_k] (M <= 16)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only M = 1 and 16, over the GEMMs the runtime launches (fused projections: "
+                             "runtime_shapes); no MLA head projections")
     args = parser.parse_args()
     for v in args.variants:
         parse_variant(v)
@@ -263,8 +282,11 @@ def main():
         f"{PREFILL_M}): fp8_gemm >= 0.8x _scaled_mm and > 1x bf16; decode: see the last line",
     ]
     print("\n".join(lines), flush=True)
-    bench_linears(scaled_name, scaled_mm, args.variants, lines)
-    bench_head_projections(lines)
+    if args.decode_only:
+        bench_linears(scaled_name, scaled_mm, args.variants, lines, runtime_shapes(), (1, 16))
+    else:
+        bench_linears(scaled_name, scaled_mm, args.variants, lines)
+        bench_head_projections(lines)
     write_report("\n".join(lines) + "\n", args.out)
 
 

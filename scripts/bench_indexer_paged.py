@@ -1,12 +1,14 @@
 """Benchmark the paged indexer (scores from the key cache + indexer_topk) on the GPU, in both cache
 formats, with the ceilings measured in the same run.
 
-    python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...]
+    python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...] [--decode-only]
 
 Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
 block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
 64 in shuffled order; H 64, D 128, top-k 2048. Memory-bound: GB/s counts the keys the rows must read
-(L x 132 bytes fp8, L x 512 exact) plus the scores written (163840 x 4 per row). The runtime's
+(L x 132 bytes fp8, L x 512 exact) plus the scores written (163840 x 4 per row). The top-k rows time
+indexer_topk and decode_topk (the runtime's decode selection) after the scores and alone, after
+checking that both select the same indices. --decode-only skips the prefill chunk. The runtime's
 current decode indexer (gather every slot's fp32 key, torch einsums, full stable sort) is timed at
 the same shapes for comparison.
 Prefill chunk: one sequence, the last t = 2048 queries of a 131072-token prompt (limit[t] = 129024 +
@@ -31,6 +33,7 @@ from ceilings import measure_ceilings, write_report
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels.indexer_cache import (dequantize_index_cache, new_index_cache, paged_config,
                                           paged_indexer_scores, write_index_keys)
+from minirt.kernels.decode_topk import decode_topk
 from minirt.kernels.lightning_indexer import indexer_topk
 
 H, D, TOPK, BLOCK_SIZE = 64, 128, 2048, 64
@@ -103,6 +106,7 @@ def main():
     parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
                         help="prefill-chunk launch shapes block_t,block_s,num_warps,num_stages besides the default")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode rows (no prefill chunk)")
     args = parser.parse_args()
 
     matmul_tflops, copy_gbps = measure_ceilings()
@@ -137,16 +141,24 @@ def main():
                     traffic = n_batch * (length * key_bytes + CAPACITY * 4)
                     scores_ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit))
                     both_ms = bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK))
+                    scores = paged_indexer_scores(q, weights, cache, table, limit)
+                    same = torch.equal(decode_topk(scores, TOPK), indexer_topk(scores, TOPK))
+                    topk_ms = [bench_ms(lambda: select(scores, TOPK)) for select in (indexer_topk, decode_topk)]
+                    decode_ms = bench_ms(lambda: decode_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK))
                     today = attempt(lambda: f"{runtime_decode_ms(q, weights, cache, table, limit):.3f} ms")
-                    return (f"{traffic / scores_ms / 1e6:.0f} GB/s ({scores_ms:.3f} ms)", f"{both_ms:.3f} ms", today)
+                    return (f"{traffic / scores_ms / 1e6:.0f} GB/s ({scores_ms:.3f} ms)", f"{both_ms:.3f} ms", today,
+                            f"{decode_ms:.3f} ms", f"indexer_topk {topk_ms[0]:.3f} ms, decode_topk {topk_ms[1]:.3f} ms"
+                            + ("" if same else " (WRONG: decode_topk differs from indexer_topk)"))
                 cells = attempt(decode_cells)
-                cells = (cells, cells, cells) if isinstance(cells, str) else cells
+                cells = (cells,) * 5 if isinstance(cells, str) else cells
                 name = f"decode B {n_batch}, L {length}"
                 row(f"{name}: scores", fmt, cells[0])
                 row(f"{name}: scores + indexer_topk", fmt, cells[1])
+                row(f"{name}: scores + decode_topk (the runtime's decode)", fmt, cells[3])
+                row(f"{name}: top-k alone", fmt, cells[4])
                 row(f"{name}: today's torch indexer (einsum + full sort)", fmt, cells[2])
 
-    for fmt in FORMATS:
+    for fmt in () if args.decode_only else FORMATS:
         q, weights, cache, table = make_inputs(fmt, 1, CHUNK_T, CHUNK_KEYS, gen)
         limit = (CHUNK_KEYS - CHUNK_T + torch.arange(CHUNK_T, device="cuda"))[None]
         flops = 2 * H * D * int((limit.long() + 1).sum())

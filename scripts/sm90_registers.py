@@ -1,7 +1,7 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
-few, and over MODEL1 caches), the decode's split merge and the paged indexer's scores kernel for sm_90a on
-this machine (no GPU needed) and report each warp partition's register budget and each kernel's spill
-instructions and 2-byte global accesses.
+few, and over MODEL1 caches), the decode's split merge, the paged indexer's scores kernel and decode_topk's
+kernels for sm_90a on this machine (no GPU needed) and report each warp partition's register budget and each
+kernel's spill instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
                                              # loads or stores global memory 2 bytes at a time
@@ -35,6 +35,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from minirt.kernels import indexer_cache  # noqa: E402
+from minirt.kernels.decode_topk import decode_topk  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
 from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
@@ -144,6 +145,25 @@ def recorded_indexer_launch(fp8: bool, n_queries: int, n_batch: int = 1):
     return (kernel, *recorder.calls[0])
 
 
+def recorded_topk_launches():
+    """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of 163840 scores, top 2048."""
+    module = sys.modules[decode_topk.__module__]
+    names = ("_histogram_kernel", "_gather_kernel", "_sort_kernel")
+    kernels = {name: getattr(module, name) for name in names}
+    recorders = {name: Recorder() for name in names}
+    check_device = module.check_device
+    module.check_device = lambda tensors: None
+    for name in names:
+        setattr(module, name, recorders[name])
+    try:
+        decode_topk(torch.empty((16, 163840)), 2048)
+    finally:
+        module.check_device = check_device
+        for name in names:
+            setattr(module, name, kernels[name])
+    return [(f"{name} {i + 1}", kernels[name], *call) for name in names for i, call in enumerate(recorders[name].calls)]
+
+
 def compile_for_sm90(kernel, args, kwargs):
     """The JIT's own path from arguments to a compiled kernel, for TARGET instead of the local device."""
     backend = make_backend(TARGET)
@@ -197,6 +217,8 @@ def main() -> int:
     for fp8, n_queries, n_batch in ((False, 2048, 1), (False, 1, 16), (True, 2048, 1)):
         failing |= report(f"indexer scores over {'fp8' if fp8 else 'exact'} paged keys, b {n_batch} x t {n_queries}",
                           *recorded_indexer_launch(fp8, n_queries, n_batch))
+    for name, kernel, args, kwargs in recorded_topk_launches():
+        failing |= report(f"decode_topk {name}, 16 rows of 163840, top 2048", kernel, args, kwargs)
     return 1 if failing else 0
 
 

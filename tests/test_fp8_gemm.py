@@ -8,6 +8,7 @@ magnitudes varying per 128-block so that a scale applied to the wrong block show
 NaN-poisoned before each call. Errors are normalised by the magnitude |A| . |B|^T (the sum of the
 absolute products), which bounds what a fp32 sum can get wrong independently of cancellation.
 """
+import importlib
 import math
 
 import pytest
@@ -21,6 +22,9 @@ from minirt.fp8_linear import Fp8Linear
 from minirt.kernels.fp8_gemm import (PREFILL_CONFIG, STREAM_MAX_M, Fp8GemmConfig, StreamConfig, decode_config,
                                      default_config, default_path, fp8_gemm, quantize_act_fp8, uses_scaled_mm)
 from minirt.kernels.mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
+
+# The module (minirt.kernels re-exports the function fp8_gemm under the module's name).
+fp8_gemm_module = importlib.import_module("minirt.kernels.fp8_gemm")
 
 ON_GPU = DEVICE == "cuda"
 # fp8_gemm accumulation error as a fraction of |A| . |B|^T, for each of its paths (stream and tile
@@ -224,6 +228,25 @@ def test_stream_split_k_is_deterministic():
     check_gemm(split[0], ref, magnitude)
     whole = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=StreamConfig(split_k=1))
     assert ((split[0] - whole).abs() <= 2 * GEMM_ELEMENT_TOL * magnitude).all()
+
+
+@pytest.mark.parametrize("n, k, splits", [
+    (7168, 16384, 4),      # o_proj: 56 row blocks x 4 = 224 programs, one wave (5 splits = 280: two)
+    (36864, 7168, 4),      # gate + up fused: 288 row blocks, more than a wave unsplit
+    (7168, 18432, 9),      # down_proj: 504 programs of 16 k blocks
+    (2240, 7168, 14),      # q_a + wk + kv_a fused: 18 row blocks, 4 k blocks a program
+    (32768, 1536, 1),      # q_b + wq_b fused: 256 row blocks fill 264 slots unsplit
+])
+def test_stream_auto_split_fills_whole_waves(monkeypatch, n, k, splits):
+    """Automatic split-K on an H200 (132 SMs) for V3.2's decode GEMMs at M = 1: the split whose waves
+    of resident programs (2 per SM) are estimated to finish first."""
+    monkeypatch.setattr(fp8_gemm_module, "_num_sms", lambda device: 132)
+    fp8_gemm_module._stream_k_blocks_per_split.cache_clear()
+    try:
+        per_split = fp8_gemm_module._stream_k_blocks_per_split(StreamConfig(), 1, k, -(-n // 128), torch.device("cuda"))
+    finally:
+        fp8_gemm_module._stream_k_blocks_per_split.cache_clear()
+    assert -(-(k // 128) // per_split) == splits
 
 
 def test_default_path():

@@ -63,3 +63,8 @@ def test_compiled_call_equals_eager():
     compiled = torch.compile(attend, backend=COMPILE_BACKEND, fullgraph=True)  # fullgraph: a break fails
     for got, want in zip(compiled(*args), attend(*args)):
         assert torch.equal(got, want)
+
+
+def test_opcheck_decode_topk():
+    scores = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    torch.library.opcheck(torch.ops.minirt.decode_topk, (scores, 40), test_utils=("test_schema", "test_faketensor"))

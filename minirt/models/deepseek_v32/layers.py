@@ -26,9 +26,10 @@ from .context import StepContext
 from ...errors import InputError
 from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
-from ...kernels.ops import (apply_rope_op as apply_rope, indexer_topk_op as indexer_topk,
-                          mla_decode_fp8_op as mla_decode_fp8, mla_query_absorb_op as mla_query_absorb,
-                          mla_value_proj_fp8_op as mla_value_proj_fp8, paged_indexer_scores_op as paged_indexer_scores,
+from ...kernels.ops import (apply_rope_op as apply_rope, decode_topk_op as decode_topk,
+                          indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
+                          mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
+                          paged_indexer_scores_op as paged_indexer_scores,
                           quantize_act_fp8_op as quantize_act_fp8, rms_norm_op as rms_norm,
                           sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
 from ...blockfp8 import DEFAULT_BLOCK, block_scale_shape
@@ -146,9 +147,11 @@ class LightningIndexer(nn.Module):
         """Top-k key positions [b, t, index_topk] int32 (−1 padded) of queries q [b, t, H, D] with
         weights w [b, t, H] over the paged key cache: position s of sequence b is a candidate when
         s <= limit[b, t]; ties go to the earlier position (``paged_indexer_scores``,
-        ``indexer_topk``). n_keys: the width scored (default the block table's capacity)."""
+        ``indexer_topk``). n_keys: the width scored (default the block table's capacity). One query
+        per sequence (decode) selects through ``decode_topk`` (the same result, its long rows split
+        over many programs)."""
         scores = paged_indexer_scores(q, w, key_cache, block_table, limit, n_keys=n_keys)
-        return indexer_topk(scores, self.index_topk)
+        return (decode_topk if q.shape[1] == 1 else indexer_topk)(scores, self.index_topk)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:

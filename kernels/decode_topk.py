@@ -1,0 +1,223 @@
+"""Top-k selection for a few long rows of indexer scores (decode: one query row per sequence, up to
+163,840 keys), spread over many programs per row: a two-pass radix select on the order-preserving
+int32 image of the scores, then one program per row sorts the selected keys.
+
+Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R rows of S scores:
+
+1. a zeroed workspace (histograms and a slot counter per row);
+2. pass 1, grid (R, S / TILE): histogram of the high 16 bits of every valid (> -inf) score, as 256
+   coarse bins (the top 8 bits; per-tile tl.histogram, then one atomic per bin) and 65,536 fine bins
+   (one atomic per score);
+3. pass 2, same grid: each program finds the high half of the k-th largest score from pass 1's
+   histograms (a scan of 256 coarse then 256 fine bins), then histograms the low 16 bits of the
+   scores in that bin: together the k-th largest score T and how many exceed it;
+4. gather, same grid: the scores above T, and those equal to T when all of them are taken, go to
+   slots of the row's selection buffer (a per-row atomic counter) as (value, ~index) int64 keys;
+5. sort, one program per row: when more scores equal T than are taken, the lowest key indices of
+   them are found by a scan of the row in order (rare: exact float ties at the boundary); then a
+   descending sort of the int64 keys gives value descending, index ascending.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minirt.errors import InputError
+
+from ._common import INTERPRET, check_device
+from .lightning_indexer import indexer_topk
+
+# Scores per program of the histogram and gather passes: 163,840 keys give 80 programs per row.
+TILE = 2048
+# The sort program holds next_pow2(topk) int64 keys; larger topk go to indexer_topk.
+MAX_TOPK = 4096
+_COARSE = tl.constexpr(256)         # bins of a digit's top 8 bits
+_FINE = tl.constexpr(65536)         # bins of a 16-bit digit
+_PASS_WORDS = tl.constexpr(_COARSE.value + _FINE.value)     # one pass's histograms (coarse, then fine), int32
+_ROW_WORDS = 2 * _PASS_WORDS.value + 1      # both passes', then the row's slot counter
+# Order-preserving int32 image of -inf (lightning_indexer._NEG_INF_ORDERED): scores at or below it
+# are never selected.
+_NEG_INF_ORDERED = tl.constexpr(-2139095041)
+# The key of an empty selection slot: below every selected key (whose high half exceeds -inf's image).
+_EMPTY_SLOT = tl.constexpr(-2139095041 * 2**32)
+# Scores per step of a tied row's scan.
+_TIE_ROW_BLOCK = 1024
+
+
+@triton.jit
+def _ordered(x):
+    """The order-preserving int32 image of float32 x (lightning_indexer._order_keys), -0.0 as +0.0."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _pick_bin(hist_ptr, rem):
+    """Of one pass's histograms at hist_ptr (256 coarse bins, then 65,536 fine), the 16-bit bin
+    holding the rem-th largest digit (rem >= 1, at most the histogram's total) and how many digits
+    lie in higher bins."""
+    offs = tl.arange(0, _COARSE)
+    coarse = tl.load(hist_ptr + offs)
+    # Inclusive suffix sums are non-increasing: the bins whose suffix reaches rem are the top ones.
+    suffix = tl.sum(coarse, 0) - tl.cumsum(coarse, 0) + coarse
+    top = tl.maximum(tl.sum((suffix >= rem).to(tl.int32), 0) - 1, 0)
+    above = tl.sum(tl.where(offs > top, coarse, 0), 0)
+    fine = tl.load(hist_ptr + _COARSE + top * _COARSE + offs)
+    suffix = above + tl.sum(fine, 0) - tl.cumsum(fine, 0) + fine
+    low = tl.maximum(tl.sum((suffix >= rem).to(tl.int32), 0) - 1, 0)
+    return top * _COARSE + low, above + tl.sum(tl.where(offs > low, fine, 0), 0)
+
+
+@triton.jit
+def _threshold(hist_row, topk, PASSES: tl.constexpr):
+    """The row's selection from its histograms: (take_all: topk >= the valid scores, all taken; the
+    high 16-bit bin of the topk-th largest; the scores above that bin). With PASSES == 2 also
+    (threshold T, the topk-th largest's int32 image; scores above T; scores equal to T)."""
+    n_valid = tl.sum(tl.load(hist_row + tl.arange(0, _COARSE)), 0)
+    take_all = n_valid <= topk
+    high, above_high = _pick_bin(hist_row, tl.minimum(topk, n_valid))
+    if PASSES == 1:
+        return take_all, n_valid, high, above_high, 0, 0, 0
+    else:
+        low_hist = hist_row + _PASS_WORDS
+        low, above_low = _pick_bin(low_hist, tl.maximum(topk - above_high, 1))
+        n_equal = tl.load(low_hist + _COARSE + low)
+        threshold = (high - 32768) * 65536 + low
+        return take_all, n_valid, high, above_high, threshold, above_high + above_low, n_equal
+
+
+@triton.jit
+def _row_tile(scores_ptr, hist_ptr, n_keys, stride_row, TILE: tl.constexpr, ROW_WORDS: tl.constexpr):
+    """Program (row, tile)'s row, its TILE key indices, their scores' int32 images (-inf past the row)
+    and the row's workspace."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_keys, other=float("-inf"))
+    return row, cols, _ordered(x), hist_ptr + row.to(tl.int64) * ROW_WORDS
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_row", "topk"])
+def _histogram_kernel(scores_ptr, hist_ptr, n_keys, stride_row, topk,
+                      PASS: tl.constexpr, TILE: tl.constexpr, ROW_WORDS: tl.constexpr):
+    # Program (row, tile): TILE scores of one row, counted into that row's pass-PASS histograms.
+    row, cols, key, hist_row = _row_tile(scores_ptr, hist_ptr, n_keys, stride_row, TILE, ROW_WORDS)
+    high = (key >> 16) + 32768
+    if PASS == 1:
+        counted = key > _NEG_INF_ORDERED
+        digit = high
+        hist = hist_row
+    else:
+        take_all, n_valid, high_bin, above_high, t, a, e = _threshold(hist_row, topk, 1)
+        counted = (key > _NEG_INF_ORDERED) & (high == high_bin) & (take_all == 0)
+        digit = key & 0xFFFF
+        hist = hist_row + _PASS_WORDS
+    # Coarse bins: one tile histogram, one atomic per non-empty bin (a row's scores share few of them).
+    coarse = tl.histogram(digit >> 8, _COARSE, mask=counted)
+    tl.atomic_add(hist + tl.arange(0, _COARSE), coarse, mask=coarse > 0, sem="relaxed")
+    tl.atomic_add(hist + _COARSE + digit, 1, mask=counted, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_row", "topk"])
+def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
+                   TILE: tl.constexpr, ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr):
+    # Program (row, tile): the tile's selected scores as int64 keys into the row's SLOTS slots.
+    row, cols, key, hist_row = _row_tile(scores_ptr, hist_ptr, n_keys, stride_row, TILE, ROW_WORDS)
+    take_all, n_valid, h, ah, threshold, n_above, n_equal = _threshold(hist_row, topk, 2)
+    valid = key > _NEG_INF_ORDERED
+    # Scores equal to T are taken here only when all of them are; else the sort program picks them.
+    chosen = valid & ((key > threshold) | ((key == threshold) & (n_above + n_equal == topk)) | take_all)
+    n_chosen = tl.sum(chosen.to(tl.int32), 0)
+    first = tl.atomic_add(hist_row + 2 * _PASS_WORDS, n_chosen, sem="relaxed")
+    slot = first + tl.cumsum(chosen.to(tl.int32), 0) - 1
+    # (value, then lower index) in one int64, unique per index: lightning_indexer._order_keys.
+    order_key = (key.to(tl.int64) << 32) | (cols.to(tl.int64) ^ 0xFFFFFFFF)
+    tl.store(keys_ptr + row.to(tl.int64) * SLOTS + slot, order_key, mask=chosen)
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_row", "stride_out", "topk"])
+def _sort_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, stride_out, topk,
+                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                 INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+    # Program row: completes the row's selection (boundary ties), sorts it and writes the indices.
+    row = tl.program_id(0)
+    hist_row = hist_ptr + row.to(tl.int64) * ROW_WORDS
+    row_keys = keys_ptr + row.to(tl.int64) * SLOTS
+    take_all, n_valid, h, ah, threshold, n_above, n_equal = _threshold(hist_row, topk, 2)
+    n_selected = tl.where(take_all, n_valid, topk)
+    tied = (take_all == 0) & (n_above + n_equal != topk)
+    # Tied: the topk - n_above lowest key indices scoring T fill the slots from n_above on, in one scan
+    # of the row in order. The interpreter cannot loop to a runtime bound: it scans every row, masked.
+    n_needed = topk - n_above
+    n_seen = n_needed * 0
+    offs = tl.arange(0, ROW_BLOCK)
+    row_scores = scores_ptr + row.to(tl.int64) * stride_row
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else tl.where(tied, n_keys, 0), ROW_BLOCK):
+        cols = start + offs
+        x = tl.load(row_scores + cols, mask=tied & (cols < n_keys), other=float("-inf"))
+        key = _ordered(x)
+        equal = tied & (cols < n_keys) & (key == threshold)
+        position = n_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
+        take = equal & (position < n_needed)
+        tl.store(row_keys + n_above + position, (key.to(tl.int64) << 32) | (cols.to(tl.int64) ^ 0xFFFFFFFF),
+                 mask=take)
+        n_seen += tl.sum(equal.to(tl.int32), 0)
+    tl.debug_barrier()
+    slots = tl.arange(0, SLOTS)
+    keys = tl.load(row_keys + slots, mask=slots < n_selected, other=_EMPTY_SLOT)
+    keys = tl.sort(keys, descending=True)
+    indices = ((keys & 0xFFFFFFFF) ^ 0xFFFFFFFF).to(tl.int32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + slots, tl.where(slots < n_selected, indices, -1),
+             mask=slots < topk)
+
+
+def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """
+    indexer_topk for a few long rows (a decode step's scores): per row, the key indices of the topk
+    largest scores, best first, equal scores in ascending key order (the first topk of a stable
+    descending sort); -inf scores are never selected and rows are padded with -1 (fewer valid keys
+    than topk). The result equals indexer_topk's, element for element.
+
+    Args:
+        scores: [..., S] float32 (paged_indexer_scores output), S < 2^31, on a CUDA device (or the
+            CPU under TRITON_INTERPRET=1). NaN is unsupported.
+        topk: int >= 1 (V3.2: 2048); may exceed S. topk > MAX_TOPK (4096) runs indexer_topk.
+
+    Returns:
+        [..., topk] int32 key indices in [0, S) or -1.
+
+    Four Triton launches and a workspace memset (module docstring), each histogram / gather pass
+    over R x ceil(S / 2048) programs, so one row fills the GPU; no host synchronisation (CUDA-graph
+    capturable). Workspace: R x 526 KB of int32 histograms and R x next_pow2(topk) int64 keys.
+
+    Raises:
+        minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
+            the kernels cannot run on.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
+        raise InputError("scores must be a float32 tensor [..., S]")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise InputError(f"topk must be a positive int, got {topk!r}")
+    check_device({"scores": scores})
+    if topk > MAX_TOPK:
+        return indexer_topk(scores, topk)
+    n_keys, n_rows = scores.shape[-1], scores.shape[:-1].numel()
+    if n_rows == 0 or n_keys == 0:
+        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
+    out = torch.empty((n_rows, topk), dtype=torch.int32, device=scores.device)
+    rows = scores.reshape(n_rows, n_keys)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    slots = triton.next_power_of_2(topk)
+    hist = torch.zeros((n_rows, _ROW_WORDS), dtype=torch.int32, device=scores.device)
+    keys = torch.empty((n_rows, slots), dtype=torch.int64, device=scores.device)
+    grid = (n_rows, triton.cdiv(n_keys, TILE))
+    for pass_ in (1, 2):
+        _histogram_kernel[grid](rows, hist, n_keys, rows.stride(0), topk, PASS=pass_, TILE=TILE,
+                                ROW_WORDS=_ROW_WORDS, num_warps=4)
+    _gather_kernel[grid](rows, hist, keys, n_keys, rows.stride(0), topk, TILE=TILE, ROW_WORDS=_ROW_WORDS,
+                         SLOTS=slots, num_warps=4)
+    _sort_kernel[(n_rows,)](rows, hist, keys, out, n_keys, rows.stride(0), out.stride(0), topk,
+                            ROW_WORDS=_ROW_WORDS, SLOTS=slots, ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET,
+                            INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
+    return out.view(*scores.shape[:-1], topk)

@@ -1,0 +1,117 @@
+"""decode_topk against a stable descending torch.sort (the first topk indices, -inf and padding -1) and
+against indexer_topk, on rows of exact ties (both zeros, infinities, denormals), ties straddling the
+k-th score across many tiles, masked rows and rows shorter than topk.
+
+Runs the real Triton kernels: compiled with CUDA tensors on a GPU, under TRITON_INTERPRET=1 on the CPU.
+"""
+import importlib
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from minirt.errors import InputError
+from minirt.kernels.decode_topk import decode_topk
+from minirt.kernels.lightning_indexer import indexer_topk
+from test_lightning_indexer import stable_topk_reference, tied_scores
+
+# The module (minirt.kernels re-exports the function under the module's name).
+dt = importlib.import_module("minirt.kernels.decode_topk")
+
+ON_GPU = DEVICE == "cuda"
+
+
+@pytest.mark.parametrize("shape, topk", [
+    ((6, 300), 40), ((6, 300), 300), ((6, 50), 64), ((2, 3, 129), 1), ((4, 2048), 2048 - 5), ((3, 4500), 2048),
+])
+def test_matches_stable_sort_on_ties(shape, topk):
+    gen = torch.Generator(DEVICE).manual_seed(shape[-1] + topk)
+    scores = tied_scores(gen, shape)
+    got = decode_topk(scores, topk)
+    assert got.dtype == torch.int32 and got.shape == (*shape[:-1], topk)
+    assert torch.equal(got, stable_topk_reference(scores, topk))
+    assert torch.equal(got, indexer_topk(scores, topk))
+
+
+def test_boundary_ties_across_tiles():
+    """The k-th score is held by many keys in several tiles: the lowest indices of it are taken
+    (the sort program's scan). Row 0: every score equal; row 1: distinct scores above a tied level
+    that spans all tiles; row 2: the tied level taken whole (exactly topk - above keys hold it)."""
+    n_keys, topk = 2 * dt.TILE + 300, 700
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    scores = torch.full((3, n_keys), 1.5, device=DEVICE)
+    scores[1] = torch.where(torch.rand(n_keys, generator=gen, device=DEVICE) < 0.1,
+                            2 + torch.rand(n_keys, generator=gen, device=DEVICE), 1.5)
+    scores[2] = torch.randn(n_keys, generator=gen, device=DEVICE) - 10
+    scores[2, torch.randperm(n_keys, generator=gen, device=DEVICE)[:topk]] = 0.25
+    got = decode_topk(scores, topk)
+    assert torch.equal(got, stable_topk_reference(scores, topk))
+    assert torch.equal(got[0], torch.arange(topk, device=DEVICE, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("n_valid", [0, 1, 699, 700, 701, 3000])
+def test_masked_rows_and_padding(n_valid):
+    """Random scores with all but n_valid keys at -inf (a decode row's positions past the query): fewer
+    valid keys than topk pad with -1; the -inf keys are never selected."""
+    n_keys, topk = dt.TILE + 1000, 700
+    gen = torch.Generator(DEVICE).manual_seed(n_valid)
+    scores = torch.randn(2, n_keys, generator=gen, device=DEVICE)
+    scores[0, n_valid:] = -math.inf
+    scores[1, torch.randperm(n_keys, generator=gen, device=DEVICE)[n_valid:]] = -math.inf
+    got = decode_topk(scores, topk)
+    assert torch.equal(got, stable_topk_reference(scores, topk))
+    assert ((got >= 0).sum(1) == min(n_valid, topk)).all()
+
+
+def test_topk_beyond_width_and_empty():
+    gen = torch.Generator(DEVICE).manual_seed(9)
+    scores = torch.randn(3, 100, generator=gen, device=DEVICE)
+    assert torch.equal(decode_topk(scores, 130), stable_topk_reference(scores, 130))
+    assert decode_topk(scores[:0], 4).shape == (0, 4)
+    assert torch.equal(decode_topk(scores[:, :0], 4), torch.full((3, 4), -1, dtype=torch.int32, device=DEVICE))
+
+
+def test_large_topk_runs_indexer_topk():
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    scores = torch.randn(2, dt.MAX_TOPK + 50, generator=gen, device=DEVICE)
+    topk = dt.MAX_TOPK + 1
+    assert torch.equal(decode_topk(scores, topk), stable_topk_reference(scores, topk))
+
+
+@pytest.mark.parametrize("scores, topk, message", [
+    (torch.zeros(3, 8, dtype=torch.float64), 2, "float32"),
+    (torch.zeros(3, 8), 0, "positive int"),
+    (torch.zeros(3, 8), True, "positive int"),
+])
+def test_bad_input(scores, topk, message):
+    with pytest.raises(InputError, match=message):
+        decode_topk(scores.to(DEVICE), topk)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="V3.2's decode shape (163,840 keys); the interpreter would take minutes")
+def test_decode_shape_sync_free_and_graph_capturable():
+    """16 rows of 163,840 scores (positions past each row's limit -inf), top 2048: equal to the stable
+    sort, no host synchronisation, and a captured graph replays on new scores."""
+    gen = torch.Generator(DEVICE).manual_seed(12)
+    shape, topk = (16, 163840), 2048
+    limits = torch.randint(1, shape[1], (shape[0], 1), generator=gen, device=DEVICE)
+    positions = torch.arange(shape[1], device=DEVICE)
+
+    def fresh():
+        s = torch.randn(shape, generator=gen, device=DEVICE).abs()
+        return s.masked_fill(positions > limits, -math.inf)
+
+    scores = fresh()
+    assert torch.equal(decode_topk(scores, topk), stable_topk_reference(scores, topk))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode_topk(scores, topk)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_topk(scores, topk)
+    scores.copy_(fresh())
+    graph.replay()
+    assert torch.equal(captured, stable_topk_reference(scores, topk))
