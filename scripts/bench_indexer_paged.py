@@ -2,6 +2,7 @@
 formats, with the ceilings measured in the same run.
 
     python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...]
+    python3 scripts/bench_indexer_paged.py --sweep     # the prefill chunk only, over SWEEP_VARIANTS
 
 Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
 block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
@@ -12,7 +13,9 @@ the same shapes for comparison.
 Prefill chunk: one sequence, the last t = 2048 queries of a 131072-token prompt (limit[t] = 129024 +
 t) over its 131072 keys; TFLOP/s counts the causal part needed, 2 H D sum_t (limit[t] + 1); exact keys
 are split into bf16 parts once (the pages the chunk sees), and, in one more row, as each tile loads. Variants
-(block_t, block_s, num_warps, num_stages) of the launch run at this shape.
+(block_t, block_s, num_warps, num_stages) of the launch run at this shape; --sweep runs only the
+prefill chunk, over each format's SWEEP_VARIANTS (every one compiles for sm_90a within its shared
+memory), and ends each format with the fastest correct launch.
 Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
 on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
 measurement is reported in its cell; the run goes on.
@@ -40,6 +43,14 @@ DECODE_LENGTHS = (1024, 32768, 131072)
 CHUNK_T, CHUNK_KEYS = 2048, 131072
 DEFAULT_VARIANTS = ["4,128,8,3", "2,64,8,3", "4,64,4,3", "8,64,8,2", "2,128,8,2"]
 FORMATS = ("fp8", "exact")
+# Launch shapes for --sweep: those that fit sm_90a's shared memory at the prefill chunk's shape
+# (compiled on the CPU as scripts/sm90_registers.py does; the exact 4-row tiles spill, which the
+# measurement weighs).
+SWEEP_VARIANTS = {
+    "fp8": ["4,64,4,2", "4,64,8,3", "8,64,8,2", "8,64,8,3", "4,128,8,2", "4,128,8,3", "2,128,4,3", "2,64,4,3",
+            "4,32,4,3"],
+    "exact": ["2,128,8,2", "2,128,4,2", "2,64,4,3", "2,64,8,3", "4,32,8,3", "4,64,8,2", "4,64,8,3", "4,64,4,2"],
+}
 
 
 def make_inputs(fmt: str, n_batch: int, n_queries: int, capacity: int, gen: torch.Generator):
@@ -103,6 +114,8 @@ def main():
     parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
                         help="prefill-chunk launch shapes block_t,block_s,num_warps,num_stages besides the default")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only the prefill chunk, over SWEEP_VARIANTS (--variants ignored), naming the fastest")
     args = parser.parse_args()
 
     matmul_tflops, copy_gbps = measure_ceilings()
@@ -123,7 +136,7 @@ def main():
         print(lines[-1], flush=True)
 
     gen = torch.Generator("cuda").manual_seed(0)
-    for fmt in FORMATS:
+    for fmt in () if args.sweep else FORMATS:
         key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
         for n_batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
@@ -154,24 +167,34 @@ def main():
         expected = eager_scores(q[:, sample], weights[:, sample], cache, table, limit[:, sample], CHUNK_KEYS)
         default = paged_config(CHUNK_T, H, D, fmt == "fp8")
 
-        def chunk_cell(config):
+        timed = {}     # launch -> ms, of the correct ones
+
+        def chunk_cell(config, text=None):
             out = paged_indexer_scores(q, weights, cache, table, limit, config=config)
             wrong = check(out[:, sample], expected, fmt)
             if wrong:
                 return wrong
             ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out, config=config))
+            if text:
+                timed[text] = ms
             return f"{flops / ms / 1e9:.0f} TFLOP/s ({ms:.3f} ms)"
 
         name = f"prefill chunk t {CHUNK_T} / {CHUNK_KEYS} keys"
-        row(f"{name}: scores, default {default.block_t},{default.block_s},{default.num_warps},{default.num_stages}",
-            fmt, attempt(lambda: chunk_cell(default)))
-        if fmt == "exact":
+        default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
+        row(f"{name}: scores, default {default_text}", fmt, attempt(lambda: chunk_cell(default, default_text)))
+        if fmt == "exact" and not args.sweep:
+            # The default launch of keys split as they load: paged_config's, taken under the override.
             with split_as_tiles_load():
                 row(f"{name}: scores, default, keys split as each tile loads (decode's path)", fmt,
-                    attempt(lambda: chunk_cell(default)))
-        row(f"{name}: scores + indexer_topk", fmt, attempt(lambda: f"{bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK)):.3f} ms"))
-        for text in args.variants:
-            row(f"{name}: scores, variant {text}", fmt, attempt(lambda: chunk_cell(parse_variant(text))))
+                    attempt(lambda: chunk_cell(None)))
+        if not args.sweep:
+            row(f"{name}: scores + indexer_topk", fmt, attempt(lambda: f"{bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK)):.3f} ms"))
+        for text in SWEEP_VARIANTS[fmt] if args.sweep else args.variants:
+            row(f"{name}: scores, variant {text}", fmt, attempt(lambda: chunk_cell(parse_variant(text), text)))
+        if args.sweep and timed:
+            best = min(timed, key=timed.get)
+            row(f"{name}: fastest correct launch {best} (default {default_text})", fmt,
+                f"{flops / timed[best] / 1e9:.0f} TFLOP/s ({timed[best]:.3f} ms)")
         del q, weights, cache, table
 
     write_report("\n".join(lines) + "\n", args.out)
