@@ -34,6 +34,7 @@ from ceilings import measure_ceilings, write_report
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels.indexer_cache import (dequantize_index_cache, new_index_cache, paged_config,
                                           paged_indexer_scores, write_index_keys)
+from minirt.kernels import lightning_indexer
 from minirt.kernels.lightning_indexer import indexer_topk
 
 H, D, TOPK, BLOCK_SIZE = 64, 128, 2048, 64
@@ -107,6 +108,26 @@ def runtime_decode_ms(q, weights, cache, table, limit) -> float:
         values, order = scores.sort(dim=-1, descending=True, stable=True)
         return torch.where(torch.isneginf(values[..., :TOPK]), -1, order[..., :TOPK])
     return bench_ms(step)
+
+
+def topk_cell(scores) -> str:
+    """indexer_topk of a prefill chunk's scores over the rows' candidates (its path for many wide rows)
+    and over the rows themselves (torch.topk, its path for few rows), checked equal; with the candidates
+    a row kept (the top-k alone where a row had more than room for)."""
+    over_candidates = indexer_topk(scores, TOPK)
+    new_ms = bench_ms(lambda: indexer_topk(scores, TOPK))
+    min_rows = lightning_indexer._PRESELECT_MIN_ROWS
+    lightning_indexer._PRESELECT_MIN_ROWS = 2**62
+    try:
+        over_rows = indexer_topk(scores, TOPK)
+        old_ms = bench_ms(lambda: indexer_topk(scores, TOPK))
+    finally:
+        lightning_indexer._PRESELECT_MIN_ROWS = min_rows
+    if not torch.equal(over_candidates, over_rows):
+        return f"WRONG ({int((over_candidates != over_rows).any(-1).sum())} rows differ)"
+    kept = (lightning_indexer._preselect(scores.view(-1, scores.shape[-1]), TOPK)[1] < scores.shape[-1]).sum(-1).float()
+    return (f"{new_ms:.3f} ms / {old_ms:.3f} ms (candidates a row: mean {kept.mean():.0f}, max {kept.max():.0f}, "
+            f"{int((kept == TOPK).sum())} rows of exactly {TOPK})")
 
 
 def main():
@@ -189,6 +210,8 @@ def main():
                     attempt(lambda: chunk_cell(None)))
         if not args.sweep:
             row(f"{name}: scores + indexer_topk", fmt, attempt(lambda: f"{bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK)):.3f} ms"))
+        row(f"{name}: indexer_topk alone, over candidates / over the rows (torch.topk)", fmt,
+            attempt(lambda: topk_cell(paged_indexer_scores(q, weights, cache, table, limit))))
         for text in SWEEP_VARIANTS[fmt] if args.sweep else args.variants:
             row(f"{name}: scores, variant {text}", fmt, attempt(lambda: chunk_cell(parse_variant(text), text)))
         if args.sweep and timed:
