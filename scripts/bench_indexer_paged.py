@@ -2,7 +2,7 @@
 formats, with the ceilings measured in the same run.
 
     python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...]
-    python3 scripts/bench_indexer_paged.py --sweep     # the prefill chunk only, over SWEEP_VARIANTS
+    python3 scripts/bench_indexer_paged.py --sweep [--formats fp8]     # the prefill chunk only, over SWEEP_VARIANTS
 
 Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
 block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
@@ -137,6 +137,7 @@ def main():
                         help="prefill-chunk launch shapes block_t,block_s,num_warps,num_stages besides the default")
     parser.add_argument("--sweep", action="store_true",
                         help="only the prefill chunk, over SWEEP_VARIANTS (--variants ignored), naming the fastest")
+    parser.add_argument("--formats", nargs="*", choices=FORMATS, default=FORMATS, help="cache formats to run")
     args = parser.parse_args()
 
     matmul_tflops, copy_gbps = measure_ceilings()
@@ -157,7 +158,7 @@ def main():
         print(lines[-1], flush=True)
 
     gen = torch.Generator("cuda").manual_seed(0)
-    for fmt in () if args.sweep else FORMATS:
+    for fmt in () if args.sweep else args.formats:
         key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
         for n_batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
@@ -180,7 +181,7 @@ def main():
                 row(f"{name}: scores + indexer_topk", fmt, cells[1])
                 row(f"{name}: today's torch indexer (einsum + full sort)", fmt, cells[2])
 
-    for fmt in FORMATS:
+    for fmt in args.formats:
         q, weights, cache, table = make_inputs(fmt, 1, CHUNK_T, CHUNK_KEYS, gen)
         limit = (CHUNK_KEYS - CHUNK_T + torch.arange(CHUNK_T, device="cuda"))[None]
         flops = 2 * H * D * int((limit.long() + 1).sum())
