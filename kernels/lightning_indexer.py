@@ -407,11 +407,11 @@ def _radix_top(row_scores, values, indices, n_keys, K: tl.constexpr, BITS: tl.co
 
 
 @triton.jit(do_not_specialize=["n_keys", "stride_scores", "stride_candidates"])
-def _candidates_kernel(scores_ptr, tau_ptr, values_ptr, indices_ptr, n_keys, stride_scores, stride_candidates,
-                       K: tl.constexpr, CAPACITY: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                       INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
-    # One row: the scores >= tau in key order into [0, CAPACITY), the rest -inf (key index n_keys); a
-    # row of more than CAPACITY such scores holds its K largest instead (_radix_top), the rest -inf.
+def _candidates_kernel(scores_ptr, tau_ptr, values_ptr, indices_ptr, counts_ptr, n_keys, stride_scores,
+                       stride_candidates, CAPACITY: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                       INTERPRETED_KEYS: tl.constexpr):
+    # One row: the scores >= tau in key order into [0, CAPACITY), the rest -inf (key index n_keys), and
+    # how many there were (more than CAPACITY: _overflow_kernel rewrites the row).
     row = tl.program_id(0).to(tl.int64)
     row_scores = scores_ptr + row * stride_scores
     values = values_ptr + row * stride_candidates
@@ -427,25 +427,46 @@ def _candidates_kernel(scores_ptr, tau_ptr, values_ptr, indices_ptr, n_keys, str
         tl.store(values + position, x, mask=take & (position < CAPACITY))
         tl.store(indices + position, cols, mask=take & (position < CAPACITY))
         n_taken += tl.sum(take.to(tl.int32))
-    overflow = n_taken > CAPACITY
-    # The interpreter cannot branch on a tensor: there the radix selection always runs, its stores masked.
-    if INTERPRETED:
-        _radix_top(row_scores, values, indices, n_keys, K, BITS, BLOCK, INTERPRETED, INTERPRETED_KEYS, overflow)
-    elif overflow:
-        _radix_top(row_scores, values, indices, n_keys, K, BITS, BLOCK, INTERPRETED, INTERPRETED_KEYS, overflow)
-    n_written = tl.where(overflow, K, n_taken)
+    tl.store(counts_ptr + row, n_taken)
+    _pad_candidates(values, indices, n_taken, n_keys, CAPACITY, BLOCK, True)
+
+
+@triton.jit
+def _pad_candidates(values, indices, n_written, n_keys, CAPACITY: tl.constexpr, BLOCK: tl.constexpr, WRITE):
+    """-inf entries of key index n_keys into a row's candidate slots [n_written, CAPACITY), if WRITE."""
+    offs = tl.arange(0, BLOCK)
     for start in range(0, CAPACITY, BLOCK):
         slots = start + offs
-        pad = (slots >= n_written) & (slots < CAPACITY)
+        pad = WRITE & (slots >= n_written) & (slots < CAPACITY)
         tl.store(values + slots, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
         tl.store(indices + slots, tl.full([BLOCK], 0, tl.int32) + n_keys, mask=pad)
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_scores", "stride_candidates"])
+def _overflow_kernel(scores_ptr, values_ptr, indices_ptr, counts_ptr, n_keys, stride_scores, stride_candidates,
+                     K: tl.constexpr, CAPACITY: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                     INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+    # One row: if it had more than CAPACITY candidates, its K largest scores instead (_radix_top), the
+    # rest -inf. Other rows return at once (interpreted: run on, their stores masked; the interpreter
+    # cannot branch on a tensor).
+    row = tl.program_id(0).to(tl.int64)
+    overflow = tl.load(counts_ptr + row) > CAPACITY
+    if not INTERPRETED:
+        if not overflow:
+            return
+    values = values_ptr + row * stride_candidates
+    indices = indices_ptr + row * stride_candidates
+    _radix_top(scores_ptr + row * stride_scores, values, indices, n_keys, K, BITS, BLOCK, INTERPRETED,
+               INTERPRETED_KEYS, overflow)
+    _pad_candidates(values, indices, K, n_keys, CAPACITY, BLOCK, overflow)
 
 
 def _preselect(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates of float32 [R, S] rows (unit stride, S >= _GROUP * k) for their stable top-k (module
     comment above _GROUP): (values [R, C] float32, key indices [R, C] int32), C = _CANDIDATES_PER_SELECTED
     * k: the scores >= tau in key order, or the k largest where more than C are, then -inf entries of
-    index S. One torch group maximum and top-k over S / _GROUP maxima, and one launch of a program a row."""
+    index S. A torch group maximum and top-k over S / _GROUP maxima, then two launches of a program a
+    row: the candidates, and the radix selection of the rows that had more (others return at once)."""
     n_rows, n_keys = rows.shape
     full = n_keys - n_keys % _GROUP
     maxima = rows[:, :full].view(n_rows, -1, _GROUP).amax(-1)
@@ -455,10 +476,15 @@ def _preselect(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     capacity = _CANDIDATES_PER_SELECTED * k
     values = torch.empty((n_rows, capacity), dtype=torch.float32, device=rows.device)
     indices = torch.empty((n_rows, capacity), dtype=torch.int32, device=rows.device)
+    counts = torch.empty(n_rows, dtype=torch.int32, device=rows.device)
+    interpreted = dict(INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0)
     _candidates_kernel[(n_rows,)](
-        rows, tau, values, indices, n_keys, rows.stride(0), values.stride(0),
-        K=k, CAPACITY=capacity, BITS=_RADIX_BITS, BLOCK=_RADIX_BLOCK, INTERPRETED=INTERPRET,
-        INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
+        rows, tau, values, indices, counts, n_keys, rows.stride(0), values.stride(0),
+        CAPACITY=capacity, BLOCK=_RADIX_BLOCK, **interpreted, num_warps=8)
+    # A kernel of its own: the radix selection's registers would halve the candidate pass's occupancy.
+    _overflow_kernel[(n_rows,)](
+        rows, values, indices, counts, n_keys, rows.stride(0), values.stride(0),
+        K=k, CAPACITY=capacity, BITS=_RADIX_BITS, BLOCK=_RADIX_BLOCK, **interpreted, num_warps=8)
     return values, indices
 
 

@@ -127,7 +127,7 @@ def topk_cell(scores) -> str:
         return f"WRONG ({int((over_candidates != over_rows).any(-1).sum())} rows differ)"
     kept = (lightning_indexer._preselect(scores.view(-1, scores.shape[-1]), TOPK)[1] < scores.shape[-1]).sum(-1).float()
     return (f"{new_ms:.3f} ms / {old_ms:.3f} ms (candidates a row: mean {kept.mean():.0f}, max {kept.max():.0f}, "
-            f"{int((kept == TOPK).sum())} rows of exactly {TOPK})")
+            f"{int((kept == TOPK).sum())} rows of exactly {TOPK}: overflowed, or tau the k-th score)")
 
 
 def main():
