@@ -290,10 +290,9 @@ def _paged_scores_kernel(
             k_lo = k
         elif KEYS_SPLIT:
             # Two bfloat16 parts (split_pages) whose pages hold each sequence's positions in order, so
-            # the tile is one contiguous block of rows: its addresses are affine in offs_s, not
-            # gathered through the table (which only says which pages hold keys), and the compiler
-            # derives them from one base (a gathered tile kept 2 x 64-bit addresses per 16-byte
-            # copy per stage live, and spilled at 4 warps).
+            # the tile is one contiguous block of rows, addressed from offs_s rather than gathered
+            # through the table (which only says which pages hold keys): fewer live registers at
+            # sm_90a (187 against 192 at (2, 128, 8, 2); 166 spill instructions against 198 at (4, 64, 4, 3)).
             offsets = (batch * max_blocks * block_size + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
             k = tl.load(cache_ptr + offsets, mask=has_key[:, None], other=0.0)
             k_lo = tl.load(cache_lo_ptr + offsets, mask=has_key[:, None], other=0.0)
@@ -467,9 +466,7 @@ def paged_indexer_scores(
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], n_keys), dtype=torch.float32, device=q.device)
     if config is None:
-        # A table of no pages leaves exact keys unsplit (_launch_paged): their tiles as decode's.
-        n_rows = q.shape[1] if block_table.shape[1] > 0 else 1
-        config = paged_config(n_rows, q.shape[2], q.shape[3], fp8)
+        config = paged_config(q.shape[1], q.shape[2], q.shape[3], fp8)
     check_config(config, IndexerConfig)
     return _launch_paged(q, weights, cache, block_table, limit, out, fp8, geometry, config)
 
@@ -477,12 +474,10 @@ def paged_indexer_scores(
 def paged_config(n_queries: int, n_heads: int, head_dim: int, fp8: bool) -> IndexerConfig:
     """The launch shape of paged_indexer_scores: lightning_indexer's query tiling, with the key steps
     measured fastest on an H200 for a prefill chunk (t 2048 over 131072 keys, 64 heads): fp8 keys with
-    4 warps (538 TFLOP/s against 346 with 8); exact keys of a prefill chunk (split into bf16 parts
-    before the kernel, t >= PRESPLIT_MIN_QUERIES) tiled as 16-bit keys, with 4 warps too (bf16x3: 156
-    TFLOP/s against 136 for 128-key steps of 2 stages, 8 warps); exact keys of a decode step (fp32
-    tiles, split as they load) in 128-key steps of 2 stages."""
+    4 warps (538 TFLOP/s against 346 with 8), fp32 keys in 128-key steps of 2 stages (136 TFLOP/s as
+    three bf16 products of split operands; as bf16 parts they fit sm_90a's shared memory without spills.
+    The 16-bit tiling with 4 warps, (4, 64, 4, 3), measured 156 but spills at sm_90a)."""
+    config = default_config(n_queries, n_heads, head_dim, 1 if fp8 else 4)
     if fp8:
-        return dataclasses.replace(default_config(n_queries, n_heads, head_dim, 1), num_warps=4, num_stages=3)
-    if n_queries >= lightning_indexer.PRESPLIT_MIN_QUERIES:
-        return dataclasses.replace(default_config(n_queries, n_heads, head_dim, 2), num_warps=4)
-    return dataclasses.replace(default_config(n_queries, n_heads, head_dim, 4), block_s=128, num_stages=2)
+        return dataclasses.replace(config, num_warps=4, num_stages=3)
+    return dataclasses.replace(config, block_s=128, num_stages=2)
