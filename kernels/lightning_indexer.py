@@ -334,6 +334,160 @@ def _resolve_boundary_ties(scores: torch.Tensor, values: torch.Tensor, indices: 
         INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
 
 
+# Candidate pre-selection (indexer_topk of many wide rows: prefill chunks). The maximum of each group of
+# _GROUP consecutive scores is a score of its own group, so at least topk scores are >= the topk-th
+# largest group maximum, tau: every score of the top-k is >= tau, and on random scores only about 1.2 *
+# topk are (groups of 16). Those, in key order, are the candidates (at most _CANDIDATES_PER_SELECTED *
+# topk a row); a row with more (ties at tau, or clustered top scores) takes the exact k largest by
+# radix selection instead. The selection then runs over the candidates as over a row.
+_GROUP = 16
+_CANDIDATES_PER_SELECTED = 4
+# Rows of at least this many groups per selected key take the pre-selection (fewer: tau is too low to
+# leave few candidates), when there are at least _PRESELECT_MIN_ROWS of them (one program a row then
+# fills the GPU; a decode batch has fewer rows and selects on torch.topk directly).
+_PRESELECT_MIN_GROUPS_PER_SELECTED = 2
+_PRESELECT_MIN_ROWS = 256
+# The radix selection: digits of _RADIX_BITS of the order-preserving uint32 image of the score, most
+# significant first; scores per step of a pass over the row (the candidate pass's too).
+_RADIX_BITS = 8
+_RADIX_BLOCK = 4096
+
+
+@triton.jit
+def _ordered_bits(x):
+    """The uint32 image of float32 x whose unsigned order is the float order (-0.0 as +0.0)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
+    return bits ^ tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+
+
+@triton.jit
+def _radix_top(row_scores, values, indices, n_keys, K: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+               INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr, WRITE):
+    """Write the row's K largest scores (value descending, then lower index) as a set into values[0, K),
+    their key indices into indices: 32 / BITS passes that each fix one digit of the K-th largest score's
+    bits (histograms of the entries sharing the digits so far), then one pass that writes every entry
+    above it and the lowest-indexed entries at it. Stores masked by WRITE (a scalar)."""
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 1 << BITS)
+    boundary = tl.zeros([], tl.uint32)     # the K-th largest score's bits, digit by digit
+    k_left = tl.full([], K, tl.int32)      # how many of the entries sharing the digits so far it takes
+    for p in tl.static_range(32 // BITS):
+        shift = 32 - BITS * (p + 1)
+        counts = tl.zeros([1 << BITS], tl.int32)
+        for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, BLOCK):
+            in_row = start + offs < n_keys
+            u = _ordered_bits(tl.load(row_scores + start + offs, mask=in_row, other=0.0))
+            if p == 0:
+                match = in_row
+            else:
+                match = in_row & ((u >> (shift + BITS)) == (boundary >> (shift + BITS)))
+            counts += tl.histogram(((u >> shift) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)
+        # at_least[d]: entries of digit >= d; the K-th largest has the largest digit with at_least >= k_left.
+        at_least = tl.sum(counts) - tl.cumsum(counts, 0) + counts
+        digit = tl.sum((at_least >= k_left).to(tl.int32)) - 1
+        k_left -= tl.sum(tl.where(bins > digit, counts, 0))
+        boundary = boundary | (digit.to(tl.uint32) << shift)
+    n_above = K - k_left
+    seen_above = tl.zeros([], tl.int32)
+    seen_at = tl.zeros([], tl.int32)
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, BLOCK):
+        cols = start + offs
+        in_row = cols < n_keys
+        x = tl.load(row_scores + cols, mask=in_row, other=0.0)
+        u = _ordered_bits(x)
+        above = in_row & (u > boundary)
+        at = in_row & (u == boundary)
+        position_at = seen_at + tl.cumsum(at.to(tl.int32), 0) - 1
+        position = tl.where(above, seen_above + tl.cumsum(above.to(tl.int32), 0) - 1, n_above + position_at)
+        take = WRITE & (above | (at & (position_at < k_left)))
+        tl.store(values + position, x, mask=take)
+        tl.store(indices + position, cols, mask=take)
+        seen_above += tl.sum(above.to(tl.int32))
+        seen_at += tl.sum(at.to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_scores", "stride_candidates"])
+def _candidates_kernel(scores_ptr, tau_ptr, values_ptr, indices_ptr, counts_ptr, n_keys, stride_scores,
+                       stride_candidates, CAPACITY: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                       INTERPRETED_KEYS: tl.constexpr):
+    # One row: the scores >= tau in key order into [0, CAPACITY), the rest -inf (key index n_keys), and
+    # how many there were (more than CAPACITY: _overflow_kernel rewrites the row).
+    row = tl.program_id(0).to(tl.int64)
+    row_scores = scores_ptr + row * stride_scores
+    values = values_ptr + row * stride_candidates
+    indices = indices_ptr + row * stride_candidates
+    tau = tl.load(tau_ptr + row)
+    offs = tl.arange(0, BLOCK)
+    n_taken = tl.zeros([], tl.int32)
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, BLOCK):
+        cols = start + offs
+        x = tl.load(row_scores + cols, mask=cols < n_keys, other=0.0)
+        take = (cols < n_keys) & (x >= tau)
+        position = n_taken + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(values + position, x, mask=take & (position < CAPACITY))
+        tl.store(indices + position, cols, mask=take & (position < CAPACITY))
+        n_taken += tl.sum(take.to(tl.int32))
+    tl.store(counts_ptr + row, n_taken)
+    _pad_candidates(values, indices, n_taken, n_keys, CAPACITY, BLOCK, True)
+
+
+@triton.jit
+def _pad_candidates(values, indices, n_written, n_keys, CAPACITY: tl.constexpr, BLOCK: tl.constexpr, WRITE):
+    """-inf entries of key index n_keys into a row's candidate slots [n_written, CAPACITY), if WRITE."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, CAPACITY, BLOCK):
+        slots = start + offs
+        pad = WRITE & (slots >= n_written) & (slots < CAPACITY)
+        tl.store(values + slots, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
+        tl.store(indices + slots, tl.full([BLOCK], 0, tl.int32) + n_keys, mask=pad)
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_scores", "stride_candidates"])
+def _overflow_kernel(scores_ptr, values_ptr, indices_ptr, counts_ptr, n_keys, stride_scores, stride_candidates,
+                     K: tl.constexpr, CAPACITY: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                     INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+    # One row: if it had more than CAPACITY candidates, its K largest scores instead (_radix_top), the
+    # rest -inf. Other rows return at once (interpreted: run on, their stores masked; the interpreter
+    # cannot branch on a tensor).
+    row = tl.program_id(0).to(tl.int64)
+    overflow = tl.load(counts_ptr + row) > CAPACITY
+    if not INTERPRETED:
+        if not overflow:
+            return
+    values = values_ptr + row * stride_candidates
+    indices = indices_ptr + row * stride_candidates
+    _radix_top(scores_ptr + row * stride_scores, values, indices, n_keys, K, BITS, BLOCK, INTERPRETED,
+               INTERPRETED_KEYS, overflow)
+    _pad_candidates(values, indices, K, n_keys, CAPACITY, BLOCK, overflow)
+
+
+def _preselect(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates of float32 [R, S] rows (unit stride, S >= _GROUP * k) for their stable top-k (module
+    comment above _GROUP): (values [R, C] float32, key indices [R, C] int32), C = _CANDIDATES_PER_SELECTED
+    * k: the scores >= tau in key order, or the k largest where more than C are, then -inf entries of
+    index S. A torch group maximum and top-k over S / _GROUP maxima, then two launches of a program a
+    row: the candidates, and the radix selection of the rows that had more (others return at once)."""
+    n_rows, n_keys = rows.shape
+    full = n_keys - n_keys % _GROUP
+    maxima = rows[:, :full].view(n_rows, -1, _GROUP).amax(-1)
+    if full < n_keys:
+        maxima = torch.cat([maxima, rows[:, full:].amax(-1, keepdim=True)], -1)
+    tau = torch.topk(maxima, k, dim=-1, sorted=False).values.amin(-1)
+    capacity = _CANDIDATES_PER_SELECTED * k
+    values = torch.empty((n_rows, capacity), dtype=torch.float32, device=rows.device)
+    indices = torch.empty((n_rows, capacity), dtype=torch.int32, device=rows.device)
+    counts = torch.empty(n_rows, dtype=torch.int32, device=rows.device)
+    interpreted = dict(INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0)
+    _candidates_kernel[(n_rows,)](
+        rows, tau, values, indices, counts, n_keys, rows.stride(0), values.stride(0),
+        CAPACITY=capacity, BLOCK=_RADIX_BLOCK, **interpreted, num_warps=8)
+    # A kernel of its own: the radix selection's registers would halve the candidate pass's occupancy.
+    _overflow_kernel[(n_rows,)](
+        rows, values, indices, counts, n_keys, rows.stride(0), values.stride(0),
+        K=k, CAPACITY=capacity, BITS=_RADIX_BITS, BLOCK=_RADIX_BLOCK, **interpreted, num_warps=8)
+    return values, indices
+
+
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """
     Per row, the key indices of the topk largest scores, best first, equal scores in ascending key
@@ -356,6 +510,13 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     selection). The selection, less its smallest element, is then sorted by unique int64 keys
     (value, then lower index: _order_keys).
 
+    Many wide rows (a prefill chunk: >= 256 rows of >= 32 * topk scores) select over candidates
+    instead of the whole row (_preselect): the scores >= tau, the topk-th largest maximum of groups of
+    16 consecutive scores (so every top-k score is one), in key order, about 1.2 * topk a row on random
+    scores; a row of more than 4 * topk of them (ties at tau, clustered top scores) holds its exact
+    top-k instead, found by an 8-bit radix selection over the row. The candidates' arrays take
+    [rows, 4 * topk] float32 and int32, the group maxima [rows, S / 16].
+
     Raises:
         minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
             the kernel cannot run on.
@@ -370,10 +531,19 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or scores.numel() == 0:
         return result
-    n_selected = min(topk + 1, n_keys)
+    n_rows = scores.numel() // n_keys
+    candidates = None
+    if n_rows >= _PRESELECT_MIN_ROWS and n_keys >= _PRESELECT_MIN_GROUPS_PER_SELECTED * _GROUP * k:
+        rows = scores.reshape(n_rows, n_keys)
+        candidates, candidate_keys = _preselect(rows if rows.stride(1) == 1 else rows.contiguous(), k)
+        # The candidates in key order stand for the row: ties resolve to the lowest candidate slot.
+        scores = candidates.view(*scores.shape[:-1], -1)
+    n_selected = min(topk + 1, scores.shape[-1])
     values, indices = torch.topk(scores, n_selected, dim=-1, sorted=False)
     if n_selected > k:
         _resolve_boundary_ties(scores, values, indices)
+    if candidates is not None:
+        indices = candidate_keys.view(*scores.shape[:-1], -1).gather(-1, indices).long()
     keys = _order_keys(values, indices)
     if n_selected > k:
         # Drop the (k+1)-th (the unique smallest key) by moving the last key into its slot: sorting

@@ -2,6 +2,7 @@
 formats, with the ceilings measured in the same run.
 
     python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...] [--decode-only]
+    python3 scripts/bench_indexer_paged.py --sweep [--formats fp8]     # the prefill chunk only, over SWEEP_VARIANTS
 
 Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
 block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
@@ -14,7 +15,9 @@ the same shapes for comparison.
 Prefill chunk: one sequence, the last t = 2048 queries of a 131072-token prompt (limit[t] = 129024 +
 t) over its 131072 keys; TFLOP/s counts the causal part needed, 2 H D sum_t (limit[t] + 1); exact keys
 are split into bf16 parts once (the pages the chunk sees), and, in one more row, as each tile loads. Variants
-(block_t, block_s, num_warps, num_stages) of the launch run at this shape.
+(block_t, block_s, num_warps, num_stages) of the launch run at this shape; --sweep runs only the
+prefill chunk, over each format's SWEEP_VARIANTS (every one compiles for sm_90a within its shared
+memory), and ends each format with the fastest correct launch.
 Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
 on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
 measurement is reported in its cell; the run goes on.
@@ -33,6 +36,7 @@ from ceilings import measure_ceilings, write_report
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels.indexer_cache import (dequantize_index_cache, new_index_cache, paged_config,
                                           paged_indexer_scores, write_index_keys)
+from minirt.kernels import lightning_indexer
 from minirt.kernels.decode_topk import decode_topk
 from minirt.kernels.lightning_indexer import indexer_topk
 
@@ -43,6 +47,15 @@ DECODE_LENGTHS = (1024, 32768, 131072)
 CHUNK_T, CHUNK_KEYS = 2048, 131072
 DEFAULT_VARIANTS = ["4,128,8,3", "2,64,8,3", "4,64,4,3", "8,64,8,2", "2,128,8,2"]
 FORMATS = ("fp8", "exact")
+# Launch shapes for --sweep besides the default: those that fit sm_90a's shared memory at the prefill
+# chunk's shape (compiled on the CPU as scripts/sm90_registers.py does). A default must not spill there
+# (tests/test_sm90_registers.py); these spill: fp8 4,128,4,3; exact 4,64,4,3 (166 spill instructions),
+# 4,64,4,2, 4,64,8,2 and 4,64,8,3.
+SWEEP_VARIANTS = {
+    "fp8": ["4,64,4,2", "4,64,8,3", "8,64,8,2", "8,64,8,3", "4,128,8,2", "4,128,8,3", "2,128,4,3", "2,64,4,3",
+            "4,32,4,3"],
+    "exact": ["2,128,4,2", "2,64,4,3", "2,64,8,3", "4,32,8,3", "4,32,8,4", "4,64,4,3", "4,64,8,2", "4,64,8,3"],
+}
 
 
 def make_inputs(fmt: str, n_batch: int, n_queries: int, capacity: int, gen: torch.Generator):
@@ -101,12 +114,35 @@ def runtime_decode_ms(q, weights, cache, table, limit) -> float:
     return bench_ms(step)
 
 
+def topk_cell(scores) -> str:
+    """indexer_topk of a prefill chunk's scores over the rows' candidates (its path for many wide rows)
+    and over the rows themselves (torch.topk, its path for few rows), checked equal; with the candidates
+    a row kept (the top-k alone where a row had more than room for)."""
+    over_candidates = indexer_topk(scores, TOPK)
+    new_ms = bench_ms(lambda: indexer_topk(scores, TOPK))
+    min_rows = lightning_indexer._PRESELECT_MIN_ROWS
+    lightning_indexer._PRESELECT_MIN_ROWS = 2**62
+    try:
+        over_rows = indexer_topk(scores, TOPK)
+        old_ms = bench_ms(lambda: indexer_topk(scores, TOPK))
+    finally:
+        lightning_indexer._PRESELECT_MIN_ROWS = min_rows
+    if not torch.equal(over_candidates, over_rows):
+        return f"WRONG ({int((over_candidates != over_rows).any(-1).sum())} rows differ)"
+    kept = (lightning_indexer._preselect(scores.view(-1, scores.shape[-1]), TOPK)[1] < scores.shape[-1]).sum(-1).float()
+    return (f"{new_ms:.3f} ms / {old_ms:.3f} ms (candidates a row: mean {kept.mean():.0f}, max {kept.max():.0f}, "
+            f"{int((kept == TOPK).sum())} rows of exactly {TOPK}: overflowed, or tau the k-th score)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
                         help="prefill-chunk launch shapes block_t,block_s,num_warps,num_stages besides the default")
     parser.add_argument("--decode-only", action="store_true", help="only the decode rows (no prefill chunk)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only the prefill chunk, over SWEEP_VARIANTS (--variants ignored), naming the fastest")
+    parser.add_argument("--formats", nargs="*", choices=FORMATS, default=FORMATS, help="cache formats to run")
     args = parser.parse_args()
 
     matmul_tflops, copy_gbps = measure_ceilings()
@@ -127,7 +163,7 @@ def main():
         print(lines[-1], flush=True)
 
     gen = torch.Generator("cuda").manual_seed(0)
-    for fmt in FORMATS:
+    for fmt in () if args.sweep else args.formats:
         key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
         for n_batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
@@ -158,7 +194,7 @@ def main():
                 row(f"{name}: top-k alone", fmt, cells[4])
                 row(f"{name}: today's torch indexer (einsum + full sort)", fmt, cells[2])
 
-    for fmt in () if args.decode_only else FORMATS:
+    for fmt in () if args.decode_only else args.formats:
         q, weights, cache, table = make_inputs(fmt, 1, CHUNK_T, CHUNK_KEYS, gen)
         limit = (CHUNK_KEYS - CHUNK_T + torch.arange(CHUNK_T, device="cuda"))[None]
         flops = 2 * H * D * int((limit.long() + 1).sum())
@@ -166,24 +202,36 @@ def main():
         expected = eager_scores(q[:, sample], weights[:, sample], cache, table, limit[:, sample], CHUNK_KEYS)
         default = paged_config(CHUNK_T, H, D, fmt == "fp8")
 
-        def chunk_cell(config):
+        timed = {}     # launch -> ms, of the correct ones
+
+        def chunk_cell(config, text=None):
             out = paged_indexer_scores(q, weights, cache, table, limit, config=config)
             wrong = check(out[:, sample], expected, fmt)
             if wrong:
                 return wrong
             ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out, config=config))
+            if text:
+                timed[text] = ms
             return f"{flops / ms / 1e9:.0f} TFLOP/s ({ms:.3f} ms)"
 
         name = f"prefill chunk t {CHUNK_T} / {CHUNK_KEYS} keys"
-        row(f"{name}: scores, default {default.block_t},{default.block_s},{default.num_warps},{default.num_stages}",
-            fmt, attempt(lambda: chunk_cell(default)))
-        if fmt == "exact":
+        default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
+        row(f"{name}: scores, default {default_text}", fmt, attempt(lambda: chunk_cell(default, default_text)))
+        if fmt == "exact" and not args.sweep:
+            # The default launch of keys split as they load: paged_config's, taken under the override.
             with split_as_tiles_load():
                 row(f"{name}: scores, default, keys split as each tile loads (decode's path)", fmt,
-                    attempt(lambda: chunk_cell(default)))
-        row(f"{name}: scores + indexer_topk", fmt, attempt(lambda: f"{bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK)):.3f} ms"))
-        for text in args.variants:
-            row(f"{name}: scores, variant {text}", fmt, attempt(lambda: chunk_cell(parse_variant(text))))
+                    attempt(lambda: chunk_cell(None)))
+        if not args.sweep:
+            row(f"{name}: scores + indexer_topk", fmt, attempt(lambda: f"{bench_ms(lambda: indexer_topk(paged_indexer_scores(q, weights, cache, table, limit), TOPK)):.3f} ms"))
+        row(f"{name}: indexer_topk alone, over candidates / over the rows (torch.topk)", fmt,
+            attempt(lambda: topk_cell(paged_indexer_scores(q, weights, cache, table, limit))))
+        for text in SWEEP_VARIANTS[fmt] if args.sweep else args.variants:
+            row(f"{name}: scores, variant {text}", fmt, attempt(lambda: chunk_cell(parse_variant(text), text)))
+        if args.sweep and timed:
+            best = min(timed, key=timed.get)
+            row(f"{name}: fastest correct launch {best} (default {default_text})", fmt,
+                f"{flops / timed[best] / 1e9:.0f} TFLOP/s ({timed[best]:.3f} ms)")
         del q, weights, cache, table
 
     write_report("\n".join(lines) + "\n", args.out)

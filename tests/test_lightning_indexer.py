@@ -283,10 +283,28 @@ def tied_scores(gen, shape):
     return scores
 
 
+@pytest.fixture(params=["torch-topk", "candidates", "candidates-overflowing-4-bit-digits"])
+def topk_path(request, monkeypatch):
+    """indexer_topk's selection: torch.topk and the tie kernel over the row (few or narrow rows), or
+    over the row's candidates (many wide rows: prefill chunks; here any row of 2 groups of 2 per
+    selected key), and those with room for k candidates only, so that most rows overflow into the radix
+    selection (4-bit digits in 128-score steps: eight digit passes over rows of several steps)."""
+    if request.param != "torch-topk":
+        for name, value in (("_PRESELECT_MIN_ROWS", 1), ("_PRESELECT_MIN_GROUPS_PER_SELECTED", 1), ("_GROUP", 2)):
+            monkeypatch.setattr(li, name, value)
+    if request.param == "candidates-overflowing-4-bit-digits":
+        for name, value in (("_CANDIDATES_PER_SELECTED", 1), ("_RADIX_BITS", 4), ("_RADIX_BLOCK", 128)):
+            monkeypatch.setattr(li, name, value)
+    calls, preselect = [], li._preselect
+    monkeypatch.setattr(li, "_preselect", lambda *args: calls.append(args) or preselect(*args))
+    yield request.param
+    assert not calls or request.param != "torch-topk", "candidates taken on the torch.topk path"
+
+
 @pytest.mark.parametrize("shape, topk", [
     ((6, 300), 40), ((6, 300), 300), ((6, 50), 64), ((2, 3, 129), 1), ((4, 2048), 2048 - 5), ((3, 0), 4),
 ])
-def test_topk_matches_stable_sort_on_ties(shape, topk):
+def test_topk_matches_stable_sort_on_ties(shape, topk, topk_path):
     gen = torch.Generator(DEVICE).manual_seed(shape[-1] + topk)
     scores = tied_scores(gen, shape)
     got = indexer_topk(scores, topk)
@@ -294,7 +312,7 @@ def test_topk_matches_stable_sort_on_ties(shape, topk):
     assert torch.equal(got, stable_topk_reference(scores, topk))
 
 
-def test_topk_tie_across_the_boundary_only():
+def test_topk_tie_across_the_boundary_only(topk_path):
     """Distinct scores except that the k-th and (k+1)-th largest are equal: the lower key index must be
     selected, in rows where it comes first and in rows where it comes second."""
     gen = torch.Generator(DEVICE).manual_seed(30)
@@ -320,7 +338,7 @@ def test_topk_masked_ties_take_the_fast_path(monkeypatch):
     assert exact_rows == [101], "only the selection (topk + 1 per row) is keyed, never a whole row"
 
 
-def test_topk_on_indexer_scores():
+def test_topk_on_indexer_scores(topk_path):
     """Kernel output of a causal prefill where every head's relu clips for some keys (exact 0 scores)."""
     gen = torch.Generator(DEVICE).manual_seed(28)
     n_queries, n_keys = 9, 150
@@ -328,6 +346,90 @@ def test_topk_on_indexer_scores():
     scores = lightning_indexer_scores(q, k, weights, torch.arange(n_keys - n_queries, n_keys, device=DEVICE))
     assert (scores == 0).sum() > n_keys, "the case needs many exact-zero ties"
     torch.testing.assert_close(indexer_topk(scores, 100), stable_topk_reference(scores, 100), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("per_selected", [4, 1], ids=["room", "overflowing"])
+def test_candidates_hold_the_top_set(monkeypatch, per_selected):
+    """The candidates of rows of many 128-score steps (groups of 4): every slot written (the outputs
+    start as NaN and -7); the stable top-k's keys all among them with their scores, in key order, then
+    -inf entries of index S; a row of more than C candidates holds exactly the top-k (radix selection).
+    Rows: the k-th score tied far beyond the boundary (+-0.0 and a repeated value), distinct values,
+    -inf masks with fewer than k finite scores, one value throughout, every third score -inf."""
+    gen = torch.Generator(DEVICE).manual_seed(34)
+    n_rows, n_keys, topk = 6, 1000, 100
+    scores = torch.randn((n_rows, n_keys), generator=gen, device=DEVICE)
+    scores[0] = torch.where(scores[0] > -0.5, torch.where(scores[0] > 0, 0.0, -0.0), scores[0])
+    scores[1] = torch.where(scores[1].abs() < 1, 0.625, scores[1])
+    scores[3, 60:] = -math.inf
+    scores[4] = -3.0
+    scores[5, ::3] = -math.inf
+    empty, prefilled = torch.empty, []
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        prefilled.append(out.fill_(math.nan if out.dtype.is_floating_point else -7))
+        return out
+    for name, value in (("_GROUP", 4), ("_RADIX_BLOCK", 128), ("_CANDIDATES_PER_SELECTED", per_selected)):
+        monkeypatch.setattr(li, name, value)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty", poisoned)
+        values, indices = li._preselect(scores, topk)
+    assert [t.data_ptr() for t in prefilled[:2]] == [values.data_ptr(), indices.data_ptr()]
+    assert values.shape == indices.shape == (n_rows, per_selected * topk)
+    order = torch.sort(li._order_keys(scores, torch.arange(n_keys, device=DEVICE).expand_as(scores)),
+                       descending=True).values
+    top = li._key_indices(order)[:, :topk]
+    overflowed = 0
+    for row in range(n_rows):
+        real = indices[row] < n_keys
+        n_real = int(real.sum())
+        assert real[:n_real].all() and (indices[row, n_real:] == n_keys).all(), f"row {row}: -inf pads last"
+        assert torch.isneginf(values[row, n_real:]).all()
+        held = indices[row, :n_real].long()
+        assert torch.equal(values[row, :n_real], scores[row, held])
+        assert set(top[row].tolist()) <= set(held.tolist()), f"row {row} lacks part of the top-k"
+        if n_real == topk and not torch.equal(held, held.sort().values):
+            overflowed += 1                           # the radix selection: exactly the top-k
+        else:
+            assert torch.equal(held, held.sort().values), f"row {row}: candidates in key order"
+    assert overflowed > 0 if per_selected == 1 else overflowed == 0
+
+
+def test_topk_takes_candidates_for_many_wide_rows(monkeypatch):
+    """indexer_topk of _PRESELECT_MIN_ROWS rows or more of _PRESELECT_MIN_GROUPS_PER_SELECTED * _GROUP *
+    topk scores or more (a prefill chunk over a long context) selects over candidates, fewer rows or
+    narrower ones (decode, short contexts) through torch.topk over the row; both give the stable top-k."""
+    calls, preselect = [], li._preselect
+    monkeypatch.setattr(li, "_preselect", lambda *args: calls.append(args[0].shape) or preselect(*args))
+    monkeypatch.setattr(li, "_PRESELECT_MIN_ROWS", 4)
+    monkeypatch.setattr(li, "_GROUP", 4)
+    gen = torch.Generator(DEVICE).manual_seed(35)
+    for shape, preselected in (((2, 2, 800), True), ((3, 800), False), ((4, 799), False)):
+        scores = tied_scores(gen, shape)
+        assert torch.equal(indexer_topk(scores, 100), stable_topk_reference(scores, 100))
+        assert bool(calls) == preselected, shape
+        calls.clear()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a prefill chunk's 2048 x 131072 scores; the interpreter would take hours")
+def test_topk_prefill_chunk_shape():
+    """indexer_topk at a V3.2 prefill chunk's shape (2048 rows over 131072 keys, top-2048: the candidates'
+    path with its defaults): causal -inf masks, rows of random scores, rows of few levels (ties across
+    the boundary: more candidates than room, the radix selection), rows of clustered top scores; the
+    stable top-k in every row."""
+    gen = torch.Generator(DEVICE).manual_seed(36)
+    n_rows, n_keys, topk = 2048, 131072, 2048
+    scores = torch.randn((n_rows, n_keys), generator=gen, device=DEVICE)
+    scores[1::4] = torch.randint(0, 6, (len(range(1, n_rows, 4)), n_keys), generator=gen, device=DEVICE).float()
+    scores[2::4, 5000:5000 + 4 * topk] += 10.0
+    limit = n_keys - n_rows + torch.arange(n_rows, device=DEVICE)
+    scores.masked_fill_(torch.arange(n_keys, device=DEVICE) > limit[:, None], -math.inf)
+    calls, preselect = [], li._preselect
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(li, "_preselect", lambda *args: calls.append(args) or preselect(*args))
+        got = indexer_topk(scores, topk)
+    assert calls, "the candidates' path"
+    assert torch.equal(got, stable_topk_reference(scores, topk))
 
 
 @pytest.mark.parametrize("rows_per_program", [1, 4, 256])
@@ -374,7 +476,7 @@ def test_topk_tie_kernel_repairs_any_selection(monkeypatch, rows_per_program):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="host synchronisation and CUDA graphs need a GPU")
-def test_topk_is_sync_free_and_graph_capturable():
+def test_topk_is_sync_free_and_graph_capturable(topk_path):
     """indexer_topk on rows with boundary ties raises no host synchronisation (sync debug mode
     "error"), and a captured graph replays it on new scores to the stable-sort reference. CPU
     tensors are rejected when compiled (the tie kernel runs on the GPU)."""
