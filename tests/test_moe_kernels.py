@@ -254,7 +254,8 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
 
 @pytest.mark.parametrize("fmt, limit, d, i", [
     ("fp8", None, 384, 256),     # gate/up: 3 steps of 1 k block, 2 row blocks; down 1 step of 2
-    ("fp4", 0.5, 512, 384),      # gate/up: 1 step of 4 k blocks; down: 3 steps of 1
+    ("fp4", 0.5, 512, 384),      # gate/up: 1 chunk of 4 k blocks; down: 3 chunks of 1 (4 of 16 columns)
+    ("fp4", None, 1024, 256),    # gate/up: 2 chunks of 4 k blocks (16 columns); down: 4 chunks of 2
 ])
 def test_moe_experts_per_assignment(poisoned, monkeypatch, fmt, limit, d, i):
     """Few assignments (T * top_k <= E / 4): moe_decode's products, against the oracle and within a few
