@@ -39,12 +39,14 @@ _BLOCK_K = tl.constexpr(FP8_GROUP)
 _FP4_GROUP = tl.constexpr(32)          # inputs per e8m0 scale (ExpertWeights' fp4 format)
 _ACT_MIN_EXPONENT = tl.constexpr(ACT_MIN_EXPONENT)
 
-# Average assignments per expert up to which moe_experts takes this path. Each assignment reads its
-# expert's weights, so an expert chosen by n tokens is read n times (by the grouped GEMMs once per 16
-# tokens): at 1/4 assignment per expert ~1.13 reads per active expert. The grouped GEMMs read
-# V3.2's fp8 experts at ~4.2 TB/s from 16 tokens (128 assignments of 256 experts) on; below that
-# few programs leave them at 1.2 TB/s and less.
-MAX_PER_EXPERT = 0.25
+# Average assignments per expert up to which moe_experts takes this path, per weight format. Each
+# assignment reads its expert's weights, so an expert chosen by n tokens is read n times (by the
+# grouped GEMMs once per 16 tokens). fp8: at 1/4 assignment per expert ~1.13 reads per active expert;
+# the grouped GEMMs read V3.2's fp8 experts at ~4.2 TB/s from 16 tokens (128 assignments of 256
+# experts) on, below that few programs leave them at 1.2 TB/s and less. fp4 (V4-Flash on an H200):
+# this path took 0.34 ms at T 16 and 1.25 ms at T 64 (1.5 assignments per expert), the grouped
+# GEMMs' decode shape 0.84 and 2.06 ms.
+MAX_PER_EXPERT = {"fp8": 0.25, "fp4": 1.5}
 # Launch shape: W1 rows (and as many W3 rows) per program, W2 rows per program, and k blocks a step
 # (or the largest power of two below that dividing K / 128). fp8 on the GPU: thousands of programs of
 # 56-72 registers (sm_90a, no spills; 8 or more resident per SM), each loading 4-16 KB of weights a
@@ -58,9 +60,10 @@ FP4_GATE_UP_ROWS, FP4_DOWN_ROWS = 32, 64
 NUM_WARPS = 4
 
 
-def uses_per_assignment(n_assignments: int, n_experts: int) -> bool:
-    """Whether moe_experts (config None) takes this path: T * top_k <= MAX_PER_EXPERT * E (E / 4)."""
-    return n_assignments <= MAX_PER_EXPERT * n_experts
+def uses_per_assignment(n_assignments: int, n_experts: int, fmt: str) -> bool:
+    """Whether moe_experts (config None) takes this path for experts of format fmt ("fp8" or "fp4"):
+    T * top_k <= MAX_PER_EXPERT[fmt] * E (fp8 E / 4, fp4 1.5 E)."""
+    return n_assignments <= MAX_PER_EXPERT[fmt] * n_experts
 
 
 @triton.jit

@@ -258,7 +258,7 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
     ("fp4", None, 1024, 256),    # gate/up: 2 chunks of 4 k blocks (16 columns); down: 4 chunks of 2
 ])
 def test_moe_experts_per_assignment(poisoned, monkeypatch, fmt, limit, d, i):
-    """Few assignments (T * top_k <= E / 4): moe_decode's products, against the oracle and within a few
+    """Few assignments (T * top_k <= E / 4 fp8, 1.5 E fp4): moe_decode's products, against the oracle and within a few
     bf16 ulps of the grouped GEMMs; slots of expert -1 or E skipped, a token with none valid gets zeros."""
     gen = generator(10)
     e, n_tokens = 24, 3
