@@ -1,22 +1,28 @@
 """The routed experts at decode sizes: one program per (assignment, block of weight rows), streaming
-the rows once with wide loads and multiplying them with FMAs (no tensor cores: a product has one
-token). moe_experts takes this path for at most one assignment per four experts (uses_per_assignment).
+the rows once. moe_experts takes this path for at most one assignment per four experts
+(uses_per_assignment).
 
-Two launches, each over every (token, slot) assignment t * top_k + j of the batch:
+Over every (token, slot) assignment t * top_k + j of the batch:
 
 1. gate/up: rows [r, r + ROWS) of W1[e] and of W3[e] (one [2 ROWS, chunk] tile a step) against the
-   token's activations, quantised in the program (fp8_gemm.quantize_act_fp8's rule, the same Triton
+   token's activations quantised per 128 (fp8_gemm.quantize_act_fp8's rule, the same Triton
    helper), then silu(g) * u (V4's clamp optional) stored in float32, [T * top_k, I];
-2. down: rows [r, r + ROWS) of W2[e] against that row of h, quantised per 128 columns in the program
-   (as the grouped GEMM's epilogue quantises it: the same helper on the same float32 values), to
-   bf16 y [T * top_k, D], and each slot's y row (the slot itself, or -1 if skipped) for
-   moe_experts' combine.
+2. down: rows [r, r + ROWS) of W2[e] against that row of h, quantised per 128 columns (as the
+   grouped GEMM's epilogue quantises it: the same helper on the same float32 values), to bf16 y
+   [T * top_k, D], and each slot's y row (the slot itself, or -1 if skipped) for moe_experts' combine.
 
-Each k block of 128 inputs is summed in float32 and scaled by its activation scale and (fp8) its
-128 x 128 weight block scale or (fp4) per 32 inputs by 2^(e8m0 - 127), as the grouped GEMMs do; the
-sums are the same but in another order (no MMA), so results agree with them to float32 rounding
-(a bf16 ulp now and then). An assignment whose expert id is outside [0, E) does nothing: its
-weights are never read and its rows of h and y are left unwritten (the combine skips them).
+fp8 weights (V3.2): FMAs in float32 (no tensor cores: a product has one token), the activations
+quantised in the program; each k block of 128 inputs summed in float32 and scaled by its activation
+scale and its 128 x 128 weight block scale. fp4 weights (V4): on fp8 tensor cores (_dot_rows_fp4):
+a launch before each product quantises its activations (x per token, h per slot) into block-diagonal
+e4m3 operands (_fp4_operand_kernel), the weights' e2m1 codes become e4m3 in registers (four bytes
+per 7 integer instructions), and one [rows, 256] x [256, 16] product gives each row's sums of 16
+groups of 32 inputs at once, each scaled by 2^6 x its e8m0 scale and its activation scale. The
+products are exact either way and only the order (and, fp4, the tensor cores' accumulation) of the
+sums differs from the grouped GEMMs: results agree with them to float32 rounding (a bf16 ulp now
+and then). An assignment whose expert id is outside [0, E) does nothing: its weights are never read
+and its rows of h and y are left unwritten (the combine skips them; fp4: its h operand row is
+computed from those unwritten values and never read).
 """
 from __future__ import annotations
 
@@ -32,32 +38,32 @@ from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows, pow2_scale
 _BLOCK_K = tl.constexpr(FP8_GROUP)
 _FP4_GROUP = tl.constexpr(32)          # inputs per e8m0 scale (ExpertWeights' fp4 format)
 _ACT_MIN_EXPONENT = tl.constexpr(ACT_MIN_EXPONENT)
-# fp4 products are formed as (2^-126 e2m1) x (2^64 a): e2m1 codes become float32 by placing their
-# bits (_e2m1_tiny), activations are shifted up so that every product is a normal float32 (exact),
-# and each 32-input sum is multiplied back by 2^(s - 127 + 62), the float32 of exponent field s + 62.
-_ACT_SHIFT = tl.constexpr(2.0 ** 64)
-_NIBBLE_FIELDS = tl.constexpr(0x01C00000)     # float32 bits 22-24: the low exponent bits and top mantissa bit
-_SIGN = tl.constexpr(-2 ** 31)                # float32 bit 31, as an int32
-_FACTOR_FIELD_OFFSET = tl.constexpr(62)
 
-# Average assignments per expert up to which moe_experts takes this path. Each assignment reads its
-# expert's weights, so an expert chosen by n tokens is read n times (by the grouped GEMMs once per 16
-# tokens): at 1/4 assignment per expert ~1.13 reads per active expert. The grouped GEMMs read
-# V3.2's fp8 experts at ~4.2 TB/s from 16 tokens (128 assignments of 256 experts) on; below that
-# few programs leave them at 1.2 TB/s and less.
-MAX_PER_EXPERT = 0.25
+# Average assignments per expert up to which moe_experts takes this path, per weight format. Each
+# assignment reads its expert's weights, so an expert chosen by n tokens is read n times (by the
+# grouped GEMMs once per 16 tokens). fp8: at 1/4 assignment per expert ~1.13 reads per active expert;
+# the grouped GEMMs read V3.2's fp8 experts at ~4.2 TB/s from 16 tokens (128 assignments of 256
+# experts) on, below that few programs leave them at 1.2 TB/s and less. fp4 (V4-Flash on an H200):
+# this path took 0.34 ms at T 16 and 1.25 ms at T 64 (1.5 assignments per expert), the grouped
+# GEMMs' decode shape 0.84 and 2.06 ms.
+MAX_PER_EXPERT = {"fp8": 0.25, "fp4": 1.5}
 # Launch shape: W1 rows (and as many W3 rows) per program, W2 rows per program, and k blocks a step
-# (or the largest power of two below that dividing K / 128). On the GPU: thousands of programs of
+# (or the largest power of two below that dividing K / 128). fp8 on the GPU: thousands of programs of
 # 56-72 registers (sm_90a, no spills; 8 or more resident per SM), each loading 4-16 KB of weights a
-# step, keep enough bytes in flight. Interpreted, a program costs milliseconds of Python whatever
-# its size: fewer, larger ones.
+# step, keep enough bytes in flight. fp4: 64 weight rows a program (a warpgroup's MMA rows; 32 gate
+# and 32 up rows): V4-Flash at T 1 gives 384 programs of each product, whose loads the Triton
+# pipeliner keeps in flight (on an H200, 64 / 128 W2 rows or 32 gate rows / 128 W2 rows were up to
+# 5% slower at T 1, 16 and 64). Interpreted, a program costs milliseconds of Python whatever its
+# size: fewer, larger ones.
 GATE_UP_ROWS, DOWN_ROWS, STEP_BLOCKS = (64, 64, 4) if INTERPRET else (16, 16, 4)
+FP4_GATE_UP_ROWS, FP4_DOWN_ROWS = 32, 64
 NUM_WARPS = 4
 
 
-def uses_per_assignment(n_assignments: int, n_experts: int) -> bool:
-    """Whether moe_experts (config None) takes this path: T * top_k <= MAX_PER_EXPERT * E (E / 4)."""
-    return n_assignments <= MAX_PER_EXPERT * n_experts
+def uses_per_assignment(n_assignments: int, n_experts: int, fmt: str) -> bool:
+    """Whether moe_experts (config None) takes this path for experts of format fmt ("fp8" or "fp4"):
+    T * top_k <= MAX_PER_EXPERT[fmt] * E (fp8 E / 4, fp4 1.5 E)."""
+    return n_assignments <= MAX_PER_EXPERT[fmt] * n_experts
 
 
 @triton.jit
@@ -66,59 +72,119 @@ def _e4m3_value(codes):
     return codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
-@triton.jit
-def _e2m1_tiny(packed):
-    """2^-126 times the e2m1 values of the low and the high nibbles of packed bytes (int32, sign-extended
-    from int8), each nibble's fields (bit 3 sign, bits 1-2 exponent, bit 0 mantissa) placed in a
-    float32's sign, exponent and top mantissa bit (subnormal for exponent 0). The high nibble's sign
-    is the byte's: shifted with the sign extension, one mask places all its fields."""
-    low = ((packed << 22) & _NIBBLE_FIELDS) | ((packed << 28) & _SIGN)
-    return low.to(tl.float32, bitcast=True), ((packed << 18) & (_NIBBLE_FIELDS | _SIGN)).to(tl.float32, bitcast=True)
+# fp4 products on fp8 tensor cores: each byte's two e2m1 codes become e4m3 codes of 2^-6 times their
+# values (exact: magnitude bits e, b to the e4m3 exponent's low bits and top mantissa bit, sign to
+# bit 7), four bytes a word in 7 integer instructions; the activations of a chunk's 32-input groups
+# fill the columns of a block-diagonal [inputs, 16] e4m3 matrix, so that one product gives every
+# weight row's 16 group sums at once, each then scaled by 2^6 x its e8m0 scale and its activation scale.
+_FP4_COLUMNS = tl.constexpr(16)       # N of the product: the groups of a chunk (at most 16), zero-padded
+_E2M1_AS_E4M3_ASM = tl.constexpr("""{
+.reg .b32 t, u;
+shl.b32 t, $2, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, $2, 2;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 $0, t, u;
+shr.b32 u, $2, 2;
+and.b32 u, u, 0x1C1C1C1C;
+and.b32 t, $2, 0x80808080;
+or.b32 $1, t, u;
+}""")
 
 
 @triton.jit
-def _dot_rows(a_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
-              FP4: tl.constexpr):
-    """float32 [R]: for each weight row of ``rows`` (int64 [R], rows of a stacked [*, K] weight), the sum
-    over the k blocks of (a quantised per 128, . w) with the block's scales; a: K values at a_ptr
-    (any float dtype). KB k blocks a step."""
-    acc = tl.zeros((R,), dtype=tl.float32)
+def _e2m1_pairs_as_e4m3(packed, INTERPRETED: tl.constexpr):
+    """Packed e2m1 bytes (uint8, any shape; low nibble the even input) -> (e4m3 of the low nibbles,
+    e4m3 of the high ones) as uint8 codes of 2^-6 times their values. Compiled: four bytes per
+    instruction (the bit operations never cross a byte); interpreted: the same per byte."""
+    if INTERPRETED:
+        p = packed.to(tl.int32)
+        low = ((p << 4) & 0x80) | ((p << 2) & 0x1C)
+        high = (p & 0x80) | ((p >> 2) & 0x1C)
+        return low.to(tl.uint8), high.to(tl.uint8)
+    else:
+        return tl.inline_asm_elementwise(_E2M1_AS_E4M3_ASM, "=r,=r,r", [packed],
+                                         dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp4_operand_kernel(a_ptr, stride_a, out_ptr, scale_ptr, K: tl.constexpr, KB: tl.constexpr):
+    """Program (row, chunk of KB * 128 inputs): the row's activations quantised per 128 (the fp8 path's
+    rule) as the chunk's two block-diagonal e4m3 operands, even inputs then odd ones, each stored
+    [16, CHUNK / 2] (column g, rows 16g .. 16g + 15: group g's codes; zero elsewhere and in columns
+    >= CHUNK / 32), and each column's activation scale (0 past the groups)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     CHUNK: tl.constexpr = KB * _BLOCK_K
-    for k0 in range(0, K, CHUNK):
-        if FP4:
-            # Byte i of a row holds inputs 2i (low nibble) and 2i + 1: the activations split likewise.
-            pairs = tl.arange(0, CHUNK // 2)
-            a_even, a_odd = tl.split(tl.reshape(tl.load(a_ptr + k0 + tl.arange(0, CHUNK)).to(tl.float32),
-                                                (CHUNK // 2, 2)))
-            a_even = tl.reshape(a_even, (KB, _BLOCK_K // 2))
-            a_odd = tl.reshape(a_odd, (KB, _BLOCK_K // 2))
-            a_scale, a_inv = pow2_scale(tl.maximum(tl.max(tl.abs(a_even), 1), tl.max(tl.abs(a_odd), 1)),
-                                        _ACT_MIN_EXPONENT)
-            a_even = tl.reshape(_e4m3_value(e4m3_bits(a_even * a_inv[:, None])) * _ACT_SHIFT, (CHUNK // 2,))
-            a_odd = tl.reshape(_e4m3_value(e4m3_bits(a_odd * a_inv[:, None])) * _ACT_SHIFT, (CHUNK // 2,))
-            w_even, w_odd = _e2m1_tiny(tl.load(w_ptr + rows[:, None] * (K // 2) + k0 // 2 + pairs[None, :]).to(tl.int32))
-            products = w_even * a_even[None, :] + w_odd * a_odd[None, :]
-            groups = tl.sum(tl.reshape(products, (R, CHUNK // _FP4_GROUP, _FP4_GROUP // 2)), 2)
-            scale_bytes = tl.load(w_scale_ptr + rows[:, None] * (K // _FP4_GROUP) + k0 // _FP4_GROUP
-                                  + tl.arange(0, CHUNK // _FP4_GROUP)[None, :]).to(tl.int32)
-            factors = ((scale_bytes + _FACTOR_FIELD_OFFSET) << 23).to(tl.float32, bitcast=True)
-            blocks = tl.sum(tl.reshape(groups * factors, (R, KB, _BLOCK_K // _FP4_GROUP)), 2)
-        else:
-            a = tl.reshape(tl.load(a_ptr + k0 + tl.arange(0, CHUNK)).to(tl.float32), (KB, _BLOCK_K))
-            codes, a_scale = pow2_quantize_rows(a, _ACT_MIN_EXPONENT)
-            w = tl.load(w_ptr + rows[:, None] * K + k0 + tl.arange(0, CHUNK)[None, :]).to(tl.float32)
-            blocks = tl.sum(tl.reshape(w, (R, KB, _BLOCK_K)) * _e4m3_value(codes)[None, :, :], 2)
-            w_scales = tl.load(w_scale_ptr + (rows // _BLOCK_K)[:, None] * (K // _BLOCK_K) + k0 // _BLOCK_K
-                               + tl.arange(0, KB)[None, :])
-            blocks = blocks * w_scales
-        acc += tl.sum(blocks * a_scale[None, :], 1)
+    a = tl.load(a_ptr + row * stride_a + chunk * CHUNK + tl.arange(0, CHUNK)).to(tl.float32)
+    a_even, a_odd = tl.split(tl.reshape(a, (CHUNK // 2, 2)))
+    a_even = tl.reshape(a_even, (KB, _BLOCK_K // 2))
+    a_odd = tl.reshape(a_odd, (KB, _BLOCK_K // 2))
+    a_scale, a_inv = pow2_scale(tl.maximum(tl.max(tl.abs(a_even), 1), tl.max(tl.abs(a_odd), 1)),
+                                _ACT_MIN_EXPONENT)
+    column = tl.arange(0, _FP4_COLUMNS)
+    in_column = (tl.arange(0, CHUNK // 2) // (_FP4_GROUP // 2))[None, :] == column[:, None]
+    out = out_ptr + (row * (K // CHUNK) + chunk) * (2 * _FP4_COLUMNS * (CHUNK // 2)) \
+        + column[:, None] * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, :]
+    for parity in tl.static_range(2):
+        codes = tl.reshape(e4m3_bits((a_odd if parity else a_even) * a_inv[:, None]), (CHUNK // 2,))
+        tl.store(out + parity * (_FP4_COLUMNS * (CHUNK // 2)), tl.where(in_column, codes[None, :], 0).to(tl.uint8))
+    column_scale = tl.sum(tl.where(column[None, :] // (_BLOCK_K // _FP4_GROUP) == tl.arange(0, KB)[:, None],
+                                   a_scale[:, None], 0.0), 0)
+    tl.store(scale_ptr + (row * (K // CHUNK) + chunk) * _FP4_COLUMNS + column, column_scale)
+
+
+@triton.jit
+def _dot_rows_fp4(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr,
+                  KB: tl.constexpr, INTERPRETED: tl.constexpr):
+    """_dot_rows for fp4 weights ([*, K / 2] packed bytes, e8m0 scale bytes [*, K / 32]) on fp8 tensor
+    cores, the activations a row's _fp4_operand_kernel operands (a_ptr) and column scales: a chunk's
+    even and odd inputs each one [R, CHUNK / 2] x [CHUNK / 2, 16] product."""
+    CHUNK: tl.constexpr = KB * _BLOCK_K
+    OP_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else tl.float8e4nv
+    column = tl.arange(0, _FP4_COLUMNS)
+    operand = a_ptr + column[:, None] * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, :]
+    acc = tl.zeros((R,), dtype=tl.float32)
+    for c in range(0, K // CHUNK):
+        packed = tl.load(w_ptr + rows[:, None] * (K // 2) + c * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, :])
+        w_even, w_odd = _e2m1_pairs_as_e4m3(packed, INTERPRETED)
+        a_even = tl.load(operand + c * (2 * _FP4_COLUMNS * (CHUNK // 2))).to(tl.float8e4nv, bitcast=True)
+        a_odd = tl.load(operand + c * (2 * _FP4_COLUMNS * (CHUNK // 2)) + _FP4_COLUMNS * (CHUNK // 2)).to(
+            tl.float8e4nv, bitcast=True)
+        sums = tl.dot(w_odd.to(tl.float8e4nv, bitcast=True).to(OP_DTYPE), tl.trans(a_odd.to(OP_DTYPE)),
+                      tl.dot(w_even.to(tl.float8e4nv, bitcast=True).to(OP_DTYPE), tl.trans(a_even.to(OP_DTYPE))))
+        scale_bytes = tl.load(w_scale_ptr + rows[:, None] * (K // _FP4_GROUP) + c * (CHUNK // _FP4_GROUP)
+                              + column[None, :], mask=(column < CHUNK // _FP4_GROUP)[None, :], other=0).to(tl.int32)
+        # 2^6 x 2^(s - 127) as a float32 from its exponent field s + 6, times the column's activation scale.
+        factors = (((scale_bytes + 6) << 23).to(tl.float32, bitcast=True)
+                   * tl.load(a_scale_ptr + c * _FP4_COLUMNS + column)[None, :])
+        acc += tl.sum(sums * factors, 1)
     return acc
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, stride_xt, ids_ptr, w_ptr, w_scale_ptr, h_ptr, limit,
+def _dot_rows(a_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr, KB: tl.constexpr):
+    """float32 [R]: for each weight row of ``rows`` (int64 [R], rows of a stacked [*, K] block-fp8
+    weight), the sum over the k blocks of (a quantised per 128, . w) with the block's scales; a: K
+    values at a_ptr (any float dtype). KB k blocks a step."""
+    acc = tl.zeros((R,), dtype=tl.float32)
+    CHUNK: tl.constexpr = KB * _BLOCK_K
+    for k0 in range(0, K, CHUNK):
+        a = tl.reshape(tl.load(a_ptr + k0 + tl.arange(0, CHUNK)).to(tl.float32), (KB, _BLOCK_K))
+        codes, a_scale = pow2_quantize_rows(a, _ACT_MIN_EXPONENT)
+        w = tl.load(w_ptr + rows[:, None] * K + k0 + tl.arange(0, CHUNK)[None, :]).to(tl.float32)
+        blocks = tl.sum(tl.reshape(w, (R, KB, _BLOCK_K)) * _e4m3_value(codes)[None, :, :], 2)
+        w_scales = tl.load(w_scale_ptr + (rows // _BLOCK_K)[:, None] * (K // _BLOCK_K) + k0 // _BLOCK_K
+                           + tl.arange(0, KB)[None, :])
+        acc += tl.sum(blocks * w_scales * a_scale[None, :], 1)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, h_ptr, limit,
                     E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                    ROWS: tl.constexpr, KB: tl.constexpr, FP4: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                    ROWS: tl.constexpr, KB: tl.constexpr, FP4: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     # Program (assignment, block of ROWS columns of h): gate rows [c, c + ROWS) and the matching up
     # rows of its expert, one [2 ROWS] product.
     slot = tl.program_id(0)
@@ -128,7 +194,11 @@ def _gate_up_kernel(x_ptr, stride_xt, ids_ptr, w_ptr, w_scale_ptr, h_ptr, limit,
         token = (slot // TOP_K).to(tl.int64)
         half = tl.arange(0, 2 * ROWS) // ROWS
         rows = expert.to(tl.int64) * (2 * I) + half * I + col + tl.arange(0, 2 * ROWS) % ROWS
-        acc = _dot_rows(x_ptr + token * stride_xt, w_ptr, w_scale_ptr, rows, D, 2 * ROWS, KB, FP4)
+        if FP4:
+            acc = _dot_rows_fp4(x_ptr + token * stride_xt, x_scale_ptr + token * (D // (KB * _BLOCK_K) * _FP4_COLUMNS),
+                                w_ptr, w_scale_ptr, rows, D, 2 * ROWS, KB, INTERPRETED)
+        else:
+            acc = _dot_rows(x_ptr + token * stride_xt, w_ptr, w_scale_ptr, rows, D, 2 * ROWS, KB)
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, ROWS)), (1, 0)))
         if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
             gate = tl.minimum(gate, limit)
@@ -138,9 +208,9 @@ def _gate_up_kernel(x_ptr, stride_xt, ids_ptr, w_ptr, w_scale_ptr, h_ptr, limit,
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w_ptr, w_scale_ptr, y_ptr, row_of_slot_ptr,
+def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, y_ptr, row_of_slot_ptr,
                  E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, KB: tl.constexpr,
-                 FP4: tl.constexpr):
+                 FP4: tl.constexpr, INTERPRETED: tl.constexpr):
     # Program (assignment, block of ROWS output columns): rows [c, c + ROWS) of its expert's W2.
     slot = tl.program_id(0)
     col = tl.program_id(1) * ROWS
@@ -148,7 +218,12 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, w_scale_ptr, y_ptr, row_of_slot_ptr,
     valid = (expert >= 0) & (expert < E)
     if valid:
         rows = expert.to(tl.int64) * D + col + tl.arange(0, ROWS)
-        y = _dot_rows(h_ptr + slot.to(tl.int64) * I, w_ptr, w_scale_ptr, rows, I, ROWS, KB, FP4)
+        if FP4:
+            y = _dot_rows_fp4(h_ptr + slot.to(tl.int64) * stride_h,
+                              h_scale_ptr + slot.to(tl.int64) * (I // (KB * _BLOCK_K) * _FP4_COLUMNS),
+                              w_ptr, w_scale_ptr, rows, I, ROWS, KB, INTERPRETED)
+        else:
+            y = _dot_rows(h_ptr + slot.to(tl.int64) * stride_h, w_ptr, w_scale_ptr, rows, I, ROWS, KB)
         tl.store(y_ptr + slot.to(tl.int64) * D + col + tl.arange(0, ROWS), y.to(tl.bfloat16))
     if tl.program_id(1) == 0:
         tl.store(row_of_slot_ptr + slot, tl.where(valid, slot, -1))
@@ -181,12 +256,24 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
     h = torch.empty((n_slots, i), dtype=torch.float32, device=x.device)
     y = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
     row_of_slot = torch.empty(n_slots, dtype=torch.int32, device=x.device)
-    codes = (lambda w: w.view(torch.int8)) if fp4 else (lambda w: w)   # fp4 bytes read sign-extended (_e2m1_tiny)
-    _gate_up_kernel[(n_slots, i // GATE_UP_ROWS)](
-        x, x.stride(0), ids, codes(experts.w13), experts.w13_scales, h,
+    gate_up_rows, down_rows = (FP4_GATE_UP_ROWS, FP4_DOWN_ROWS) if fp4 else (GATE_UP_ROWS, DOWN_ROWS)
+
+    def operands(a, k):   # the products' activations: (values or fp4 operands, row stride, column scales)
+        if not fp4:
+            return a, a.stride(0), a
+        kb = step(k)
+        out = torch.empty((a.shape[0], 16 * k), dtype=torch.uint8, device=a.device)
+        scales = torch.empty((a.shape[0], k // (FP8_GROUP * kb) * 16), dtype=torch.float32, device=a.device)
+        _fp4_operand_kernel[(a.shape[0], k // (FP8_GROUP * kb))](a, a.stride(0), out, scales, K=k, KB=kb,
+                                                                 num_warps=NUM_WARPS)
+        return out, out.stride(0), scales
+
+    _gate_up_kernel[(n_slots, i // gate_up_rows)](
+        *operands(x, d), ids, experts.w13, experts.w13_scales, h,
         0.0 if swiglu_limit is None else float(swiglu_limit), E=n_experts, D=d, I=i, TOP_K=top_k,
-        ROWS=GATE_UP_ROWS, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None, num_warps=NUM_WARPS)
-    _down_kernel[(n_slots, d // DOWN_ROWS)](
-        h, ids, codes(experts.w2), experts.w2_scales, y, row_of_slot, E=n_experts, D=d, I=i,
-        ROWS=DOWN_ROWS, KB=step(i), FP4=fp4, num_warps=NUM_WARPS)
+        ROWS=gate_up_rows, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None,
+        INTERPRETED=INTERPRET, num_warps=NUM_WARPS)
+    _down_kernel[(n_slots, d // down_rows)](
+        *operands(h, i), ids, experts.w2, experts.w2_scales, y, row_of_slot, E=n_experts, D=d, I=i,
+        ROWS=down_rows, KB=step(i), FP4=fp4, INTERPRETED=INTERPRET, num_warps=NUM_WARPS)
     return y, row_of_slot

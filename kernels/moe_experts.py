@@ -30,9 +30,9 @@ its tokens and inactive experts not at all; launches of fewer programs than the 
 Results do not depend on the order in which an expert's rows are placed (each row is computed on its
 own), so they are deterministic although the plan places rows with atomics.
 
-At most one assignment per four experts (config None; moe_decode.uses_per_assignment), steps 1-4
-give way to moe_decode: one program per (assignment, block of weight rows) streams the rows with
-FMAs, the activations quantised in the program by the same rule (two launches, then the combine).
+At few assignments per expert (config None; moe_decode.uses_per_assignment), steps 1-4
+give way to moe_decode: one program per (assignment, block of weight rows) streams the rows (fp8:
+FMAs; fp4: fp8 tensor cores), the activations quantised by the same rule, then the combine.
 """
 from __future__ import annotations
 
@@ -654,7 +654,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         experts: ExpertWeights (fp8 or fp4) with hidden size D.
         swiglu_limit: keyword-only, V4's clamp L (10.0), or None.
         config: keyword-only launch shape of the grouped GEMMs; None: moe_decode's per-assignment
-            products while T * top_k <= E / 4 (moe_decode.uses_per_assignment), else default_config
+            products while T * top_k <= E / 4 (fp8) or 1.5 E (fp4) (moe_decode.uses_per_assignment), else default_config
             (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG).
 
     Returns:
@@ -682,7 +682,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             or tuple(weights.shape) != (n_tokens, top_k):
         raise InputError(f"weights must be a float32 tensor [{n_tokens}, {top_k}], got "
                          f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
-    per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts)
+    per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts, experts.format)
     if config is None:
         config = default_config(n_tokens * top_k, n_experts)
     elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128):

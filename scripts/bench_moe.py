@@ -24,10 +24,10 @@ Tables:
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
 - decode paths (T with at most 16 assignments per expert): moe_experts through the grouped GEMMs
   (DECODE_CONFIG) beside moe_decode's per-assignment products (taken by default while
-  T * top_k <= E / 4), each with GB/s of the active experts' weights (x copy ceiling) and the two
+  T * top_k <= E / 4 for fp8, 1.5 E for fp4), each with GB/s of the active experts' weights (x copy ceiling) and the two
   results' relative difference, times of CUDA-graph replays (graph_ms: as decode steps run, without
   Python's launch costs); --decode-shapes times more launch shapes of the latter
-  (gate/up rows, down rows, k blocks a step). Targets: at T 1 the routed experts and the shared
+  (gate/up rows, down rows, k blocks a step; fp8 experts' only). Targets: at T 1 the routed experts and the shared
   expert (fp8_gemm, in the same graph) at >= 2.5 TB/s, and T 64 in at most 8 x T 1's time (the
   "vs 8 x T 1" column; T 64 has ~28 times T 1's active experts for V3.2).
 

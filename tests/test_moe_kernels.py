@@ -12,6 +12,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import DEVICE
 from minirt.blockfp8 import dequantize_block_fp8, quantize_block_fp8
@@ -254,10 +256,11 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
 
 @pytest.mark.parametrize("fmt, limit, d, i", [
     ("fp8", None, 384, 256),     # gate/up: 3 steps of 1 k block, 2 row blocks; down 1 step of 2
-    ("fp4", 0.5, 512, 384),      # gate/up: 1 step of 4 k blocks; down: 3 steps of 1
+    ("fp4", 0.5, 512, 384),      # gate/up: 1 chunk of 4 k blocks; down: 3 chunks of 1 (4 of 16 columns)
+    ("fp4", None, 1024, 256),    # gate/up: 2 chunks of 4 k blocks (16 columns); down: 4 chunks of 2
 ])
 def test_moe_experts_per_assignment(poisoned, monkeypatch, fmt, limit, d, i):
-    """Few assignments (T * top_k <= E / 4): moe_decode's products, against the oracle and within a few
+    """Few assignments (T * top_k <= E / 4 fp8, 1.5 E fp4): moe_decode's products, against the oracle and within a few
     bf16 ulps of the grouped GEMMs; slots of expert -1 or E skipped, a token with none valid gets zeros."""
     gen = generator(10)
     e, n_tokens = 24, 3
@@ -279,6 +282,26 @@ def test_moe_experts_per_assignment(poisoned, monkeypatch, fmt, limit, d, i):
     # Sums in another order: a bf16 ulp now and then (scaled by the row: slots may cancel).
     ulp = torch.finfo(torch.bfloat16).eps * (grouped.abs() + grouped.pow(2).mean(1, keepdim=True).sqrt())
     assert ((out.float() - grouped).abs() <= 4 * ulp).all()
+
+
+@triton.jit
+def _e2m1_pairs_kernel(packed_ptr, low_ptr, high_ptr, N: tl.constexpr, INTERPRETED: tl.constexpr):
+    offsets = tl.arange(0, N)
+    low, high = moe_decode._e2m1_pairs_as_e4m3(tl.load(packed_ptr + offsets), INTERPRETED)
+    tl.store(low_ptr + offsets, low)
+    tl.store(high_ptr + offsets, high)
+
+
+def test_e2m1_pairs_as_e4m3_every_byte(poisoned):
+    """moe_decode's fp4 decode (compiled: four bytes per PTX instruction; interpreted: per byte): every
+    byte's low and high nibble become e4m3 codes of exactly 2^-6 times their e2m1 values."""
+    packed = torch.randperm(256, generator=generator(5), device=DEVICE).to(torch.uint8)
+    low, high = (torch.empty(256, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+    _e2m1_pairs_kernel[(1,)](packed, low, high, N=256, INTERPRETED=moe_decode.INTERPRET)
+    b = packed.long().cpu()
+    for got, nibble in ((low, b & 15), (high, b >> 4)):
+        want = E2M1[nibble & 7] * torch.where(nibble >= 8, -1.0, 1.0) / 64
+        assert torch.equal(got.cpu().view(torch.float8_e4m3fn).float(), want)
 
 
 def test_moe_experts_expert_over_several_tiles(poisoned):
