@@ -175,7 +175,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, samp
     stop: list[str | None] = [None] * len(prompts)
     queue = getattr(engine, "decode_queued", None)  # the reference backend runs (and checks) each step at once
     to_host, clock = _TokensToHost(len(prompts), device), _StepClock(device)
-    to_host.start(next_tokens, None)
+    to_host.start(next_tokens, None)  # the prefill's logits were checked already
+    last_input = None  # the input of the step whose tokens to_host holds
     steps, start = 0, time.perf_counter()
     while True:
         # Queue the next step before reading the last tokens back; it is discarded if they end every sequence.
