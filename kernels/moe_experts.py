@@ -48,7 +48,7 @@ from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device, rows_per_program
-from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
+from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
@@ -233,7 +233,11 @@ class MoeConfig:
     (the most that divide them), the last to finish summing the fp32 partials in split order; None
     picks it (_splits); fp4_e4m3: fp4 weights decoded to e4m3 (e2m1 x 2^-6, exact) and multiplied on
     fp8 tensor cores 32 inputs at a time, each 32-wide product scaled by its e8m0 scales in fp32
-    (else: decoded to bf16 with their scales and multiplied in bf16, 64 inputs at a time)."""
+    (else: decoded to bf16 with their scales and multiplied in bf16, 64 inputs at a time); fp4_fold:
+    fp4 weights decoded to e4m3 with each 128-input block's four e8m0 scales folded into the codes
+    relative to the block's largest (exact while a weight row's four span at most 2^FOLD_SPREAD)
+    and multiplied on fp8 tensor cores a whole k block at a time, the row's largest scale applied in
+    fp32 per k block; a program whose weight rows span more in any k block takes the bf16 path."""
 
     block_m: int = 64
     block_n: int = 128
@@ -242,6 +246,7 @@ class MoeConfig:
     num_warps: int = 8
     num_stages: int = 4
     fp4_e4m3: bool = False
+    fp4_fold: bool = False
 
 
 # Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block); 64 rows
@@ -385,6 +390,42 @@ def _e2m1_as_e4m3(packed):
     return (((codes & 7) << 2) | ((codes & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
+# fp4_fold: a weight row's e8m0 scales within one k block may span at most 2^FOLD_SPREAD (e4m3 then
+# holds every e2m1 value times 2^(s - top + 1), top the block's largest byte: 2^-9 .. 12, exact).
+FOLD_SPREAD = 9
+_FOLD_SPREAD = tl.constexpr(FOLD_SPREAD)
+
+
+@triton.jit
+def _e2m1_folded(codes, factors, INTERPRETED: tl.constexpr):
+    """e2m1 codes (int32 0..15) times float16 factors (2^(s - top + 15), s - top >= -FOLD_SPREAD) as
+    e4m3 (interpreted: encoded by e4m3_bits, the interpreter's float8 cast being unreliable, and
+    read back as float32 for its dot). The code's
+    fields placed in a float16 read its value times 2^-14 (exponent e, top mantissa bit b: 2^(e-15)
+    (1 + b/2), or the subnormal b 2^-15), so the product is the value times 2^(s - top + 1), in
+    [2^-9, 12]: exact in float16 and in e4m3 (its subnormals included)."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    w = bits.to(tl.int16).to(tl.float16, bitcast=True) * factors
+    if INTERPRETED:
+        return e4m3_bits(w.to(tl.float32)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return w.to(tl.float8e4nv)
+
+
+@triton.jit
+def _fp4_foldable(b_scale_ptr, row, first_kb, n_kb: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether every weight row [row, row + BLOCK_N)'s four e8m0 scales of each of k blocks
+    [first_kb, first_kb + n_kb) span at most 2^FOLD_SPREAD (fp4_fold is exact there)."""
+    groups: tl.constexpr = _BLOCK_K // _FP4_GROUP
+    scale_rows = b_scale_ptr + (row + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * (K // _FP4_GROUP) \
+        + tl.arange(0, groups)[None, :]
+    spread = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for i in range(0, n_kb):
+        s = tl.load(scale_rows + (first_kb + i) * groups).to(tl.int32)
+        spread = tl.maximum(spread, tl.max(s, 1) - tl.min(s, 1))
+    return tl.max(spread, 0) <= _FOLD_SPREAD
+
+
 # The fp4 weights are decoded to 2^-FP4_SHIFT times their value (then multiplied back after each k
 # block's product): with scale bytes s (2^(s - 127)) that keeps the bf16 copies normal for s in
 # [66, 192] (scales 2^-61 .. 2^65; checkpoints have ~2^-8), where the factor 2^(s - 127 + 126 - 64)
@@ -404,8 +445,8 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, FP4_E4M3: tl.constexpr,
-             K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
-             INTERPRETED: tl.constexpr):
+             FOLD: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc plus k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
     weight (experts' rows one after another), with its scales (promotion: one fp32 product per k
     block). fp8: the 128 x 128 block scale ([E * N / 128, K / 128], one per tile); fp4 ([E * N, K / 2]
@@ -413,7 +454,10 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
     64 columns, the high ones against the last 64 (_split_columns), both decoded and scaled to bf16
     and multiplied with the fp8 activations converted to bf16 (all exact); FP4_E4M3: each 32-input
     group decoded to e4m3 (_e2m1_as_e4m3) against the activations' 32 columns in input order, on fp8
-    tensor cores, its product times 2^6 x its e8m0 scale per weight row."""
+    tensor cores, its product times 2^6 x its e8m0 scale per weight row; FOLD (fp4, split columns as
+    the bf16 path): both nibble halves decoded to e4m3 with their scales folded in (_e2m1_folded)
+    and multiplied on fp8 tensor cores, the product times 2^(top - 128) per weight row (top its
+    largest scale byte of the block)."""
     zeros = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     op_dtype: tl.constexpr = tl.float32 if INTERPRETED else tl.bfloat16
     if FP4_E4M3:
@@ -436,20 +480,44 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
     else:
         if FP4:
             half: tl.constexpr = _BLOCK_K // 2
-            a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
-            a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
+            groups: tl.constexpr = _BLOCK_K // _FP4_GROUP
+            a_even = a_desc.load([a_row, kb * _BLOCK_K])
+            a_odd = a_desc.load([a_row, kb * _BLOCK_K + half])
             packed = b_desc.load([row, kb * half]).to(tl.int32)
             rows = row + tl.arange(0, BLOCK_N)
             scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
-                                  + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
+                                  + kb * groups + tl.arange(0, groups)[None, :]).to(tl.int32)
+            if FOLD:
+                top = tl.max(scale_bytes, 1)
+                # float16 2^(s - top + 15): exponent field s - top + 30, in [21, 30] where foldable.
+                factors = ((scale_bytes - top[:, None] + 30) << 10).to(tl.int16).to(tl.float16, bitcast=True)
+            else:
+                factors = ((scale_bytes + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
+                a_even = a_even.to(op_dtype)
+                a_odd = a_odd.to(op_dtype)
             # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
-            factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
-            factors = tl.reshape(tl.broadcast_to(factors[:, :, None],
-                                                 (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)), (BLOCK_N, half))
-            w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
-            w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
+            factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, groups, _FP4_GROUP // 2)),
+                                 (BLOCK_N, half))
+            if FOLD:
+                w_even = _e2m1_folded(packed & 0xF, factors, INTERPRETED)
+                w_odd = _e2m1_folded(packed >> 4, factors, INTERPRETED)
+                if INTERPRETED:
+                    a_even = a_even.to(tl.float32)
+                    a_odd = a_odd.to(tl.float32)
+            else:
+                w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
+                w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
             product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
-            scale = a_scale * _FP4_UNSHIFT
+            if FOLD:
+                # 2^(top - 128) (the e4m3 values are 2^(s - top + 1) times the e2m1 ones), per weight row.
+                row_scale = ((top - 1) << 23).to(tl.float32, bitcast=True)
+                if SWAP_AB:
+                    product = product * row_scale[:, None]
+                else:
+                    product = product * row_scale[None, :]
+                scale = a_scale
+            else:
+                scale = a_scale * _FP4_UNSHIFT
         else:
             a = a_desc.load([a_row, kb * _BLOCK_K])
             w = b_desc.load([row, kb * _BLOCK_K])
@@ -490,13 +558,33 @@ def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: 
 
 
 @triton.jit
+def _k_blocks(a_desc, a_row, a_scale_rows, b_desc, b_scale_ptr, gate_row, first_kb, n_kb: tl.constexpr, FP4: tl.constexpr,
+              FP4_E4M3: tl.constexpr, FOLD: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    """(acc, acc_up): k blocks [first_kb, first_kb + n_kb) of a tile's products with weight rows
+    [gate_row, + BLOCK_N) and (SWIGLU) the up rows N_OUT further (_k_block), float32."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, n_kb):
+        kb = first_kb + i
+        a_scale = tl.load(a_scale_rows + kb)
+        acc = _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, FP4_E4M3, FOLD,
+                       K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+        if SWIGLU:
+            acc_up = _k_block(acc_up, a_desc, a_row, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
+                              FP4, FP4_E4M3, FOLD, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+    return acc, acc_up
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, partial_ptr,
     arrivals_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
-    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, SPLIT_COLS: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, FP4_FOLD: tl.constexpr, SPLIT_COLS: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
     # weight) run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight
@@ -513,17 +601,24 @@ def _grouped_gemm_kernel(
         gate_row = expert * N + col
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         per_split: tl.constexpr = K // _BLOCK_K // SPLITS
-        for i in range(0, per_split):
-            kb = split * per_split + i
-            a_scale = tl.load(a_scale_rows + kb)
-            acc = _k_block(acc, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, FP4_E4M3,
-                            K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+        if FP4_FOLD:
+            foldable = _fp4_foldable(b_scale_ptr, gate_row, split * per_split, per_split, K, BLOCK_N)
             if SWIGLU:
-                acc_up = _k_block(acc_up, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
-                                   FP4, FP4_E4M3, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+                foldable = foldable & _fp4_foldable(b_scale_ptr, gate_row + N_OUT, split * per_split, per_split,
+                                                    K, BLOCK_N)
+            if foldable:
+                acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
+                                        split * per_split, per_split, FP4, False, True, K, N_OUT, BLOCK_M, BLOCK_N,
+                                        SWAP_AB, SWIGLU, INTERPRETED)
+            else:
+                acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
+                                        split * per_split, per_split, FP4, False, False, K, N_OUT, BLOCK_M, BLOCK_N,
+                                        SWAP_AB, SWIGLU, INTERPRETED)
+        else:
+            acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
+                                    split * per_split, per_split, FP4, FP4_E4M3, False, K, N_OUT, BLOCK_M, BLOCK_N,
+                                    SWAP_AB, SWIGLU, INTERPRETED)
         if SPLITS == 1:
             _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
                         SPLIT_COLS, SWIGLU, HAS_LIMIT)
@@ -621,7 +716,8 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
         TensorDescriptor.from_tensor(stacked, [config.block_n, b_block_k]), scales, tile_expert, out,
         out if out_scales is None else out_scales, partials, arrivals, 0.0 if limit is None else float(limit),
         E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
-        SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, SPLIT_COLS=fp4 and not e4m3, SWIGLU=swiglu,
+        SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, FP4_FOLD=fp4 and config.fp4_fold,
+        SPLIT_COLS=fp4 and not e4m3, SWIGLU=swiglu,
         HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -685,8 +781,10 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts)
     if config is None:
         config = default_config(n_tokens * top_k, n_experts)
-    elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128):
-        raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K} and block_m 16, 32, 64 or 128, got {config!r}")
+    elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128) \
+            or (config.fp4_e4m3 and config.fp4_fold):
+        raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K}, block_m 16, 32, 64 or 128 and at most "
+                         f"one of fp4_e4m3 and fp4_fold, got {config!r}")
     check_device({"x": x, "expert_ids": expert_ids, "weights": weights, "experts.w13": experts.w13})
     if x.device.type == "cuda" and _capability(x.device) < (9, 0):
         raise InputError("moe_experts needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")

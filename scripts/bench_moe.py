@@ -19,7 +19,7 @@ Tables:
   ceilings measured in the same run (scripts/ceilings.py: bf16 matmul, device copy), peak memory
   beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
   num_stages, then flags: "swap" for the decode orientation, "e4m3" for fp4 weights on fp8 tensor
-  cores, "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
+  cores 32 inputs at a time, "fold" for them with their scales folded in (whole k blocks), "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
   the others where the prefill one is, and also in the grouped GEMM table). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
 - decode paths (T with at most 16 assignments per expert): moe_experts through the grouped GEMMs
@@ -211,17 +211,17 @@ def bench_gemms(model, experts, x, ids, lines, config=moe.PREFILL_CONFIG, label=
 
 
 def parse_config(text: str) -> moe.MoeConfig:
-    """"block_m,num_warps,num_stages[,swap][,e4m3][,splitN]" -> a MoeConfig (block_n 128): swap_ab,
-    fp4_e4m3, split_k N."""
+    """"block_m,num_warps,num_stages[,swap][,e4m3][,fold][,splitN]" -> a MoeConfig (block_n 128):
+    swap_ab, fp4_e4m3, fp4_fold, split_k N."""
     parts = text.split(",")
     block_m, num_warps, num_stages = (int(p) for p in parts[:3])
     flags = parts[3:]
     splits = [int(f[len("split"):]) for f in flags if f.startswith("split")]
-    unknown = [f for f in flags if f not in ("swap", "e4m3") and not f.startswith("split")]
+    unknown = [f for f in flags if f not in ("swap", "e4m3", "fold") and not f.startswith("split")]
     if unknown or len(splits) > 1:
-        raise SystemExit(f"--configs {text}: flags are swap, e4m3 and splitN, got {','.join(flags)}")
+        raise SystemExit(f"--configs {text}: flags are swap, e4m3, fold and splitN, got {','.join(flags)}")
     return moe.MoeConfig(block_m=block_m, swap_ab="swap" in flags, num_warps=num_warps, num_stages=num_stages,
-                         fp4_e4m3="e4m3" in flags, split_k=splits[0] if splits else None)
+                         fp4_e4m3="e4m3" in flags, fp4_fold="fold" in flags, split_k=splits[0] if splits else None)
 
 
 def per_assignment(model, experts, x, ids, weights, shape=None):
@@ -344,7 +344,7 @@ def main():
     parser.add_argument("--out", default="-", help="markdown report file (default: stdout)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
-    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,splitN]")
+    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,fold][,splitN]")
     parser.add_argument("--decode-shapes", nargs="*", default=[],
                         help="extra per-assignment launch shapes: gate/up rows,down rows,k blocks a step")
     args = parser.parse_args()
