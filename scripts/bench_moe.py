@@ -301,7 +301,8 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         # prefill one is (decode tiles on prefill T are slow, and forced splits need GBs of partials).
         decode = moe.default_config(ids.numel(), model.experts) == moe.DECODE_CONFIG
         variants = ", ".join(f"{text}: {bench_ms(lambda c=config: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=c)):.3f}"
-                             for text, config in configs if (config.block_m < 64) == decode) or "-"
+                             for text, config in configs if (config.block_m < 64) == decode
+                             and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold))) or "-"
         active = int(torch.unique(ids).numel())
         nbytes = active * per_expert
         flops = 2 * ids.numel() * 3 * model.hidden * model.inter
@@ -332,7 +333,7 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         if n_tokens == PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines)
             for text, config in configs:     # the prefill-oriented extra shapes
-                if config.block_m >= 64 and (model.fmt == "fp4" or not config.fp4_e4m3):
+                if config.block_m >= 64 and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold)):
                     bench_gemms(model, experts, x, ids, gemm_lines, config, f" [{text}]")
         del x, logits, weights, ids
     del experts, shared
