@@ -48,7 +48,7 @@ from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device, rows_per_program
-from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows
+from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
@@ -249,11 +249,16 @@ class MoeConfig:
     fp4_fold: bool = False
 
 
-# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block); 64 rows
-# also pad each expert's rows by half as much. Registers of the gate/up kernel (sm_90a, ptxas of
-# triton 3.6): 128-row tiles fit for fp8 weights (214 registers, 3 or 4 stages) but spill for fp4
-# decoded to bf16; fp4_e4m3 spills in this orientation and fits with swap_ab and 2 stages.
+# Prefill, fp8 weights: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up
+# block); 64 rows also pad each expert's rows by half as much. Registers of the gate/up kernel
+# (sm_90a, ptxas of triton 3.6, D 7168): 146 at 64 rows; 128-row tiles spill (255 and 70 spill
+# instructions at 3 or 4 stages). fp4 weights: the decode's instructions, not the tensor cores,
+# bound the time (one 128-input k block of a 64-row tile: about 1370 SASS instructions a thread
+# through bf16, 830 folded to e4m3), and each tile decodes the weights anew, so 128-row tiles (one
+# decode per 128 rows; 930 instructions a k block, spilling 54 a k block in the gate/up kernel) of
+# folded weights (fp4_fold).
 PREFILL_CONFIG = MoeConfig()
+PREFILL_CONFIG_FP4 = MoeConfig(block_m=128, num_stages=3, fp4_fold=True)
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
 # Split-K (automatic) aims at this many programs per SM, each keeping >= SPLIT_MIN_K_BLOCKS k blocks.
 SPLIT_PROGRAMS_PER_SM = 2
@@ -263,9 +268,12 @@ SPLIT_MIN_K_BLOCKS = 4
 DECODE_MAX_PER_EXPERT = 16
 
 
-def default_config(n_assignments: int, n_experts: int) -> MoeConfig:
-    """DECODE_CONFIG while T * top_k <= DECODE_MAX_PER_EXPERT * E, PREFILL_CONFIG above."""
-    return DECODE_CONFIG if n_assignments <= DECODE_MAX_PER_EXPERT * n_experts else PREFILL_CONFIG
+def default_config(n_assignments: int, n_experts: int, format: str = "fp8") -> MoeConfig:
+    """DECODE_CONFIG while T * top_k <= DECODE_MAX_PER_EXPERT * E, above PREFILL_CONFIG for fp8
+    experts and PREFILL_CONFIG_FP4 for fp4 ones (ExpertWeights.format)."""
+    if n_assignments <= DECODE_MAX_PER_EXPERT * n_experts:
+        return DECODE_CONFIG
+    return PREFILL_CONFIG_FP4 if format == "fp4" else PREFILL_CONFIG
 
 
 def max_tiles(n_assignments: int, n_experts: int, block_m: int) -> int:
@@ -390,26 +398,76 @@ def _e2m1_as_e4m3(packed):
     return (((codes & 7) << 2) | ((codes & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
-# fp4_fold: a weight row's e8m0 scales within one k block may span at most 2^FOLD_SPREAD (e4m3 then
-# holds every e2m1 value times 2^(s - top + 1), top the block's largest byte: 2^-9 .. 12, exact).
-FOLD_SPREAD = 9
+# fp4_fold: a weight row's e8m0 scales s within one k block may span at most 2^FOLD_SPREAD: its e2m1
+# values are then held in e4m3 as value x 2^(s - top + 6) (top: the row's largest s in the block),
+# in [2^-6, 384]: all normal e4m3, exact; the product is multiplied by 2^(top - 133) per row.
+FOLD_SPREAD = 11
 _FOLD_SPREAD = tl.constexpr(FOLD_SPREAD)
+# PTX of _e2m1_folded for 4 packed bytes ($2) and their exponent offsets ($3): each nibble's magnitude
+# (3 bits) indexes two byte tables (prmt): the e4m3 code of its value x 2^-5 (0x08 .. 0x24) and a
+# nonzero mask; the offset (a multiple of 8, <= 88: no byte carries) is added to nonzero codes'
+# exponent fields and the sign bit put on. $0: the low nibbles' codes, $1: the high nibbles'.
+_FOLD_PTX = tl.constexpr("""
+{
+.reg .b32 x, y, s, m, n, d, lut0, lut1, nz0, nz1;
+mov.b32 lut0, 0x14100800;
+mov.b32 lut1, 0x24201C18;
+mov.b32 nz0, 0xFFFFFF00;
+mov.b32 nz1, 0xFFFFFFFF;
+and.b32 x, $2, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 y, y, x;
+prmt.b32 s, y, y, 0x0020;
+prmt.b32 m, lut0, lut1, s;
+prmt.b32 n, nz0, nz1, s;
+and.b32 n, n, $3;
+add.u32 m, m, n;
+shl.b32 d, $2, 4;
+and.b32 d, d, 0x80808080;
+or.b32 $0, m, d;
+shr.b32 x, $2, 4;
+and.b32 x, x, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 y, y, x;
+prmt.b32 s, y, y, 0x0020;
+prmt.b32 m, lut0, lut1, s;
+prmt.b32 n, nz0, nz1, s;
+and.b32 n, n, $3;
+add.u32 m, m, n;
+and.b32 d, $2, 0x80808080;
+or.b32 $1, m, d;
+}
+""")
 
 
 @triton.jit
-def _e2m1_folded(codes, factors, INTERPRETED: tl.constexpr):
-    """e2m1 codes (int32 0..15) times float16 factors (2^(s - top + 15), s - top >= -FOLD_SPREAD) as
-    e4m3 (interpreted: encoded by e4m3_bits, the interpreter's float8 cast being unreliable, and
-    read back as float32 for its dot). The code's
-    fields placed in a float16 read its value times 2^-14 (exponent e, top mantissa bit b: 2^(e-15)
-    (1 + b/2), or the subnormal b 2^-15), so the product is the value times 2^(s - top + 1), in
-    [2^-9, 12]: exact in float16 and in e4m3 (its subnormals included)."""
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    w = bits.to(tl.int16).to(tl.float16, bitcast=True) * factors
+def _e2m1_code_folded(codes, offsets):
+    """e2m1 codes (int32 0..15) -> the e4m3 codes (int32) of their values x 2^-5 with offsets (int32,
+    multiples of 8 up to 88) added to the exponent field of the nonzero ones: 2^(offset / 8 - 5) x
+    the value. Magnitude m = 2e + b: value 2^-6 (0x08) for m = 1, else exponent field e + 1, top
+    mantissa bit b ((m << 2) + 8)."""
+    magnitude = codes & 7
+    code = tl.where(magnitude >= 2, (magnitude << 2) + 8, magnitude << 3)
+    return (code + tl.where(magnitude > 0, offsets, 0)) | ((codes & 8) << 4)
+
+
+@triton.jit
+def _e2m1_folded(packed, offsets, INTERPRETED: tl.constexpr):
+    """Packed e2m1 bytes (uint8 [R, C], low nibble element 2i) and exponent offsets (uint8 [R, C],
+    8 (s - top + FOLD_SPREAD) of each byte's 32-input group) -> (low nibbles, high nibbles) as e4m3
+    of their values x 2^(s - top + 6) ([R, C] each; float32 of the same values interpreted). On the
+    GPU one inline-PTX block per 4 bytes (_FOLD_PTX: a few instructions per value, where Triton's
+    elementwise form needs about ten); interpreted, the same codes from _e2m1_code_folded."""
     if INTERPRETED:
-        return e4m3_bits(w.to(tl.float32)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        codes = packed.to(tl.int32)
+        low = _e2m1_code_folded(codes & 0xF, offsets.to(tl.int32))
+        high = _e2m1_code_folded(codes >> 4, offsets.to(tl.int32))
+        return (low.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                high.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
     else:
-        return w.to(tl.float8e4nv)
+        low, high = tl.inline_asm_elementwise(_FOLD_PTX, "=r,=r,r,r", [packed, offsets],
+                                              dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        return low.to(tl.float8e4nv, bitcast=True), high.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -456,7 +514,7 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
     group decoded to e4m3 (_e2m1_as_e4m3) against the activations' 32 columns in input order, on fp8
     tensor cores, its product times 2^6 x its e8m0 scale per weight row; FOLD (fp4, split columns as
     the bf16 path): both nibble halves decoded to e4m3 with their scales folded in (_e2m1_folded)
-    and multiplied on fp8 tensor cores, the product times 2^(top - 128) per weight row (top its
+    and multiplied on fp8 tensor cores, the product times 2^(top - 133) per weight row (top its
     largest scale byte of the block)."""
     zeros = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     op_dtype: tl.constexpr = tl.float32 if INTERPRETED else tl.bfloat16
@@ -483,15 +541,15 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
             groups: tl.constexpr = _BLOCK_K // _FP4_GROUP
             a_even = a_desc.load([a_row, kb * _BLOCK_K])
             a_odd = a_desc.load([a_row, kb * _BLOCK_K + half])
-            packed = b_desc.load([row, kb * half]).to(tl.int32)
+            packed = b_desc.load([row, kb * half])
             rows = row + tl.arange(0, BLOCK_N)
             scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
                                   + kb * groups + tl.arange(0, groups)[None, :]).to(tl.int32)
             if FOLD:
                 top = tl.max(scale_bytes, 1)
-                # float16 2^(s - top + 15): exponent field s - top + 30, in [21, 30] where foldable.
-                factors = ((scale_bytes - top[:, None] + 30) << 10).to(tl.int16).to(tl.float16, bitcast=True)
+                factors = ((scale_bytes - top[:, None] + _FOLD_SPREAD) << 3).to(tl.uint8)
             else:
+                packed = packed.to(tl.int32)
                 factors = ((scale_bytes + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
                 a_even = a_even.to(op_dtype)
                 a_odd = a_odd.to(op_dtype)
@@ -499,8 +557,7 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
             factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, groups, _FP4_GROUP // 2)),
                                  (BLOCK_N, half))
             if FOLD:
-                w_even = _e2m1_folded(packed & 0xF, factors, INTERPRETED)
-                w_odd = _e2m1_folded(packed >> 4, factors, INTERPRETED)
+                w_even, w_odd = _e2m1_folded(packed, factors, INTERPRETED)
                 if INTERPRETED:
                     a_even = a_even.to(tl.float32)
                     a_odd = a_odd.to(tl.float32)
@@ -509,8 +566,8 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
                 w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
             product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
             if FOLD:
-                # 2^(top - 128) (the e4m3 values are 2^(s - top + 1) times the e2m1 ones), per weight row.
-                row_scale = ((top - 1) << 23).to(tl.float32, bitcast=True)
+                # 2^(top - 133) (the e4m3 values are 2^(s - top + 6) times the e2m1 ones), per weight row.
+                row_scale = ((top - 6) << 23).to(tl.float32, bitcast=True)
                 if SWAP_AB:
                     product = product * row_scale[:, None]
                 else:
@@ -751,7 +808,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         swiglu_limit: keyword-only, V4's clamp L (10.0), or None.
         config: keyword-only launch shape of the grouped GEMMs; None: moe_decode's per-assignment
             products while T * top_k <= E / 4 (moe_decode.uses_per_assignment), else default_config
-            (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG).
+            (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
+            or PREFILL_CONFIG_FP4 for fp4 experts).
 
     Returns:
         [T, D] bfloat16, every element written. T = 0 gives an empty tensor.
@@ -780,7 +838,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                          f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
     per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts)
     if config is None:
-        config = default_config(n_tokens * top_k, n_experts)
+        config = default_config(n_tokens * top_k, n_experts, experts.format)
     elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128) \
             or (config.fp4_e4m3 and config.fp4_fold):
         raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K}, block_m 16, 32, 64 or 128 and at most "

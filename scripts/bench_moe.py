@@ -142,7 +142,7 @@ def check(model, experts, x, ids, weights) -> str:
     """Relative errors: the two launch shapes against each other, and (fp8) a few tokens against
     the dequantised weights in fp32 (activations quantised as the kernels do)."""
     a = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=moe.DECODE_CONFIG)
-    b = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=moe.PREFILL_CONFIG)
+    b = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=prefill_config(model))
     text = f"decode vs prefill shape {rel(a, b.float()):.2e}"
     if experts.format == "fp8":
         def quantized(v):
@@ -168,10 +168,16 @@ def rel(got, ref):
     return ((got.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_gemms(model, experts, x, ids, lines, config=moe.PREFILL_CONFIG, label=""):
+def prefill_config(model: Model) -> moe.MoeConfig:
+    """moe_experts' default launch shape for prefill on this model's experts."""
+    return moe.default_config(1 << 30, model.experts, model.fmt)
+
+
+def bench_gemms(model, experts, x, ids, lines, config=None, label=""):
     """The two grouped GEMMs of moe_experts alone (prefill shape, or config's, named by label) and
     _scaled_mm on dense equivalents."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
+    config = config or prefill_config(model)
     row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
     rows = row_token.numel()
     a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4" and not config.fp4_e4m3)

@@ -20,7 +20,7 @@ from minirt.formats import quantize_groups
 from minirt.kernels import (ExpertWeights, check_tid2eid, expert_weights_fp4, expert_weights_fp8, moe_experts,
                             route_hash, route_topk)
 from minirt.kernels import moe_decode
-from minirt.kernels.moe_experts import DECODE_CONFIG, MoeConfig
+from minirt.kernels.moe_experts import DECODE_CONFIG, PREFILL_CONFIG_FP4, MoeConfig
 
 moe_experts_module = sys.modules["minirt.kernels.moe_experts"]
 
@@ -237,6 +237,7 @@ def rel_error(out, ref):
     ("fp4", replace(TILES_CONFIG, fp4_e4m3=True), 4, None, 128),
     ("fp4", replace(SPLIT_CONFIG, fp4_fold=True), 3, 0.5, 128),
     ("fp4", replace(TILES_CONFIG, fp4_fold=True), 4, None, 128),
+    ("fp4", PREFILL_CONFIG_FP4, 5, 0.5, 128),
 ])
 def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
     gen = generator(3)
@@ -256,10 +257,11 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
         assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) > 10 * EXPERTS_TOL
 
 
-@pytest.mark.parametrize("config", [replace(TILES_CONFIG, fp4_fold=True), replace(SPLIT_CONFIG, fp4_fold=True)])
+@pytest.mark.parametrize("config", [replace(TILES_CONFIG, fp4_fold=True), replace(SPLIT_CONFIG, fp4_fold=True),
+                                    PREFILL_CONFIG_FP4])
 def test_moe_experts_fp4_fold_at_and_past_its_spread(poisoned, config):
     """fp4_fold with every 128-input block's first 32-input group scaled 2^-FOLD_SPREAD below the rest
-    (the e4m3 codes reach their subnormals: still exact) in experts 0-3, and 2^-(FOLD_SPREAD + 1) in
+    (the e4m3 values reach the smallest normal one, 2^-6: still exact) in experts 0-3, and 2^-(FOLD_SPREAD + 1) in
     experts 4-6 (those programs take the bf16 path); the inputs of those groups 2^7 larger, so that
     they carry a fair share of each product. Against the oracle, and within rounding of the bf16 path
     (both exact decodes: only the fp32 sums' order differs)."""
