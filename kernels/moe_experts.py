@@ -18,12 +18,15 @@ sync: CUDA-graph capturable):
 
 Weights come in two formats (ExpertWeights): block fp8 (e4m3 with fp32 128 x 128 block scales,
 V3.2 / V4-Flash-Base) multiplied on fp8 tensor cores with every 128-wide k block promoted into
-fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded to bf16
-in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact), or
-(MoeConfig.fp4_e4m3) decoded to e4m3 and multiplied on fp8 tensor cores 32 inputs at a time.
+fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded in
+registers: by default at prefill (MoeConfig.fp4_fold) to e4m3 with each 128-input block's four
+scales folded into the codes (exact while they span at most 2^11 in a weight row; programs over
+wider blocks decode to bf16 instead) and multiplied on fp8 tensor cores a k block at a time; else
+to bf16 (exact) and multiplied with the fp8 activations converted to bf16 (exact), or
+(MoeConfig.fp4_e4m3) to e4m3 multiplied 32 inputs at a time.
 
-Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
-rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
+Two launch shapes: prefill (many tokens per expert) tiles of 64 (fp8) or 128 (fp4) tokens against
+128 weight rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
 16 tokens on its narrow side (swap_ab), so each active expert's weights are read once per 16 of
 its tokens and inactive experts not at all; launches of fewer programs than the GPU has SMs
 (a few experts' tiles) split K, the last split of each tile adding the partials in split order.
@@ -790,9 +793,12 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     x is quantised to fp8 per token and 128 columns (fp8_gemm.quantize_act_fp8's rule, bit for bit)
     and so is the SwiGLU output before W2 (DeepSeek's act_quant on the expert's intermediate); each
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
-    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
-    multiplied back per k block), or with config.fp4_e4m3 to e4m3 (2^-6 times the e2m1 value,
-    exact) with each 32-input product scaled in fp32. Expert outputs are rounded to bf16 per expert, then summed over
+    weights are decoded exactly: with config.fp4_fold (the prefill default) to e4m3 holding the
+    e2m1 value x 2^(s - top + 6) (s its e8m0 byte, top the largest of its row's four in the k
+    block, at most 11 above s, else that program decodes to bf16), the row's 2^(top - 133) applied
+    per k block; otherwise to bf16 (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
+    multiplied back per k block), or with config.fp4_e4m3 to e4m3 (2^-6 times the e2m1 value)
+    with each 32-input product scaled in fp32. Expert outputs are rounded to bf16 per expert, then summed over
     the slots in slot order in fp32. Deterministic: the same inputs give the same bits.
 
     Sync-free and of static shapes (CUDA-graph capturable): the permutation by expert runs on the
