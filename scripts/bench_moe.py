@@ -143,7 +143,10 @@ def check(model, experts, x, ids, weights) -> str:
     the dequantised weights in fp32 (activations quantised as the kernels do)."""
     a = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=moe.DECODE_CONFIG)
     b = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=prefill_config(model))
-    text = f"decode vs prefill shape {rel(a, b.float()):.2e}"
+    shapes_err = rel(a, b.float())
+    text = f"decode vs prefill shape {shapes_err:.2e}"
+    if not shapes_err < REL_TOL:
+        raise SystemExit(f"moe_experts' decode and prefill launch shapes disagree: {shapes_err:.3g} ({model.name})")
     if experts.format == "fp8":
         def quantized(v):
             q, s = quantize_groups(v)
