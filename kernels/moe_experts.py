@@ -20,8 +20,8 @@ Weights come in two formats (ExpertWeights): block fp8 (e4m3 with fp32 128 x 128
 V3.2 / V4-Flash-Base) multiplied on fp8 tensor cores with every 128-wide k block promoted into
 fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded in
 registers: by default at prefill (MoeConfig.fp4_fold) to e4m3 with each 128-input block's four
-scales folded into the codes (exact while they span at most 2^11 in a weight row; programs over
-wider blocks decode to bf16 instead) and multiplied on fp8 tensor cores a k block at a time; else
+scales folded into the codes (exact while they span at most 2^11 in a weight row; output tiles
+over wider blocks are decoded to bf16 by a second launch) and multiplied on fp8 tensor cores a k block at a time; else
 to bf16 (exact) and multiplied with the fp8 activations converted to bf16 (exact), or
 (MoeConfig.fp4_e4m3) to e4m3 multiplied 32 inputs at a time.
 
@@ -240,7 +240,8 @@ class MoeConfig:
     fp4 weights decoded to e4m3 with each 128-input block's four e8m0 scales folded into the codes
     relative to the block's largest (exact while a weight row's four span at most 2^FOLD_SPREAD)
     and multiplied on fp8 tensor cores a whole k block at a time, the row's largest scale applied in
-    fp32 per k block; a program whose weight rows span more in any k block takes the bf16 path."""
+    fp32 per k block; the output tiles whose weight rows span more in any k block are computed by
+    a second launch that decodes to bf16."""
 
     block_m: int = 64
     block_n: int = 128
@@ -256,10 +257,9 @@ class MoeConfig:
 # block); 64 rows also pad each expert's rows by half as much. Registers of the gate/up kernel
 # (sm_90a, ptxas of triton 3.6, D 7168): 146 at 64 rows; 128-row tiles spill (255 and 70 spill
 # instructions at 3 or 4 stages). fp4 weights: the decode's instructions, not the tensor cores,
-# bound the time (one 128-input k block of a 64-row tile: about 1370 SASS instructions a thread
-# through bf16, 830 folded to e4m3), and each tile decodes the weights anew, so 128-row tiles (one
-# decode per 128 rows; 930 instructions a k block, spilling 54 a k block in the gate/up kernel) of
-# folded weights (fp4_fold).
+# bound the time (SASS instructions a thread per 128-input k block of the gate/up loop: about 1370
+# for a 64-row tile through bf16, 850 for a 128-row one folded to e4m3), and each tile decodes the
+# weights anew: 128-row tiles of folded weights (fp4_fold; 232 registers, no spills, D 4096).
 PREFILL_CONFIG = MoeConfig()
 PREFILL_CONFIG_FP4 = MoeConfig(block_m=128, num_stages=3, fp4_fold=True)
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
@@ -474,15 +474,15 @@ def _e2m1_folded(packed, offsets, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _fp4_foldable(b_scale_ptr, row, first_kb, n_kb: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whether every weight row [row, row + BLOCK_N)'s four e8m0 scales of each of k blocks
-    [first_kb, first_kb + n_kb) span at most 2^FOLD_SPREAD (fp4_fold is exact there)."""
+def _fp4_foldable(b_scale_ptr, row, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether every weight row [row, row + BLOCK_N)'s four e8m0 scales of each k block span at most
+    2^FOLD_SPREAD (fp4_fold is exact there)."""
     groups: tl.constexpr = _BLOCK_K // _FP4_GROUP
     scale_rows = b_scale_ptr + (row + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * (K // _FP4_GROUP) \
         + tl.arange(0, groups)[None, :]
     spread = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for i in range(0, n_kb):
-        s = tl.load(scale_rows + (first_kb + i) * groups).to(tl.int32)
+    for kb in range(0, K // _BLOCK_K):
+        s = tl.load(scale_rows + kb * groups).to(tl.int32)
         spread = tl.maximum(spread, tl.max(s, 1) - tl.min(s, 1))
     return tl.max(spread, 0) <= _FOLD_SPREAD
 
@@ -640,45 +640,46 @@ def _k_blocks(a_desc, a_row, a_scale_rows, b_desc, b_scale_ptr, gate_row, first_
 @triton.jit
 def _grouped_gemm_kernel(
     a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, partial_ptr,
-    arrivals_ptr, limit,
+    arrivals_ptr, unfolded_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
-    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, FP4_FOLD: tl.constexpr, SPLIT_COLS: tl.constexpr,
+    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, FOLD_PASS: tl.constexpr, SPLIT_COLS: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
     # weight) run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight
     # has N rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N)
     # and the matching up rows; otherwise rows [c, c + BLOCK_N) (N = N_OUT). Split s of SPLITS takes
-    # k blocks [s, s + 1) x K / 128 / SPLITS.
+    # k blocks [s, s + 1) x K / 128 / SPLITS. FOLD_PASS (fp4_fold) 1: the tiles whose weight rows
+    # fold over all of K (_fp4_foldable; every split decides alike), the others marked in
+    # unfolded_ptr [tiles x column blocks] and skipped; 2: the marked ones alone, decoded to bf16
+    # (a launch of its own: the bf16 loop's registers would make the folded one spill).
     pid = tl.program_id(0)
     split = pid % SPLITS
     tile_col = pid // SPLITS
     tile = tile_col // (N_OUT // BLOCK_N)
     col = (tile_col % (N_OUT // BLOCK_N)) * BLOCK_N
     expert = tl.load(tile_expert_ptr + tile)
-    if expert < E:
-        gate_row = expert * N + col
+    gate_row = expert * N + col
+    run = expert < E
+    if FOLD_PASS == 1:
+        foldable = expert < 0
+        if run:
+            foldable = _fp4_foldable(b_scale_ptr, gate_row, K, BLOCK_N)
+            if SWIGLU:
+                foldable = foldable & _fp4_foldable(b_scale_ptr, gate_row + N_OUT, K, BLOCK_N)
+            tl.store(unfolded_ptr + tile_col, 1, mask=foldable == 0)
+        run = foldable
+    elif FOLD_PASS == 2:
+        if run:
+            run = tl.load(unfolded_ptr + tile_col) != 0
+    if run:
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
         per_split: tl.constexpr = K // _BLOCK_K // SPLITS
-        if FP4_FOLD:
-            foldable = _fp4_foldable(b_scale_ptr, gate_row, split * per_split, per_split, K, BLOCK_N)
-            if SWIGLU:
-                foldable = foldable & _fp4_foldable(b_scale_ptr, gate_row + N_OUT, split * per_split, per_split,
-                                                    K, BLOCK_N)
-            if foldable:
-                acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
-                                        split * per_split, per_split, FP4, False, True, K, N_OUT, BLOCK_M, BLOCK_N,
-                                        SWAP_AB, SWIGLU, INTERPRETED)
-            else:
-                acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
-                                        split * per_split, per_split, FP4, False, False, K, N_OUT, BLOCK_M, BLOCK_N,
-                                        SWAP_AB, SWIGLU, INTERPRETED)
-        else:
-            acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
-                                    split * per_split, per_split, FP4, FP4_E4M3, False, K, N_OUT, BLOCK_M, BLOCK_N,
-                                    SWAP_AB, SWIGLU, INTERPRETED)
+        acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
+                                split * per_split, per_split, FP4, FP4_E4M3, FOLD_PASS == 1, K, N_OUT, BLOCK_M,
+                                BLOCK_N, SWAP_AB, SWIGLU, INTERPRETED)
         if SPLITS == 1:
             _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
                         SPLIT_COLS, SWIGLU, HAS_LIMIT)
@@ -766,20 +767,24 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     b_block_k = FP4_GROUP // 2 if e4m3 else a_block_k
     tile_cols = tile_expert.numel() * (n_out // config.block_n)
     splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
-    partials = arrivals = out      # unread placeholders without split-K
+    partials = arrivals = unfolded = out      # unread placeholders without split-K, fp4_fold
     if splits > 1:
         partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
                                device=a.device)
         arrivals = _arrival_counters(a.device, tile_cols)
-    _grouped_gemm_kernel[(tile_cols * splits,)](
-        TensorDescriptor.from_tensor(a, [config.block_m, a_block_k]), a_scales,
-        TensorDescriptor.from_tensor(stacked, [config.block_n, b_block_k]), scales, tile_expert, out,
-        out if out_scales is None else out_scales, partials, arrivals, 0.0 if limit is None else float(limit),
-        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
-        SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, FP4_FOLD=fp4 and config.fp4_fold,
-        SPLIT_COLS=fp4 and not e4m3, SWIGLU=swiglu,
-        HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    fold = fp4 and config.fp4_fold
+    if fold:
+        unfolded = torch.zeros(tile_cols, dtype=torch.int32, device=a.device)
+    a_desc = TensorDescriptor.from_tensor(a, [config.block_m, a_block_k])
+    b_desc = TensorDescriptor.from_tensor(stacked, [config.block_n, b_block_k])
+    for fold_pass in (1, 2) if fold else (0,):
+        _grouped_gemm_kernel[(tile_cols * splits,)](
+            a_desc, a_scales, b_desc, scales, tile_expert, out, out if out_scales is None else out_scales, partials,
+            arrivals, unfolded, 0.0 if limit is None else float(limit),
+            E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
+            SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, FOLD_PASS=fold_pass, SPLIT_COLS=fp4 and not e4m3,
+            SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
+            num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, *,
@@ -795,7 +800,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
     weights are decoded exactly: with config.fp4_fold (the prefill default) to e4m3 holding the
     e2m1 value x 2^(s - top + 6) (s its e8m0 byte, top the largest of its row's four in the k
-    block, at most 11 above s, else that program decodes to bf16), the row's 2^(top - 133) applied
+    block, at most 11 above s, else that output tile is decoded to bf16), the row's 2^(top - 133) applied
     per k block; otherwise to bf16 (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
     multiplied back per k block), or with config.fp4_e4m3 to e4m3 (2^-6 times the e2m1 value)
     with each 32-input product scaled in fp32. Expert outputs are rounded to bf16 per expert, then summed over

@@ -262,7 +262,7 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
 def test_moe_experts_fp4_fold_at_and_past_its_spread(poisoned, config):
     """fp4_fold with every 128-input block's first 32-input group scaled 2^-FOLD_SPREAD below the rest
     (the e4m3 values reach the smallest normal one, 2^-6: still exact) in experts 0-3, and 2^-(FOLD_SPREAD + 1) in
-    experts 4-6 (those programs take the bf16 path); the inputs of those groups 2^7 larger, so that
+    experts 4-6 (those tiles take the bf16 launch); the inputs of those groups 2^9 larger, so that
     they carry a fair share of each product. Against the oracle, and within rounding of the bf16 path
     (both exact decodes: only the fp32 sums' order differs)."""
     gen = generator(11)
