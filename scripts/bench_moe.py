@@ -9,7 +9,7 @@ clamp 10). Random weights at full size (V3.2: 11.3 GB, V4-Flash: 3.2 GB; one mod
 Tables:
 
 - routing: route_topk on [T, 256] fp32 logits, microseconds;
-- grouped GEMMs (prefill T): moe_experts' gate/up (SwiGLU fused) and down kernels alone, on the plan
+- grouped GEMMs (T >= 4096): moe_experts' gate/up (SwiGLU fused) and down kernels alone, on the plan
   of a real routing, beside torch._scaled_mm (block-wise scales, via fp8_gemm.scaled_mm_blockwise) on
   one dense GEMM of the same total size ([T * top_k, K] x [N, K]^T); TFLOP/s count the routed
   tokens' products only (padding rows of the tiles are not counted). Target (V3.2, T 4096, gate/up):
@@ -339,7 +339,7 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
                f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f}) | {active} | {layer} | {peak_mb:.0f} | {variants} |")
         lines.append(row)
         print(row, flush=True)
-        if n_tokens == PREFILL_T:
+        if n_tokens >= PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines)
             for text, config in configs:     # the prefill-oriented extra shapes
                 if config.block_m >= 64 and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold)):
