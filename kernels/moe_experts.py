@@ -39,6 +39,7 @@ FMAs, the activations quantised in the program by the same rule (two launches, t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -474,17 +475,17 @@ def _e2m1_folded(packed, offsets, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _fp4_foldable(b_scale_ptr, row, K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fp4_foldable(b_scale_ptr, row, K: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """Whether every weight row [row, row + BLOCK_N)'s four e8m0 scales of each k block span at most
-    2^FOLD_SPREAD (fp4_fold is exact there)."""
+    2^FOLD_SPREAD (fp4_fold is exact there); CHUNK k blocks' scales a load (CHUNK divides K / 128)."""
     groups: tl.constexpr = _BLOCK_K // _FP4_GROUP
     scale_rows = b_scale_ptr + (row + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * (K // _FP4_GROUP) \
-        + tl.arange(0, groups)[None, :]
-    spread = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for kb in range(0, K // _BLOCK_K):
-        s = tl.load(scale_rows + kb * groups).to(tl.int32)
-        spread = tl.maximum(spread, tl.max(s, 1) - tl.min(s, 1))
-    return tl.max(spread, 0) <= _FOLD_SPREAD
+        + tl.arange(0, CHUNK * groups)[None, :]
+    spread = tl.zeros((BLOCK_N, CHUNK), dtype=tl.int32)
+    for c in range(0, K // _BLOCK_K // CHUNK):
+        s = tl.reshape(tl.load(scale_rows + c * (CHUNK * groups)).to(tl.int32), (BLOCK_N, CHUNK, groups))
+        spread = tl.maximum(spread, tl.max(s, 2) - tl.min(s, 2))
+    return tl.max(tl.max(spread, 1), 0) <= _FOLD_SPREAD
 
 
 # The fp4 weights are decoded to 2^-FP4_SHIFT times their value (then multiplied back after each k
@@ -643,7 +644,8 @@ def _grouped_gemm_kernel(
     arrivals_ptr, unfolded_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
-    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, FOLD_PASS: tl.constexpr, SPLIT_COLS: tl.constexpr,
+    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, FOLD_PASS: tl.constexpr, FOLD_CHUNK: tl.constexpr,
+    SPLIT_COLS: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
@@ -665,9 +667,9 @@ def _grouped_gemm_kernel(
     if FOLD_PASS == 1:
         foldable = expert < 0
         if run:
-            foldable = _fp4_foldable(b_scale_ptr, gate_row, K, BLOCK_N)
+            foldable = _fp4_foldable(b_scale_ptr, gate_row, K, BLOCK_N, FOLD_CHUNK)
             if SWIGLU:
-                foldable = foldable & _fp4_foldable(b_scale_ptr, gate_row + N_OUT, K, BLOCK_N)
+                foldable = foldable & _fp4_foldable(b_scale_ptr, gate_row + N_OUT, K, BLOCK_N, FOLD_CHUNK)
             tl.store(unfolded_ptr + tile_col, 1, mask=foldable == 0)
         run = foldable
     elif FOLD_PASS == 2:
@@ -727,6 +729,7 @@ def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, out_ptr, n_tokens, stri
 
 
 _GATHER_GROUPS = 8       # 128-column groups per gather program
+_FOLD_CHUNK_BLOCKS = 8   # at most this many k blocks' fp4 scales a load in the fold check
 _COMBINE_BLOCK = 1024    # output columns per combine program
 
 
@@ -782,7 +785,8 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
             a_desc, a_scales, b_desc, scales, tile_expert, out, out if out_scales is None else out_scales, partials,
             arrivals, unfolded, 0.0 if limit is None else float(limit),
             E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
-            SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, FOLD_PASS=fold_pass, SPLIT_COLS=fp4 and not e4m3,
+            SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, FOLD_PASS=fold_pass,
+            FOLD_CHUNK=math.gcd(k // BLOCK_K, _FOLD_CHUNK_BLOCKS), SPLIT_COLS=fp4 and not e4m3,
             SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
             num_warps=config.num_warps, num_stages=config.num_stages)
 
