@@ -394,13 +394,16 @@ def test_expert_weights_reject_bad_tensors():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and host-sync detection need a GPU")
-@pytest.mark.parametrize("config, n_tokens", [(None, 1), (DECODE_CONFIG, 4)])   # moe_decode's path, grouped GEMMs
-def test_moe_decode_is_sync_free_and_graph_capturable(config, n_tokens):
+@pytest.mark.parametrize("fmt, config, n_tokens", [
+    ("fp8", None, 1), ("fp8", DECODE_CONFIG, 4),   # moe_decode's path, grouped GEMMs
+    ("fp4", PREFILL_CONFIG_FP4, 64),               # the folded launch and its bf16 one
+])
+def test_moe_decode_is_sync_free_and_graph_capturable(fmt, config, n_tokens):
     """Routing and experts raise no host sync (sync debug mode "error") and replay from a CUDA graph
     on new inputs with the eager results."""
     gen = generator(6)
     e, d, i, top_k = 16, 256, 128, 4
-    experts, _ = make_experts("fp8", gen, e, d, i)
+    experts, _ = make_experts(fmt, gen, e, d, i)
     logits = torch.randn(n_tokens, e, generator=gen, device=DEVICE)
     bias = torch.randn(e, generator=gen, device=DEVICE) * 0.1
     x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
