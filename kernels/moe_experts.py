@@ -18,12 +18,15 @@ sync: CUDA-graph capturable):
 
 Weights come in two formats (ExpertWeights): block fp8 (e4m3 with fp32 128 x 128 block scales,
 V3.2 / V4-Flash-Base) multiplied on fp8 tensor cores with every 128-wide k block promoted into
-fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded to bf16
-in registers (exact) and multiplied with the fp8 activations converted to bf16 (exact), or
-(MoeConfig.fp4_e4m3) decoded to e4m3 and multiplied on fp8 tensor cores 32 inputs at a time.
+fp32 (as fp8_gemm), and fp4 (e2m1 with e8m0 scales per 32 inputs, V4-Flash / Pro) decoded in
+registers: by default at prefill (MoeConfig.fp4_fold) to e4m3 with each 128-input block's four
+scales folded into the codes (exact while they span at most 2^11 in a weight row; output tiles
+over wider blocks are decoded to bf16 by a second launch) and multiplied on fp8 tensor cores a k block at a time; else
+to bf16 (exact) and multiplied with the fp8 activations converted to bf16 (exact), or
+(MoeConfig.fp4_e4m3) to e4m3 multiplied 32 inputs at a time.
 
-Two launch shapes: prefill (many tokens per expert) 64-row tiles of tokens against 128 weight
-rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
+Two launch shapes: prefill (many tokens per expert) tiles of 64 (fp8) or 128 (fp4) tokens against
+128 weight rows; decode (a few tokens per expert) the weight rows on the MMA's wide side and the tiles'
 16 tokens on its narrow side (swap_ab), so each active expert's weights are read once per 16 of
 its tokens and inactive experts not at all; launches of fewer programs than the GPU has SMs
 (a few experts' tiles) split K, the last split of each tile adding the partials in split order.
@@ -36,6 +39,7 @@ FMAs; fp4: fp8 tensor cores), the activations quantised by the same rule, then t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -233,7 +237,12 @@ class MoeConfig:
     (the most that divide them), the last to finish summing the fp32 partials in split order; None
     picks it (_splits); fp4_e4m3: fp4 weights decoded to e4m3 (e2m1 x 2^-6, exact) and multiplied on
     fp8 tensor cores 32 inputs at a time, each 32-wide product scaled by its e8m0 scales in fp32
-    (else: decoded to bf16 with their scales and multiplied in bf16, 64 inputs at a time)."""
+    (else: decoded to bf16 with their scales and multiplied in bf16, 64 inputs at a time); fp4_fold:
+    fp4 weights decoded to e4m3 with each 128-input block's four e8m0 scales folded into the codes
+    relative to the block's largest (exact while a weight row's four span at most 2^FOLD_SPREAD)
+    and multiplied on fp8 tensor cores a whole k block at a time, the row's largest scale applied in
+    fp32 per k block; the output tiles whose weight rows span more in any k block are computed by
+    a second launch that decodes to bf16."""
 
     block_m: int = 64
     block_n: int = 128
@@ -242,13 +251,18 @@ class MoeConfig:
     num_warps: int = 8
     num_stages: int = 4
     fp4_e4m3: bool = False
+    fp4_fold: bool = False
 
 
-# Prefill: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up block); 64 rows
-# also pad each expert's rows by half as much. Registers of the gate/up kernel (sm_90a, ptxas of
-# triton 3.6): 128-row tiles fit for fp8 weights (214 registers, 3 or 4 stages) but spill for fp4
-# decoded to bf16; fp4_e4m3 spills in this orientation and fits with swap_ab and 2 stages.
+# Prefill, fp8 weights: 64-row tiles over two warpgroups (each 64 x 64 of the gate and of the up
+# block); 64 rows also pad each expert's rows by half as much. Registers of the gate/up kernel
+# (sm_90a, ptxas of triton 3.6, D 7168): 146 at 64 rows; 128-row tiles spill (255 and 70 spill
+# instructions at 3 or 4 stages). fp4 weights: the decode's instructions, not the tensor cores,
+# bound the time (SASS instructions a thread per 128-input k block of the gate/up loop: about 1370
+# for a 64-row tile through bf16, 850 for a 128-row one folded to e4m3), and each tile decodes the
+# weights anew: 128-row tiles of folded weights (fp4_fold; 232 registers, no spills, D 4096).
 PREFILL_CONFIG = MoeConfig()
+PREFILL_CONFIG_FP4 = MoeConfig(block_m=128, num_stages=3, fp4_fold=True)
 DECODE_CONFIG = MoeConfig(block_m=16, swap_ab=True, num_warps=4, num_stages=4)
 # Split-K (automatic) aims at this many programs per SM, each keeping >= SPLIT_MIN_K_BLOCKS k blocks.
 SPLIT_PROGRAMS_PER_SM = 2
@@ -258,9 +272,12 @@ SPLIT_MIN_K_BLOCKS = 4
 DECODE_MAX_PER_EXPERT = 16
 
 
-def default_config(n_assignments: int, n_experts: int) -> MoeConfig:
-    """DECODE_CONFIG while T * top_k <= DECODE_MAX_PER_EXPERT * E, PREFILL_CONFIG above."""
-    return DECODE_CONFIG if n_assignments <= DECODE_MAX_PER_EXPERT * n_experts else PREFILL_CONFIG
+def default_config(n_assignments: int, n_experts: int, format: str = "fp8") -> MoeConfig:
+    """DECODE_CONFIG while T * top_k <= DECODE_MAX_PER_EXPERT * E, above PREFILL_CONFIG for fp8
+    experts and PREFILL_CONFIG_FP4 for fp4 ones (ExpertWeights.format)."""
+    if n_assignments <= DECODE_MAX_PER_EXPERT * n_experts:
+        return DECODE_CONFIG
+    return PREFILL_CONFIG_FP4 if format == "fp4" else PREFILL_CONFIG
 
 
 def max_tiles(n_assignments: int, n_experts: int, block_m: int) -> int:
@@ -385,6 +402,92 @@ def _e2m1_as_e4m3(packed):
     return (((codes & 7) << 2) | ((codes & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
+# fp4_fold: a weight row's e8m0 scales s within one k block may span at most 2^FOLD_SPREAD: its e2m1
+# values are then held in e4m3 as value x 2^(s - top + 6) (top: the row's largest s in the block),
+# in [2^-6, 384]: all normal e4m3, exact; the product is multiplied by 2^(top - 133) per row.
+FOLD_SPREAD = 11
+_FOLD_SPREAD = tl.constexpr(FOLD_SPREAD)
+# PTX of _e2m1_folded for 4 packed bytes ($2) and their exponent offsets ($3): each nibble's magnitude
+# (3 bits) indexes two byte tables (prmt): the e4m3 code of its value x 2^-5 (0x08 .. 0x24) and a
+# nonzero mask; the offset (a multiple of 8, <= 88: no byte carries) is added to nonzero codes'
+# exponent fields and the sign bit put on. $0: the low nibbles' codes, $1: the high nibbles'.
+_FOLD_PTX = tl.constexpr("""
+{
+.reg .b32 x, y, s, m, n, d, lut0, lut1, nz0, nz1;
+mov.b32 lut0, 0x14100800;
+mov.b32 lut1, 0x24201C18;
+mov.b32 nz0, 0xFFFFFF00;
+mov.b32 nz1, 0xFFFFFFFF;
+and.b32 x, $2, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 y, y, x;
+prmt.b32 s, y, y, 0x0020;
+prmt.b32 m, lut0, lut1, s;
+prmt.b32 n, nz0, nz1, s;
+and.b32 n, n, $3;
+add.u32 m, m, n;
+shl.b32 d, $2, 4;
+and.b32 d, d, 0x80808080;
+or.b32 $0, m, d;
+shr.b32 x, $2, 4;
+and.b32 x, x, 0x07070707;
+shr.b32 y, x, 4;
+or.b32 y, y, x;
+prmt.b32 s, y, y, 0x0020;
+prmt.b32 m, lut0, lut1, s;
+prmt.b32 n, nz0, nz1, s;
+and.b32 n, n, $3;
+add.u32 m, m, n;
+and.b32 d, $2, 0x80808080;
+or.b32 $1, m, d;
+}
+""")
+
+
+@triton.jit
+def _e2m1_code_folded(codes, offsets):
+    """e2m1 codes (int32 0..15) -> the e4m3 codes (int32) of their values x 2^-5 with offsets (int32,
+    multiples of 8 up to 88) added to the exponent field of the nonzero ones: 2^(offset / 8 - 5) x
+    the value. Magnitude m = 2e + b: value 2^-6 (0x08) for m = 1, else exponent field e + 1, top
+    mantissa bit b ((m << 2) + 8)."""
+    magnitude = codes & 7
+    code = tl.where(magnitude >= 2, (magnitude << 2) + 8, magnitude << 3)
+    return (code + tl.where(magnitude > 0, offsets, 0)) | ((codes & 8) << 4)
+
+
+@triton.jit
+def _e2m1_folded(packed, offsets, INTERPRETED: tl.constexpr):
+    """Packed e2m1 bytes (uint8 [R, C], low nibble element 2i) and exponent offsets (uint8 [R, C],
+    8 (s - top + FOLD_SPREAD) of each byte's 32-input group) -> (low nibbles, high nibbles) as e4m3
+    of their values x 2^(s - top + 6) ([R, C] each; float32 of the same values interpreted). On the
+    GPU one inline-PTX block per 4 bytes (_FOLD_PTX: a few instructions per value, where Triton's
+    elementwise form needs about ten); interpreted, the same codes from _e2m1_code_folded."""
+    if INTERPRETED:
+        codes = packed.to(tl.int32)
+        low = _e2m1_code_folded(codes & 0xF, offsets.to(tl.int32))
+        high = _e2m1_code_folded(codes >> 4, offsets.to(tl.int32))
+        return (low.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                high.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
+    else:
+        low, high = tl.inline_asm_elementwise(_FOLD_PTX, "=r,=r,r,r", [packed, offsets],
+                                              dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        return low.to(tl.float8e4nv, bitcast=True), high.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fp4_foldable(b_scale_ptr, row, K: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Whether every weight row [row, row + BLOCK_N)'s four e8m0 scales of each k block span at most
+    2^FOLD_SPREAD (fp4_fold is exact there); CHUNK k blocks' scales a load (CHUNK divides K / 128)."""
+    groups: tl.constexpr = _BLOCK_K // _FP4_GROUP
+    scale_rows = b_scale_ptr + (row + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * (K // _FP4_GROUP) \
+        + tl.arange(0, CHUNK * groups)[None, :]
+    spread = tl.zeros((BLOCK_N, CHUNK), dtype=tl.int32)
+    for c in range(0, K // _BLOCK_K // CHUNK):
+        s = tl.reshape(tl.load(scale_rows + c * (CHUNK * groups)).to(tl.int32), (BLOCK_N, CHUNK, groups))
+        spread = tl.maximum(spread, tl.max(s, 2) - tl.min(s, 2))
+    return tl.max(tl.max(spread, 1), 0) <= _FOLD_SPREAD
+
+
 # The fp4 weights are decoded to 2^-FP4_SHIFT times their value (then multiplied back after each k
 # block's product): with scale bytes s (2^(s - 127)) that keeps the bf16 copies normal for s in
 # [66, 192] (scales 2^-61 .. 2^65; checkpoints have ~2^-8), where the factor 2^(s - 127 + 126 - 64)
@@ -404,8 +507,8 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.constexpr, FP4_E4M3: tl.constexpr,
-             K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
-             INTERPRETED: tl.constexpr):
+             FOLD: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc plus k block kb of a rows [a_row, + BLOCK_M) times weight rows [row, row + BLOCK_N) of a stacked
     weight (experts' rows one after another), with its scales (promotion: one fp32 product per k
     block). fp8: the 128 x 128 block scale ([E * N / 128, K / 128], one per tile); fp4 ([E * N, K / 2]
@@ -413,7 +516,10 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
     64 columns, the high ones against the last 64 (_split_columns), both decoded and scaled to bf16
     and multiplied with the fp8 activations converted to bf16 (all exact); FP4_E4M3: each 32-input
     group decoded to e4m3 (_e2m1_as_e4m3) against the activations' 32 columns in input order, on fp8
-    tensor cores, its product times 2^6 x its e8m0 scale per weight row."""
+    tensor cores, its product times 2^6 x its e8m0 scale per weight row; FOLD (fp4, split columns as
+    the bf16 path): both nibble halves decoded to e4m3 with their scales folded in (_e2m1_folded)
+    and multiplied on fp8 tensor cores, the product times 2^(top - 133) per weight row (top its
+    largest scale byte of the block)."""
     zeros = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     op_dtype: tl.constexpr = tl.float32 if INTERPRETED else tl.bfloat16
     if FP4_E4M3:
@@ -436,20 +542,43 @@ def _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, row, kb, FP4: tl.
     else:
         if FP4:
             half: tl.constexpr = _BLOCK_K // 2
-            a_even = a_desc.load([a_row, kb * _BLOCK_K]).to(op_dtype)
-            a_odd = a_desc.load([a_row, kb * _BLOCK_K + half]).to(op_dtype)
-            packed = b_desc.load([row, kb * half]).to(tl.int32)
+            groups: tl.constexpr = _BLOCK_K // _FP4_GROUP
+            a_even = a_desc.load([a_row, kb * _BLOCK_K])
+            a_odd = a_desc.load([a_row, kb * _BLOCK_K + half])
+            packed = b_desc.load([row, kb * half])
             rows = row + tl.arange(0, BLOCK_N)
             scale_bytes = tl.load(b_scale_ptr + rows.to(tl.int64)[:, None] * (K // _FP4_GROUP)
-                                  + kb * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, _BLOCK_K // _FP4_GROUP)[None, :])
+                                  + kb * groups + tl.arange(0, groups)[None, :]).to(tl.int32)
+            if FOLD:
+                top = tl.max(scale_bytes, 1)
+                factors = ((scale_bytes - top[:, None] + _FOLD_SPREAD) << 3).to(tl.uint8)
+            else:
+                packed = packed.to(tl.int32)
+                factors = ((scale_bytes + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
+                a_even = a_even.to(op_dtype)
+                a_odd = a_odd.to(op_dtype)
             # Input 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
-            factors = ((scale_bytes.to(tl.int32) + (126 - _FP4_SHIFT)) << 23).to(tl.float32, bitcast=True)
-            factors = tl.reshape(tl.broadcast_to(factors[:, :, None],
-                                                 (BLOCK_N, _BLOCK_K // _FP4_GROUP, _FP4_GROUP // 2)), (BLOCK_N, half))
-            w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
-            w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
+            factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, groups, _FP4_GROUP // 2)),
+                                 (BLOCK_N, half))
+            if FOLD:
+                w_even, w_odd = _e2m1_folded(packed, factors, INTERPRETED)
+                if INTERPRETED:
+                    a_even = a_even.to(tl.float32)
+                    a_odd = a_odd.to(tl.float32)
+            else:
+                w_even = _e2m1_scaled(packed & 0xF, factors).to(op_dtype)
+                w_odd = _e2m1_scaled(packed >> 4, factors).to(op_dtype)
             product = _mma(a_odd, w_odd, _mma(a_even, w_even, zeros, SWAP_AB), SWAP_AB)
-            scale = a_scale * _FP4_UNSHIFT
+            if FOLD:
+                # 2^(top - 133) (the e4m3 values are 2^(s - top + 6) times the e2m1 ones), per weight row.
+                row_scale = ((top - 6) << 23).to(tl.float32, bitcast=True)
+                if SWAP_AB:
+                    product = product * row_scale[:, None]
+                else:
+                    product = product * row_scale[None, :]
+                scale = a_scale
+            else:
+                scale = a_scale * _FP4_UNSHIFT
         else:
             a = a_desc.load([a_row, kb * _BLOCK_K])
             w = b_desc.load([row, kb * _BLOCK_K])
@@ -490,40 +619,69 @@ def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: 
 
 
 @triton.jit
+def _k_blocks(a_desc, a_row, a_scale_rows, b_desc, b_scale_ptr, gate_row, first_kb, n_kb: tl.constexpr, FP4: tl.constexpr,
+              FP4_E4M3: tl.constexpr, FOLD: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    """(acc, acc_up): k blocks [first_kb, first_kb + n_kb) of a tile's products with weight rows
+    [gate_row, + BLOCK_N) and (SWIGLU) the up rows N_OUT further (_k_block), float32."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, n_kb):
+        kb = first_kb + i
+        a_scale = tl.load(a_scale_rows + kb)
+        acc = _k_block(acc, a_desc, a_row, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, FP4_E4M3, FOLD,
+                       K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+        if SWIGLU:
+            acc_up = _k_block(acc_up, a_desc, a_row, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
+                              FP4, FP4_E4M3, FOLD, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+    return acc, acc_up
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr, partial_ptr,
-    arrivals_ptr, limit,
+    arrivals_ptr, unfolded_ptr, limit,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
-    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, SPLIT_COLS: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    FP4: tl.constexpr, FP4_E4M3: tl.constexpr, FOLD_PASS: tl.constexpr, FOLD_CHUNK: tl.constexpr,
+    SPLIT_COLS: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program (tile, column block, split), tile-major: the column blocks of one tile (one expert's
     # weight) run side by side. a: [tiles * BLOCK_M, K] fp8 rows with [., K / 128] scales; the weight
     # has N rows an expert. SWIGLU (N = 2 N_OUT, gate rows then up rows): gate rows [c, c + BLOCK_N)
     # and the matching up rows; otherwise rows [c, c + BLOCK_N) (N = N_OUT). Split s of SPLITS takes
-    # k blocks [s, s + 1) x K / 128 / SPLITS.
+    # k blocks [s, s + 1) x K / 128 / SPLITS. FOLD_PASS (fp4_fold) 1: the tiles whose weight rows
+    # fold over all of K (_fp4_foldable; every split decides alike), the others marked in
+    # unfolded_ptr [tiles x column blocks] and skipped; 2: the marked ones alone, decoded to bf16
+    # (a launch of its own: the bf16 loop's registers would make the folded one spill).
     pid = tl.program_id(0)
     split = pid % SPLITS
     tile_col = pid // SPLITS
     tile = tile_col // (N_OUT // BLOCK_N)
     col = (tile_col % (N_OUT // BLOCK_N)) * BLOCK_N
     expert = tl.load(tile_expert_ptr + tile)
-    if expert < E:
-        gate_row = expert * N + col
+    gate_row = expert * N + col
+    run = expert < E
+    if FOLD_PASS == 1:
+        foldable = expert < 0
+        if run:
+            foldable = _fp4_foldable(b_scale_ptr, gate_row, K, BLOCK_N, FOLD_CHUNK)
+            if SWIGLU:
+                foldable = foldable & _fp4_foldable(b_scale_ptr, gate_row + N_OUT, K, BLOCK_N, FOLD_CHUNK)
+            tl.store(unfolded_ptr + tile_col, 1, mask=foldable == 0)
+        run = foldable
+    elif FOLD_PASS == 2:
+        if run:
+            run = tl.load(unfolded_ptr + tile_col) != 0
+    if run:
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * (K // _BLOCK_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         per_split: tl.constexpr = K // _BLOCK_K // SPLITS
-        for i in range(0, per_split):
-            kb = split * per_split + i
-            a_scale = tl.load(a_scale_rows + kb)
-            acc = _k_block(acc, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row, kb, FP4, FP4_E4M3,
-                            K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
-            if SWIGLU:
-                acc_up = _k_block(acc_up, a_desc, tile * BLOCK_M, a_scale, b_desc, b_scale_ptr, gate_row + N_OUT, kb,
-                                   FP4, FP4_E4M3, K, BLOCK_M, BLOCK_N, SWAP_AB, INTERPRETED)
+        acc, acc_up = _k_blocks(a_desc, tile * BLOCK_M, a_scale_rows, b_desc, b_scale_ptr, gate_row,
+                                split * per_split, per_split, FP4, FP4_E4M3, FOLD_PASS == 1, K, N_OUT, BLOCK_M,
+                                BLOCK_N, SWAP_AB, SWIGLU, INTERPRETED)
         if SPLITS == 1:
             _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT, BLOCK_N, SWAP_AB,
                         SPLIT_COLS, SWIGLU, HAS_LIMIT)
@@ -571,6 +729,7 @@ def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, out_ptr, n_tokens, stri
 
 
 _GATHER_GROUPS = 8       # 128-column groups per gather program
+_FOLD_CHUNK_BLOCKS = 8   # at most this many k blocks' fp4 scales a load in the fold check
 _COMBINE_BLOCK = 1024    # output columns per combine program
 
 
@@ -611,19 +770,25 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     b_block_k = FP4_GROUP // 2 if e4m3 else a_block_k
     tile_cols = tile_expert.numel() * (n_out // config.block_n)
     splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
-    partials = arrivals = out      # unread placeholders without split-K
+    partials = arrivals = unfolded = out      # unread placeholders without split-K, fp4_fold
     if splits > 1:
         partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
                                device=a.device)
         arrivals = _arrival_counters(a.device, tile_cols)
-    _grouped_gemm_kernel[(tile_cols * splits,)](
-        TensorDescriptor.from_tensor(a, [config.block_m, a_block_k]), a_scales,
-        TensorDescriptor.from_tensor(stacked, [config.block_n, b_block_k]), scales, tile_expert, out,
-        out if out_scales is None else out_scales, partials, arrivals, 0.0 if limit is None else float(limit),
-        E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
-        SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, SPLIT_COLS=fp4 and not e4m3, SWIGLU=swiglu,
-        HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    fold = fp4 and config.fp4_fold
+    if fold:
+        unfolded = torch.zeros(tile_cols, dtype=torch.int32, device=a.device)
+    a_desc = TensorDescriptor.from_tensor(a, [config.block_m, a_block_k])
+    b_desc = TensorDescriptor.from_tensor(stacked, [config.block_n, b_block_k])
+    for fold_pass in (1, 2) if fold else (0,):
+        _grouped_gemm_kernel[(tile_cols * splits,)](
+            a_desc, a_scales, b_desc, scales, tile_expert, out, out if out_scales is None else out_scales, partials,
+            arrivals, unfolded, 0.0 if limit is None else float(limit),
+            E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
+            SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, FOLD_PASS=fold_pass,
+            FOLD_CHUNK=math.gcd(k // BLOCK_K, _FOLD_CHUNK_BLOCKS), SPLIT_COLS=fp4 and not e4m3,
+            SWIGLU=swiglu, HAS_LIMIT=limit is not None, INTERPRETED=INTERPRET,
+            num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, *,
@@ -637,9 +802,12 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     x is quantised to fp8 per token and 128 columns (fp8_gemm.quantize_act_fp8's rule, bit for bit)
     and so is the SwiGLU output before W2 (DeepSeek's act_quant on the expert's intermediate); each
     128-wide k block of a product is accumulated in fp32 with its scales applied (promotion). fp4
-    weights are decoded to bf16 exactly (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
-    multiplied back per k block), or with config.fp4_e4m3 to e4m3 (2^-6 times the e2m1 value,
-    exact) with each 32-input product scaled in fp32. Expert outputs are rounded to bf16 per expert, then summed over
+    weights are decoded exactly: with config.fp4_fold (the prefill default) to e4m3 holding the
+    e2m1 value x 2^(s - top + 6) (s its e8m0 byte, top the largest of its row's four in the k
+    block, at most 11 above s, else that output tile is decoded to bf16), the row's 2^(top - 133) applied
+    per k block; otherwise to bf16 (e2m1 value x 2^(e8m0 - 127), held as 2^-64 times that and
+    multiplied back per k block), or with config.fp4_e4m3 to e4m3 (2^-6 times the e2m1 value)
+    with each 32-input product scaled in fp32. Expert outputs are rounded to bf16 per expert, then summed over
     the slots in slot order in fp32. Deterministic: the same inputs give the same bits.
 
     Sync-free and of static shapes (CUDA-graph capturable): the permutation by expert runs on the
@@ -655,7 +823,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         swiglu_limit: keyword-only, V4's clamp L (10.0), or None.
         config: keyword-only launch shape of the grouped GEMMs; None: moe_decode's per-assignment
             products while T * top_k <= E / 4 (fp8) or 1.5 E (fp4) (moe_decode.uses_per_assignment), else default_config
-            (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG).
+            (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
+            or PREFILL_CONFIG_FP4 for fp4 experts).
 
     Returns:
         [T, D] bfloat16, every element written. T = 0 gives an empty tensor.
@@ -684,9 +853,11 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                          f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
     per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts, experts.format)
     if config is None:
-        config = default_config(n_tokens * top_k, n_experts)
-    elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128):
-        raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K} and block_m 16, 32, 64 or 128, got {config!r}")
+        config = default_config(n_tokens * top_k, n_experts, experts.format)
+    elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128) \
+            or (config.fp4_e4m3 and config.fp4_fold):
+        raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K}, block_m 16, 32, 64 or 128 and at most "
+                         f"one of fp4_e4m3 and fp4_fold, got {config!r}")
     check_device({"x": x, "expert_ids": expert_ids, "weights": weights, "experts.w13": experts.w13})
     if x.device.type == "cuda" and _capability(x.device) < (9, 0):
         raise InputError("moe_experts needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")

@@ -9,7 +9,7 @@ clamp 10). Random weights at full size (V3.2: 11.3 GB, V4-Flash: 3.2 GB; one mod
 Tables:
 
 - routing: route_topk on [T, 256] fp32 logits, microseconds;
-- grouped GEMMs (prefill T): moe_experts' gate/up (SwiGLU fused) and down kernels alone, on the plan
+- grouped GEMMs (T >= 4096): moe_experts' gate/up (SwiGLU fused) and down kernels alone, on the plan
   of a real routing, beside torch._scaled_mm (block-wise scales, via fp8_gemm.scaled_mm_blockwise) on
   one dense GEMM of the same total size ([T * top_k, K] x [N, K]^T); TFLOP/s count the routed
   tokens' products only (padding rows of the tiles are not counted). Target (V3.2, T 4096, gate/up):
@@ -19,7 +19,7 @@ Tables:
   ceilings measured in the same run (scripts/ceilings.py: bf16 matmul, device copy), peak memory
   beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
   num_stages, then flags: "swap" for the decode orientation, "e4m3" for fp4 weights on fp8 tensor
-  cores, "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
+  cores 32 inputs at a time, "fold" for them with their scales folded in (whole k blocks), "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
   the others where the prefill one is, and also in the grouped GEMM table). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
   size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
 - decode paths (T with at most 16 assignments per expert): moe_experts through the grouped GEMMs
@@ -142,8 +142,11 @@ def check(model, experts, x, ids, weights) -> str:
     """Relative errors: the two launch shapes against each other, and (fp8) a few tokens against
     the dequantised weights in fp32 (activations quantised as the kernels do)."""
     a = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=moe.DECODE_CONFIG)
-    b = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=moe.PREFILL_CONFIG)
-    text = f"decode vs prefill shape {rel(a, b.float()):.2e}"
+    b = moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=prefill_config(model))
+    shapes_err = rel(a, b.float())
+    text = f"decode vs prefill shape {shapes_err:.2e}"
+    if not shapes_err < REL_TOL:
+        raise SystemExit(f"moe_experts' decode and prefill launch shapes disagree: {shapes_err:.3g} ({model.name})")
     if experts.format == "fp8":
         def quantized(v):
             q, s = quantize_groups(v)
@@ -168,10 +171,16 @@ def rel(got, ref):
     return ((got.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_gemms(model, experts, x, ids, lines, config=moe.PREFILL_CONFIG, label=""):
+def prefill_config(model: Model) -> moe.MoeConfig:
+    """moe_experts' default launch shape for prefill on this model's experts."""
+    return moe.default_config(1 << 30, model.experts, model.fmt)
+
+
+def bench_gemms(model, experts, x, ids, lines, config=None, label=""):
     """The two grouped GEMMs of moe_experts alone (prefill shape, or config's, named by label) and
     _scaled_mm on dense equivalents."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
+    config = config or prefill_config(model)
     row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
     rows = row_token.numel()
     a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4" and not config.fp4_e4m3)
@@ -211,17 +220,17 @@ def bench_gemms(model, experts, x, ids, lines, config=moe.PREFILL_CONFIG, label=
 
 
 def parse_config(text: str) -> moe.MoeConfig:
-    """"block_m,num_warps,num_stages[,swap][,e4m3][,splitN]" -> a MoeConfig (block_n 128): swap_ab,
-    fp4_e4m3, split_k N."""
+    """"block_m,num_warps,num_stages[,swap][,e4m3][,fold][,splitN]" -> a MoeConfig (block_n 128):
+    swap_ab, fp4_e4m3, fp4_fold, split_k N."""
     parts = text.split(",")
     block_m, num_warps, num_stages = (int(p) for p in parts[:3])
     flags = parts[3:]
     splits = [int(f[len("split"):]) for f in flags if f.startswith("split")]
-    unknown = [f for f in flags if f not in ("swap", "e4m3") and not f.startswith("split")]
+    unknown = [f for f in flags if f not in ("swap", "e4m3", "fold") and not f.startswith("split")]
     if unknown or len(splits) > 1:
-        raise SystemExit(f"--configs {text}: flags are swap, e4m3 and splitN, got {','.join(flags)}")
+        raise SystemExit(f"--configs {text}: flags are swap, e4m3, fold and splitN, got {','.join(flags)}")
     return moe.MoeConfig(block_m=block_m, swap_ab="swap" in flags, num_warps=num_warps, num_stages=num_stages,
-                         fp4_e4m3="e4m3" in flags, split_k=splits[0] if splits else None)
+                         fp4_e4m3="e4m3" in flags, fp4_fold="fold" in flags, split_k=splits[0] if splits else None)
 
 
 def per_assignment(model, experts, x, ids, weights, shape=None):
@@ -301,7 +310,8 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         # prefill one is (decode tiles on prefill T are slow, and forced splits need GBs of partials).
         decode = moe.default_config(ids.numel(), model.experts) == moe.DECODE_CONFIG
         variants = ", ".join(f"{text}: {bench_ms(lambda c=config: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit, config=c)):.3f}"
-                             for text, config in configs if (config.block_m < 64) == decode) or "-"
+                             for text, config in configs if (config.block_m < 64) == decode
+                             and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold))) or "-"
         active = int(torch.unique(ids).numel())
         nbytes = active * per_expert
         flops = 2 * ids.numel() * 3 * model.hidden * model.inter
@@ -329,10 +339,10 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
                f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f}) | {active} | {layer} | {peak_mb:.0f} | {variants} |")
         lines.append(row)
         print(row, flush=True)
-        if n_tokens == PREFILL_T:
+        if n_tokens >= PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines)
             for text, config in configs:     # the prefill-oriented extra shapes
-                if config.block_m >= 64 and (model.fmt == "fp4" or not config.fp4_e4m3):
+                if config.block_m >= 64 and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold)):
                     bench_gemms(model, experts, x, ids, gemm_lines, config, f" [{text}]")
         del x, logits, weights, ids
     del experts, shared
@@ -344,7 +354,7 @@ def main():
     parser.add_argument("--out", default="-", help="markdown report file (default: stdout)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
-    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,splitN]")
+    parser.add_argument("--configs", nargs="*", default=[], help="extra launch shapes: block_m,num_warps,num_stages[,swap][,e4m3][,fold][,splitN]")
     parser.add_argument("--decode-shapes", nargs="*", default=[],
                         help="extra per-assignment launch shapes: gate/up rows,down rows,k blocks a step")
     args = parser.parse_args()

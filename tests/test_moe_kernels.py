@@ -22,7 +22,9 @@ from minirt.formats import quantize_groups
 from minirt.kernels import (ExpertWeights, check_tid2eid, expert_weights_fp4, expert_weights_fp8, moe_experts,
                             route_hash, route_topk)
 from minirt.kernels import moe_decode
-from minirt.kernels.moe_experts import DECODE_CONFIG, MoeConfig
+from minirt.kernels.moe_experts import DECODE_CONFIG, PREFILL_CONFIG_FP4, MoeConfig
+
+moe_experts_module = sys.modules["minirt.kernels.moe_experts"]
 
 # A prefill-shaped launch (tokens on the MMA's M side) small enough for the interpreter, and the
 # decode one with split-K forced (a product of 2 k blocks in 2 splits).
@@ -235,6 +237,9 @@ def rel_error(out, ref):
     ("fp4", TILES_CONFIG, 4, None, 128),
     ("fp4", replace(SPLIT_CONFIG, fp4_e4m3=True), 3, 0.5, 128),
     ("fp4", replace(TILES_CONFIG, fp4_e4m3=True), 4, None, 128),
+    ("fp4", replace(SPLIT_CONFIG, fp4_fold=True), 3, 0.5, 128),
+    ("fp4", replace(TILES_CONFIG, fp4_fold=True), 4, None, 128),
+    ("fp4", PREFILL_CONFIG_FP4, 5, 0.5, 128),
 ])
 def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
     gen = generator(3)
@@ -252,6 +257,41 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
     assert rel_error(out, ref) < EXPERTS_TOL
     if limit is not None:    # the clamp bites: without it the result differs
         assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) > 10 * EXPERTS_TOL
+
+
+@pytest.mark.parametrize("config", [replace(TILES_CONFIG, fp4_fold=True), replace(SPLIT_CONFIG, fp4_fold=True),
+                                    PREFILL_CONFIG_FP4])
+def test_moe_experts_fp4_fold_at_and_past_its_spread(poisoned, config):
+    """fp4_fold with every 128-input block's first 32-input group scaled 2^-FOLD_SPREAD below the rest
+    (the e4m3 values reach the smallest normal one, 2^-6: still exact) in experts 0-3, and 2^-(FOLD_SPREAD + 1) in
+    experts 4-6 (those tiles take the bf16 launch); the inputs of those groups 2^9 larger, so that
+    they carry a fair share of each product. Against the oracle, and within rounding of the bf16 path
+    (both exact decodes: only the fp32 sums' order differs)."""
+    gen = generator(11)
+    e, d, i, top_k, n_tokens = 8, 256, 128, 2, 6
+    experts, _ = make_experts("fp4", gen, e, d, i)
+    for name in ("w13_scales", "w2_scales"):
+        scales = getattr(experts, name)
+        first = torch.arange(scales.shape[-1], device=DEVICE) % 4 == 0
+        for x in range(e):
+            rows, groups = scales.shape[1:]
+            base = torch.randint(118, 124, (rows, groups // 4), generator=gen, device=DEVICE,
+                                 dtype=torch.uint8).repeat_interleave(4, 1)
+            gap = moe_experts_module.FOLD_SPREAD + (x >= 4)
+            scales[x] = torch.where(first, base, base + gap)
+    dense = [tuple(dequantize_fp4(w, s) for w, s in ((experts.w13[x, :i], experts.w13_scales[x, :i]),
+                                                     (experts.w13[x, i:], experts.w13_scales[x, i:]),
+                                                     (experts.w2[x], experts.w2_scales[x]))) for x in range(e)]
+    x = torch.randn(n_tokens, d, generator=gen, device=DEVICE)
+    x = (x * torch.where(torch.arange(d, device=DEVICE) % 128 < 32, 512.0, 1.0)).bfloat16()
+    expert_ids = torch.stack([torch.randperm(e - 1, generator=gen, device=DEVICE)[:top_k]
+                              for _ in range(n_tokens)]).int()
+    weights = torch.rand(n_tokens, top_k, generator=gen, device=DEVICE) + 0.5
+    out = moe_experts(x, expert_ids, weights, experts, config=config)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) < EXPERTS_TOL
+    bf16_path = moe_experts(x, expert_ids, weights, experts, config=replace(config, fp4_fold=False))
+    assert rel_error(out, bf16_path.double()) < 2e-3
 
 
 @pytest.mark.parametrize("fmt, limit, d, i", [
@@ -377,13 +417,16 @@ def test_expert_weights_reject_bad_tensors():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and host-sync detection need a GPU")
-@pytest.mark.parametrize("config, n_tokens", [(None, 1), (DECODE_CONFIG, 4)])   # moe_decode's path, grouped GEMMs
-def test_moe_decode_is_sync_free_and_graph_capturable(config, n_tokens):
+@pytest.mark.parametrize("fmt, config, n_tokens", [
+    ("fp8", None, 1), ("fp8", DECODE_CONFIG, 4),   # moe_decode's path, grouped GEMMs
+    ("fp4", PREFILL_CONFIG_FP4, 64),               # the folded launch and its bf16 one
+])
+def test_moe_decode_is_sync_free_and_graph_capturable(fmt, config, n_tokens):
     """Routing and experts raise no host sync (sync debug mode "error") and replay from a CUDA graph
     on new inputs with the eager results."""
     gen = generator(6)
     e, d, i, top_k = 16, 256, 128, 4
-    experts, _ = make_experts("fp8", gen, e, d, i)
+    experts, _ = make_experts(fmt, gen, e, d, i)
     logits = torch.randn(n_tokens, e, generator=gen, device=DEVICE)
     bias = torch.randn(e, generator=gen, device=DEVICE) * 0.1
     x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
