@@ -23,10 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minirt.errors import InputError
-
-from ._common import INTERPRET, check_device
-from .lightning_indexer import indexer_topk
+from ._common import INTERPRET
+from .lightning_indexer import check_topk_inputs, indexer_topk
 
 # Scores per program of the histogram and gather passes: 163,840 keys give 80 programs per row.
 TILE = 2048
@@ -194,11 +192,7 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
             the kernels cannot run on.
     """
-    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
-        raise InputError("scores must be a float32 tensor [..., S]")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise InputError(f"topk must be a positive int, got {topk!r}")
-    check_device({"scores": scores})
+    check_topk_inputs(scores, topk)
     if topk > MAX_TOPK:
         return indexer_topk(scores, topk)
     n_keys, n_rows = scores.shape[-1], scores.shape[:-1].numel()

@@ -488,6 +488,16 @@ def _preselect(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, indices
 
 
+def check_topk_inputs(scores, topk) -> None:
+    """The top-k selections' input checks: scores a float32 tensor [..., S] on a device the kernels run
+    on, topk a positive int (InputError otherwise)."""
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
+        raise InputError("scores must be a float32 tensor [..., S]")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise InputError(f"topk must be a positive int, got {topk!r}")
+    check_device({"scores": scores})
+
+
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """
     Per row, the key indices of the topk largest scores, best first, equal scores in ascending key
@@ -521,11 +531,7 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
             the kernel cannot run on.
     """
-    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() < 1:
-        raise InputError("scores must be a float32 tensor [..., S]")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise InputError(f"topk must be a positive int, got {topk!r}")
-    check_device({"scores": scores})
+    check_topk_inputs(scores, topk)
     n_keys = scores.shape[-1]
     k = min(topk, n_keys)
     result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
