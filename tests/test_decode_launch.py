@@ -5,6 +5,7 @@ launch (kernels/_launch.py) passes a compiled kernel's launcher every parameter 
 calls launch the compiled kernels directly, with the JIT path's results bit for bit.
 """
 import importlib
+import math
 
 import pytest
 import torch
@@ -55,6 +56,25 @@ def test_a_kept_plan_serves_new_data_and_refuses_what_the_checks_refuse():
     with pytest.raises(InputError, match="16 bytes"):
         decode(q, shifted, indices, SM_SCALE, topk_length=lengths, num_splits=1)
     assert len(decode_module._PLANS) == plans[0]
+
+
+@pytest.mark.parametrize("strided", ["q", "indices"])
+def test_a_kept_plan_copies_a_list_with_a_non_unit_last_stride(strided):
+    """The plan of a signature whose q or indices has a non-unit last stride copies them before every launch:
+    the same results as the contiguous inputs', on the plan's first and later calls."""
+    b, s_q, h_q, topk = 2, 1, 16, 64
+    _, cache = make_cache(2, 64, 31)
+    for seed in (3, 4):
+        indices = random_indices(b, s_q, topk, 128, seed).to(DEVICE)
+        q = random_q(b, s_q, h_q, seed)
+        want = decode(q, cache, indices, SM_SCALE, num_splits=1)
+        if strided == "q":
+            q = torch.stack([q, torch.full_like(q, math.nan)], -1)[..., 0]
+        else:
+            indices = torch.stack([indices, torch.zeros_like(indices)], -1)[..., 0]
+        assert q.stride(3) != 1 or indices.stride(2) != 1
+        for got, expected in zip(decode(q, cache, indices, SM_SCALE, num_splits=1), want):
+            assert torch.equal(got, expected)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels (and their direct launches) need a GPU")
