@@ -17,7 +17,6 @@ activation format fp8_gemm consumes: o_proj's input without a bf16 round trip).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,7 +29,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from ._launch import cdiv, described, launch, per_signature
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 WEIGHT_BLOCK = DEFAULT_BLOCK[0]
 BLOCK_O = FP8_GROUP      # output columns per program: one activation group of the quantised output
@@ -116,26 +115,16 @@ def _check_inputs(name: str, x: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_sc
         raise InputError(f"{name} must be bfloat16 or float16, got {x.dtype}")
 
 
-@dataclass(slots=True)
-class _Plan:
-    """A call signature's launch (its inputs passed the checks): grid, the kernel's integers after its tensors and
-    constexprs, derived at the signature's first launch (the same for every call of it: the allocated outputs
-    and the copied x have the shapes and strides of the first call's), and the compiled kernel."""
-
-    grid: Optional[tuple] = None
-    integers: tuple = ()
-    constexprs: dict = field(default_factory=dict)
-    compiled: dict = field(default_factory=dict)
-
-
-# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment, the integers, out) -> _Plan.
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment, the integers, out) -> its
+# Kept: a signature seen before passed the checks.
 _PLANS: dict = {}
 
 
-def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales, plan: _Plan):
-    """x [T, H, reduce] (last dim contiguous) -> out (and out_scales when quantising); checked."""
+def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales, kept: Kept):
+    """x [T, H, reduce] (last dim contiguous) -> out (and out_scales when quantising); checked; kept: the call
+    signature's Kept."""
     quantize = out_scales is not None
-    if plan.grid is None:
+    if kept.args is None:
         n_tokens, n_heads, reduce = x.shape
         n_out = v_dim if transposed else kv_b_weight.shape[1]
         # Reduction chunks must not cross a 128-block of the weight along the reduction: the largest
@@ -144,18 +133,18 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
         chunk = min(WEIGHT_BLOCK, starts & -starts)
         # Prefill: 128 tokens over two warpgroups; decode (few tokens): the smallest tile the MMA takes.
         block_t = 128 if n_tokens > 64 else max(16, 1 << (n_tokens - 1).bit_length())
-        plan.integers = (n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0),
-                         kv_b_scale.stride(1), out.stride(0), n_out if quantize else out.stride(1),
-                         out_scales.stride(0) if quantize else 0)
-        plan.constexprs = dict(
+        integers = (n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0),
+                    kv_b_scale.stride(1), out.stride(0), n_out if quantize else out.stride(1),
+                    out_scales.stride(0) if quantize else 0)
+        constexprs = dict(
             HEAD_ROWS=nope + v_dim, ROW_OFFSET=nope if transposed else 0, REDUCE=reduce, CHUNK=chunk,
             BLOCK_T=block_t, BLOCK_O=BLOCK_O, SCALE_BLOCK=WEIGHT_BLOCK, TRANSPOSED=transposed,
             QUANTIZE_OUT=quantize, MIN_EXPONENT=ACT_MIN_EXPONENT, INTERPRETED=INTERPRET,
             num_warps=8 if block_t == 128 else 4, num_stages=3)
-        plan.grid = (cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O)
-    launch(_mla_head_proj_kernel, plan.grid, (x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
-                                              out_scales if quantize else out, *plan.integers), plan.constexprs,
-           plan.compiled)
+        kept.args = ((cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O), integers, constexprs)
+    grid, integers, constexprs = kept.args
+    launch(_mla_head_proj_kernel, grid, (x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
+                                         out_scales if quantize else out, *integers), constexprs, kept.compiled)
 
 
 def mla_value_proj_fp8(
@@ -199,10 +188,10 @@ def mla_value_proj_fp8(
         minirt.errors.InputError: shapes or dtypes that do not match the above, or tensors on a
             device the kernels cannot use.
     """
-    plan = per_signature(_PLANS, lambda: (
+    kept = per_signature(_PLANS, lambda: (
         described(o_lat), described(kv_b_weight), described(kv_b_scale), qk_nope_head_dim.__class__, qk_nope_head_dim,
         v_head_dim.__class__, v_head_dim, True, None if out is None else (out.__class__, *map(described, out))),
-        lambda: _check_value_proj(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or _Plan())
+        lambda: _check_value_proj(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or Kept())
     n_tokens, n_heads, _ = o_lat.shape
     if out is None:
         width = n_heads * v_head_dim
@@ -211,7 +200,7 @@ def mla_value_proj_fp8(
     if o_lat.stride(2) != 1:
         o_lat = o_lat.contiguous()
     if n_tokens > 0:
-        _launch(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, True, out[0], out[1], plan)
+        _launch(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, True, out[0], out[1], kept)
     return out
 
 
@@ -268,17 +257,17 @@ def mla_query_absorb(
         minirt.errors.InputError: shapes or dtypes that do not match the above, or tensors on a
             device the kernels cannot use.
     """
-    plan = per_signature(_PLANS, lambda: (
+    kept = per_signature(_PLANS, lambda: (
         described(q_nope), described(kv_b_weight), described(kv_b_scale), qk_nope_head_dim.__class__,
         qk_nope_head_dim, v_head_dim.__class__, v_head_dim, False, described(out)),
-        lambda: _check_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or _Plan())
+        lambda: _check_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or Kept())
     n_tokens, n_heads, _ = q_nope.shape
     if out is None:
         out = torch.empty((n_tokens, n_heads, kv_b_weight.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
     if q_nope.stride(2) != 1:
         q_nope = q_nope.contiguous()
     if n_tokens > 0:
-        _launch(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, False, out, None, plan)
+        _launch(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, False, out, None, kept)
     return out
 
 
