@@ -530,7 +530,7 @@ class _DecodePlan:
     flags_strides: tuple   # ... and after it
     copies: bool           # q and the index lists are copied (one of them has a non-unit last stride)
     partials: Optional[tuple]   # the split partials' shapes (out, lse); None: unsplit
-    merge: tuple           # (grid, runtime integers after the tensors) of the merge kernel
+    merge: tuple           # (grid, runtime integers after the tensors, constexprs) of the merge kernel
     config: Optional[DecodeConfig]   # the portable kernel's launch shape
     compiled: dict
 
@@ -605,7 +605,8 @@ def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, ext
     n_merge_blocks = cdiv(h_q, _MERGE_BLOCK_H)
     merge = ((n_rows * n_merge_blocks,), (
         num_splits, s_q, h_q, n_merge_blocks, has_sink, *o_strides[:1], *o_strides[2:4], *l_strides[:1],
-        *l_strides[2:3], *out_strides[:3], lse_strides[0], lse_strides[2], lse_strides[1]))
+        *l_strides[2:3], *out_strides[:3], lse_strides[0], lse_strides[2], lse_strides[1]), dict(
+        BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET, INTERPRETED_SPLITS=num_splits if INTERPRET else 0, num_warps=4))
     return _DecodePlan(
         model1=model1, use_sm90=use_sm90, out_shape=out_shape, lse_shape=lse_shape, widths=(topk, extra_topk),
         grid=(n_rows * n_head_blocks, num_splits) if n_rows else None, split_len=split_len, block_h=block_h,
@@ -738,10 +739,9 @@ def sparse_mla_decode_fp8(
         else:
             sm90.launch(grid, args, split, plan.padded_blocks, plan.compiled)
     if split:
-        merge_grid, merge_args = plan.merge
-        launch(_merge_splits_kernel, merge_grid, (dst_out, dst_lse, sink, out, lse, *merge_args), dict(
-            BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET, INTERPRETED_SPLITS=grid[1] if INTERPRET else 0, num_warps=4),
-            plan.compiled)
+        merge_grid, merge_args, merge_constexprs = plan.merge
+        launch(_merge_splits_kernel, merge_grid, (dst_out, dst_lse, sink, out, lse, *merge_args), merge_constexprs,
+               plan.compiled)
     return out, lse
 
 
