@@ -83,9 +83,16 @@ def check_slots(slots, leading: tuple) -> None:
 
 
 def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` [..., width] as rows [N, width] with unit column stride (a copy only where needed)."""
-    t = t.reshape(-1, width)
+    """``t`` [..., width] as rows [N, width] with unit column stride (t itself when it is such rows, a copy
+    only where needed)."""
+    if t.dim() != 2 or t.stride(1) != 1:   # (a reshape costs ~1 µs of host time even when it changes nothing)
+        t = t.reshape(-1, width)
     return t if t.stride(1) == 1 else t.contiguous()
+
+
+def flat_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous 1-D tensor (t itself when it is one, a copy only where needed)."""
+    return t if t.dim() == 1 and t.stride(0) == 1 else t.reshape(-1).contiguous()
 
 
 @triton.jit

@@ -42,6 +42,20 @@ def per_signature(kept: dict, signature, derive):
     return value
 
 
+class Kept:
+    """What a launch site keeps for one call signature besides that its inputs passed the checks: its launch's
+    arguments that the signature fixes (args: the grid, integers, constexprs; None until the signature's
+    first launch derives them from that call's tensors: every later call's tensors have the same shapes and
+    strides) and the compiled kernels (compiled, launch's cache)."""
+
+    __slots__ = ("value", "args", "compiled")
+
+    def __init__(self, value=None):
+        self.value = value   # whatever else the site derived from the signature
+        self.args = None
+        self.compiled = {}
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)   # (triton.cdiv is a constexpr function: ~2 µs a call from the host)
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
-from ._common import check_device, check_slots, check_tensors, rows_of, writable_slot
+from ._common import check_device, check_slots, check_tensors, flat_of, rows_of, writable_slot
 from ._fp8 import pow2_quantize_rows
 from ._launch import cdiv, described, launch, per_signature
 
@@ -220,24 +220,35 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
     Raises:
         minirt.errors.InputError: wrong dtypes/shapes, mismatched batch or devices.
     """
-    geometry, compiled = per_signature(
+    grid, copies, integers, compiled = per_signature(
         _MAPPINGS, lambda: (described(positions), described(block_table), described(kv_cache)),
-        lambda: (_checked_mapping(positions, block_table, kv_cache), {}))
-    batch = positions.shape[0]
-    flat = positions.reshape(batch, -1).contiguous()
-    slots = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
-    n_per_row = flat.shape[1]
-    if flat.numel() > 0:
-        table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-        block = 256
-        launch(_positions_to_slots_kernel, (batch, cdiv(n_per_row, block)),
-               (flat, table, slots, n_per_row, table.shape[1], geometry.block_size, geometry.num_blocks,
-                table.stride(0)), dict(BLOCK=block), compiled)
-    return slots.view(positions.shape)
+        lambda: _mapping(positions, block_table, kv_cache))
+    slots = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
+    if grid is not None:
+        # (The kernel reads the positions and writes the slots as [b, n] rows, the table with unit column stride.)
+        launch(_positions_to_slots_kernel, grid, (positions.contiguous() if copies[0] else positions,
+                                                  block_table.contiguous() if copies[1] else block_table, slots,
+                                                  *integers), dict(BLOCK=_SLOTS_BLOCK), compiled)
+    return slots
 
 
-# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> (the cache's
-# geometry, the compiled kernel): a signature seen before passed the checks.
+_SLOTS_BLOCK = 256   # positions a program of positions_to_slots maps
+
+
+def _mapping(positions, block_table, kv_cache) -> tuple:
+    """What positions_to_slots derives from a call signature, after its checks: (grid, or None without
+    positions; whether positions / block_table are copied; the kernel's integers; its compiled kernels)."""
+    geometry = _checked_mapping(positions, block_table, kv_cache)
+    batch, n_per_row = positions.shape[0], positions.numel() // max(1, positions.shape[0])
+    copies = (not positions.is_contiguous(), block_table.stride(1) != 1)
+    table_row_stride = block_table.shape[1] if copies[1] else block_table.stride(0)
+    grid = (batch, cdiv(n_per_row, _SLOTS_BLOCK)) if positions.numel() else None
+    return grid, copies, (n_per_row, block_table.shape[1], geometry.block_size, geometry.num_blocks,
+                          table_row_stride), {}
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> _mapping's
+# result: a signature seen before passed the checks.
 _MAPPINGS: dict = {}
 
 
@@ -303,7 +314,7 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
         lambda: (_checked_write(kv_cache, latent, k_rope, slots), {}))
     latent = rows_of(latent, formats.KV_LATENT_DIM)
     rope = rows_of(k_rope, formats.KV_ROPE_DIM).view(torch.int16)
-    slots = slots.reshape(-1).contiguous()
+    slots = flat_of(slots)
     if slots.numel() == 0:
         return
     launch(_write_kv_fp8_kernel, (slots.numel(),), (kv_cache, latent, rope, slots, geometry.block_size,

@@ -32,7 +32,7 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
-from ._common import check_device, check_slots, check_tensors, rows_of, rows_per_program
+from ._common import check_device, check_slots, check_tensors, flat_of, rows_of, rows_per_program
 from ._fp8 import pow2_quantize_rows
 from ._launch import cdiv, described, launch, per_signature
 from .kv_cache_fp8 import CacheGeometry
@@ -296,7 +296,7 @@ def write_kv_model1(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
     geometry, compiled = per_signature(_WRITES, lambda: (described(kv_cache), described(kv), described(slots)),
                                        lambda: (_checked_write(kv_cache, kv, slots), {}))
     kv = rows_of(kv, formats.MODEL1_DIM)
-    slots = slots.reshape(-1).contiguous()
+    slots = flat_of(slots)
     if slots.numel() == 0:
         return
     n = slots.numel()

@@ -29,7 +29,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from ._launch import cdiv, described, launch, per_signature
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 WEIGHT_BLOCK = DEFAULT_BLOCK[0]
 BLOCK_O = FP8_GROUP      # output columns per program: one activation group of the quantised output
@@ -115,34 +115,36 @@ def _check_inputs(name: str, x: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_sc
         raise InputError(f"{name} must be bfloat16 or float16, got {x.dtype}")
 
 
-def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales):
-    """x [T, H, reduce] (last dim contiguous) -> out (and out_scales when quantising); checked."""
-    n_tokens, n_heads, reduce = x.shape
-    n_out = v_dim if transposed else kv_b_weight.shape[1]
-    # Reduction chunks must not cross a 128-block of the weight along the reduction: the largest
-    # power of two <= 128 dividing the reduction's start offsets (head row starts for W_k) and length.
-    starts = reduce if transposed else math.gcd(nope + v_dim, reduce)
-    chunk = min(WEIGHT_BLOCK, starts & -starts)
-    # Prefill: 128 tokens over two warpgroups; decode (few tokens): the smallest tile the MMA takes.
-    block_t = 128 if n_tokens > 64 else max(16, 1 << (n_tokens - 1).bit_length())
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment, the integers, out) -> its
+# Kept: a signature seen before passed the checks.
+_PLANS: dict = {}
+
+
+def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales, kept: Kept):
+    """x [T, H, reduce] (last dim contiguous) -> out (and out_scales when quantising); checked; kept: the call
+    signature's Kept."""
     quantize = out_scales is not None
-    grid = (cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O)
-    # (Its compiled kernel per call signature: later calls skip Triton's dispatch, see _launch.launch.)
-    compiled = per_signature(_PROJECTIONS, lambda: (
-        described(x), described(kv_b_weight), described(kv_b_scale), nope, v_dim, transposed, described(out),
-        described(out_scales)), dict)
-    launch(_mla_head_proj_kernel, grid, (
-        x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
-        out_scales if quantize else out,
-        n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0), kv_b_scale.stride(1),
-        out.stride(0), n_out if quantize else out.stride(1), out_scales.stride(0) if quantize else 0), dict(
-        HEAD_ROWS=nope + v_dim, ROW_OFFSET=nope if transposed else 0, REDUCE=reduce, CHUNK=chunk,
-        BLOCK_T=block_t, BLOCK_O=BLOCK_O, SCALE_BLOCK=WEIGHT_BLOCK, TRANSPOSED=transposed,
-        QUANTIZE_OUT=quantize, MIN_EXPONENT=ACT_MIN_EXPONENT, INTERPRETED=INTERPRET,
-        num_warps=8 if block_t == 128 else 4, num_stages=3), compiled)
-
-
-_PROJECTIONS: dict = {}   # call signature -> the compiled kernel (_launch.launch's cache)
+    if kept.args is None:
+        n_tokens, n_heads, reduce = x.shape
+        n_out = v_dim if transposed else kv_b_weight.shape[1]
+        # Reduction chunks must not cross a 128-block of the weight along the reduction: the largest
+        # power of two <= 128 dividing the reduction's start offsets (head row starts for W_k) and length.
+        starts = reduce if transposed else math.gcd(nope + v_dim, reduce)
+        chunk = min(WEIGHT_BLOCK, starts & -starts)
+        # Prefill: 128 tokens over two warpgroups; decode (few tokens): the smallest tile the MMA takes.
+        block_t = 128 if n_tokens > 64 else max(16, 1 << (n_tokens - 1).bit_length())
+        integers = (n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0),
+                    kv_b_scale.stride(1), out.stride(0), n_out if quantize else out.stride(1),
+                    out_scales.stride(0) if quantize else 0)
+        constexprs = dict(
+            HEAD_ROWS=nope + v_dim, ROW_OFFSET=nope if transposed else 0, REDUCE=reduce, CHUNK=chunk,
+            BLOCK_T=block_t, BLOCK_O=BLOCK_O, SCALE_BLOCK=WEIGHT_BLOCK, TRANSPOSED=transposed,
+            QUANTIZE_OUT=quantize, MIN_EXPONENT=ACT_MIN_EXPONENT, INTERPRETED=INTERPRET,
+            num_warps=8 if block_t == 128 else 4, num_stages=3)
+        kept.args = ((cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O), integers, constexprs)
+    grid, integers, constexprs = kept.args
+    launch(_mla_head_proj_kernel, grid, (x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
+                                         out_scales if quantize else out, *integers), constexprs, kept.compiled)
 
 
 def mla_value_proj_fp8(
@@ -186,30 +188,40 @@ def mla_value_proj_fp8(
         minirt.errors.InputError: shapes or dtypes that do not match the above, or tensors on a
             device the kernels cannot use.
     """
-    _check_inputs("o_lat", o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, transposed=True)
-    if v_head_dim % FP8_GROUP:
-        raise InputError(f"v_head_dim must be a multiple of {FP8_GROUP} (whole scale groups per head), "
-                         f"got {v_head_dim}")
+    kept = per_signature(_PLANS, lambda: (
+        described(o_lat), described(kv_b_weight), described(kv_b_scale), qk_nope_head_dim.__class__, qk_nope_head_dim,
+        v_head_dim.__class__, v_head_dim, True, None if out is None else (out.__class__, *map(described, out))),
+        lambda: _check_value_proj(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or Kept())
     n_tokens, n_heads, _ = o_lat.shape
-    width = n_heads * v_head_dim
-    tensors = {"o_lat": o_lat, "kv_b_weight": kv_b_weight, "kv_b_scale": kv_b_scale}
     if out is None:
+        width = n_heads * v_head_dim
         out = (torch.empty((n_tokens, width), dtype=FP8_DTYPE, device=o_lat.device),
                torch.empty((n_tokens, width // FP8_GROUP), dtype=torch.float32, device=o_lat.device))
-    elif not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
-              and out[0].dtype == FP8_DTYPE and tuple(out[0].shape) == (n_tokens, width)
-              and out[1].dtype == torch.float32 and tuple(out[1].shape) == (n_tokens, width // FP8_GROUP)
-              and out[0].is_contiguous() and out[1].is_contiguous()):
-        raise InputError(f"out must be a tuple of contiguous tensors (float8_e4m3fn [{n_tokens}, {width}], "
-                         f"float32 [{n_tokens}, {width // FP8_GROUP}])")
-    else:
-        tensors |= {"out": out[0], "out_scales": out[1]}
-    check_device(tensors)
     if o_lat.stride(2) != 1:
         o_lat = o_lat.contiguous()
     if n_tokens > 0:
-        _launch(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, True, out[0], out[1])
+        _launch(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, True, out[0], out[1], kept)
     return out
+
+
+def _check_value_proj(o_lat, kv_b_weight, kv_b_scale, nope, v_dim, out) -> None:
+    """mla_value_proj_fp8's input checks (InputError)."""
+    _check_inputs("o_lat", o_lat, kv_b_weight, kv_b_scale, nope, v_dim, transposed=True)
+    if v_dim % FP8_GROUP:
+        raise InputError(f"v_head_dim must be a multiple of {FP8_GROUP} (whole scale groups per head), "
+                         f"got {v_dim}")
+    n_tokens, n_heads, _ = o_lat.shape
+    width = n_heads * v_dim
+    tensors = {"o_lat": o_lat, "kv_b_weight": kv_b_weight, "kv_b_scale": kv_b_scale}
+    if out is not None:
+        if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+                and out[0].dtype == FP8_DTYPE and tuple(out[0].shape) == (n_tokens, width)
+                and out[1].dtype == torch.float32 and tuple(out[1].shape) == (n_tokens, width // FP8_GROUP)
+                and out[0].is_contiguous() and out[1].is_contiguous()):
+            raise InputError(f"out must be a tuple of contiguous tensors (float8_e4m3fn [{n_tokens}, {width}], "
+                             f"float32 [{n_tokens}, {width // FP8_GROUP}])")
+        tensors |= {"out": out[0], "out_scales": out[1]}
+    check_device(tensors)
 
 
 def mla_query_absorb(
@@ -245,20 +257,29 @@ def mla_query_absorb(
         minirt.errors.InputError: shapes or dtypes that do not match the above, or tensors on a
             device the kernels cannot use.
     """
-    _check_inputs("q_nope", q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, transposed=False)
+    kept = per_signature(_PLANS, lambda: (
+        described(q_nope), described(kv_b_weight), described(kv_b_scale), qk_nope_head_dim.__class__,
+        qk_nope_head_dim, v_head_dim.__class__, v_head_dim, False, described(out)),
+        lambda: _check_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or Kept())
     n_tokens, n_heads, _ = q_nope.shape
-    shape = (n_tokens, n_heads, kv_b_weight.shape[1])
-    tensors = {"q_nope": q_nope, "kv_b_weight": kv_b_weight, "kv_b_scale": kv_b_scale}
     if out is None:
-        out = torch.empty(shape, dtype=q_nope.dtype, device=q_nope.device)
-    elif not isinstance(out, torch.Tensor) or out.dtype != q_nope.dtype or tuple(out.shape) != shape \
-            or out.stride(2) != 1:
-        raise InputError(f"out must be a {q_nope.dtype} tensor of shape {list(shape)} with unit last stride")
-    else:
-        tensors["out"] = out
-    check_device(tensors)
+        out = torch.empty((n_tokens, n_heads, kv_b_weight.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
     if q_nope.stride(2) != 1:
         q_nope = q_nope.contiguous()
     if n_tokens > 0:
-        _launch(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, False, out, None)
+        _launch(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, False, out, None, kept)
     return out
+
+
+def _check_absorb(q_nope, kv_b_weight, kv_b_scale, nope, v_dim, out) -> None:
+    """mla_query_absorb's input checks (InputError)."""
+    _check_inputs("q_nope", q_nope, kv_b_weight, kv_b_scale, nope, v_dim, transposed=False)
+    n_tokens, n_heads, _ = q_nope.shape
+    shape = (n_tokens, n_heads, kv_b_weight.shape[1])
+    tensors = {"q_nope": q_nope, "kv_b_weight": kv_b_weight, "kv_b_scale": kv_b_scale}
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != q_nope.dtype or tuple(out.shape) != shape \
+                or out.stride(2) != 1:
+            raise InputError(f"out must be a {q_nope.dtype} tensor of shape {list(shape)} with unit last stride")
+        tensors["out"] = out
+    check_device(tensors)

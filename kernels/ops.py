@@ -30,9 +30,25 @@ from .sparse_mla_prefill import sparse_mla_prefill
 from .sparse_mla_prefill_two_sources import sparse_mla_prefill_two_sources
 
 
+_LIBRARY = torch.library.Library("minirt", "FRAGMENT")
+
+
 def _registered(fn, mutates_args=()):
-    """``fn`` as the custom op ``minirt::<its name>``, its schema from its annotations."""
-    return torch.library.custom_op(f"minirt::{fn.__name__}", fn, mutates_args=mutates_args)
+    """``fn`` as the op ``torch.ops.minirt.<its name less a trailing _op>``, its schema from its annotations.
+
+    fn is the op's kernel on every device (CompositeExplicitAutograd) and autograd falls through to it: the
+    kernels return new tensors that need no grad. (torch.library.custom_op puts a Python autograd layer and
+    an output aliasing check in front of fn: ~8 µs of host time a call, as much as a decode launch.)"""
+    name = fn.__name__.removesuffix("_op")
+    _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+    _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+    _LIBRARY.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    return getattr(torch.ops.minirt, name)
+
+
+def _fake(op):
+    """A decorator registering its function as op's fake implementation (shapes and dtypes, no kernel)."""
+    return lambda fake: torch.library.register_fake(op.default, fake, lib=_LIBRARY)
 
 
 def _writes_in_place(*args):
@@ -43,25 +59,25 @@ write_kv_fp8_op = _registered(write_kv_fp8, ("kv_cache",))       # writes kv_cac
 write_kv_model1_op = _registered(write_kv_model1, ("kv_cache",))  # writes the MODEL1 cache in place
 write_index_keys_op = _registered(write_index_keys, ("cache",))   # writes the fp8 index cache in place
 for _op in (write_kv_fp8_op, write_kv_model1_op, write_index_keys_op):
-    _op.register_fake(_writes_in_place)
+    _fake(_op)(_writes_in_place)
 indexer_topk_op = _registered(indexer_topk)  # [..., topk] int32
 decode_topk_op = _registered(decode_topk)    # [..., topk] int32
 quantize_act_fp8_op = _registered(quantize_act_fp8)  # (x_fp8 [M, K], scales [M, K / 128])
 
 
-@indexer_topk_op.register_fake
-@decode_topk_op.register_fake
+@_fake(indexer_topk_op)
+@_fake(decode_topk_op)
 def _(scores, topk):
     return scores.new_empty(*scores.shape[:-1], topk, dtype=torch.int32)
 
 
-@quantize_act_fp8_op.register_fake
+@_fake(quantize_act_fp8_op)
 def _(x):
     m, k = x.shape
     return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // FP8_GROUP, dtype=torch.float32)
 
 
-@torch.library.custom_op("minirt::sparse_mla_prefill", mutates_args=())
+@_registered
 def sparse_mla_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
                           attn_sink: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,14 +85,14 @@ def sparse_mla_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
     return sparse_mla_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 
 
-@sparse_mla_prefill_op.register_fake
+@_fake(sparse_mla_prefill_op)
 def _(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
     s_q, h_q, _ = q.shape
     stats = q.new_empty(s_q, h_q, dtype=torch.float32)
     return q.new_empty(s_q, h_q, d_v), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("minirt::sparse_mla_decode_fp8", mutates_args=())
+@_registered
 def sparse_mla_decode_fp8_op(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                              d_v: int = 512, attn_sink: Optional[torch.Tensor] = None,
                              topk_length: Optional[torch.Tensor] = None, extra_kv_cache: Optional[torch.Tensor] = None,
@@ -87,14 +103,14 @@ def sparse_mla_decode_fp8_op(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
                                  extra_indices, extra_topk_length)
 
 
-@sparse_mla_decode_fp8_op.register_fake
+@_fake(sparse_mla_decode_fp8_op)
 def _(q, kv_cache, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, extra_kv_cache=None,
       extra_indices=None, extra_topk_length=None):
     b, s_q, h_q, _ = q.shape
     return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, h_q, s_q, dtype=torch.float32)
 
 
-@torch.library.custom_op("minirt::mla_decode_fp8", mutates_args=())
+@_registered
 def mla_decode_fp8_op(q_absorbed: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       topk_positions: torch.Tensor, sm_scale: float, d_v: int = 512,
                       attn_sink: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None
@@ -103,13 +119,13 @@ def mla_decode_fp8_op(q_absorbed: torch.Tensor, kv_cache: torch.Tensor, block_ta
     return mla_decode_fp8(q_absorbed, kv_cache, block_table, topk_positions, sm_scale, d_v, attn_sink, topk_length)
 
 
-@mla_decode_fp8_op.register_fake
+@_fake(mla_decode_fp8_op)
 def _(q_absorbed, kv_cache, block_table, topk_positions, sm_scale, d_v=512, attn_sink=None, topk_length=None):
     b, s_q, h_q, _ = q_absorbed.shape
     return q_absorbed.new_empty(b, s_q, h_q, d_v), q_absorbed.new_empty(b, h_q, s_q, dtype=torch.float32)
 
 
-@torch.library.custom_op("minirt::sparse_mla_prefill_two_sources", mutates_args=())
+@_registered
 def sparse_mla_prefill_two_sources_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                                       extra_kv: torch.Tensor, extra_indices: torch.Tensor, sm_scale: float,
                                       d_v: int = 512, attn_sink: Optional[torch.Tensor] = None,
@@ -121,7 +137,7 @@ def sparse_mla_prefill_two_sources_op(q: torch.Tensor, kv: torch.Tensor, indices
                                           topk_length, extra_topk_length)
 
 
-@sparse_mla_prefill_two_sources_op.register_fake
+@_fake(sparse_mla_prefill_two_sources_op)
 def _(q, kv, indices, extra_kv, extra_indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
       extra_topk_length=None):
     s_q, h_q, _ = q.shape
@@ -129,7 +145,7 @@ def _(q, kv, indices, extra_kv, extra_indices, sm_scale, d_v=512, attn_sink=None
     return q.new_empty(s_q, h_q, d_v), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("minirt::route_topk", mutates_args=())
+@_registered
 def route_topk_op(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, scoring: str, n_group: int = 1,
                   topk_group: int = 1, normalize: bool = True, scaling: float = 1.0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,26 +154,26 @@ def route_topk_op(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int
                       normalize=normalize, scaling=scaling)
 
 
-@route_topk_op.register_fake
+@_fake(route_topk_op)
 def _(logits, bias, top_k, scoring, n_group=1, topk_group=1, normalize=True, scaling=1.0):
     return (logits.new_empty(logits.shape[0], top_k),
             logits.new_empty(logits.shape[0], top_k, dtype=torch.int32))
 
 
-@torch.library.custom_op("minirt::route_hash", mutates_args=())
+@_registered
 def route_hash_op(logits: torch.Tensor, tid2eid: torch.Tensor, token_ids: torch.Tensor, scoring: str,
                   normalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``minirt.kernels.route_hash`` as a custom op: (weights, expert_ids)."""
     return route_hash(logits, tid2eid, token_ids, scoring=scoring, normalize=normalize, scaling=scaling)
 
 
-@route_hash_op.register_fake
+@_fake(route_hash_op)
 def _(logits, tid2eid, token_ids, scoring, normalize=True, scaling=1.0):
     return (logits.new_empty(logits.shape[0], tid2eid.shape[1]),
             logits.new_empty(logits.shape[0], tid2eid.shape[1], dtype=torch.int32))
 
 
-@torch.library.custom_op("minirt::moe_experts", mutates_args=())
+@_registered
 def moe_experts_op(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                    w13_scales: torch.Tensor, w2: torch.Tensor, w2_scales: torch.Tensor, format: str,
                    swiglu_limit: Optional[float] = None) -> torch.Tensor:
@@ -167,79 +183,79 @@ def moe_experts_op(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     return moe_experts(x, expert_ids, weights, experts, swiglu_limit=swiglu_limit)
 
 
-@moe_experts_op.register_fake
+@_fake(moe_experts_op)
 def _(x, expert_ids, weights, w13, w13_scales, w2, w2_scales, format, swiglu_limit=None):
     return x.new_empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("minirt::paged_indexer_scores", mutates_args=())
+@_registered
 def paged_indexer_scores_op(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                             limit: torch.Tensor, n_keys: Optional[int] = None) -> torch.Tensor:
     """``minirt.kernels.paged_indexer_scores`` as a custom op: scores [b, t, n_keys] float32."""
     return paged_indexer_scores(q, weights, cache, block_table, limit, n_keys=n_keys)
 
 
-@paged_indexer_scores_op.register_fake
+@_fake(paged_indexer_scores_op)
 def _(q, weights, cache, block_table, limit, n_keys=None):
     width = n_keys if n_keys is not None else block_table.shape[1] * cache.shape[1]  # pages × block_size
     return q.new_empty(q.shape[0], q.shape[1], width, dtype=torch.float32)
 
 
-@torch.library.custom_op("minirt::apply_rope", mutates_args=())
+@_registered
 def apply_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``minirt.kernels.apply_rope`` as a custom op: x's shape, out_dtype (default x's)."""
     return apply_rope(x, cos, sin, rope_dims, interleaved, out_dtype)
 
 
-@apply_rope_op.register_fake
+@_fake(apply_rope_op)
 def _(x, cos, sin, rope_dims, interleaved, out_dtype=None):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 
-@torch.library.custom_op("minirt::rms_norm", mutates_args=())
+@_registered
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``minirt.kernels.rms_norm`` as a custom op: [M, N] of x's dtype."""
     return rms_norm(x, weight, eps)
 
 
-@rms_norm_op.register_fake
+@_fake(rms_norm_op)
 def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("minirt::fp8_gemm", mutates_args=())
+@_registered
 def fp8_gemm_op(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``minirt.kernels.fp8_gemm`` as a custom op: a · b^T [M, N] of out_dtype."""
     return fp8_gemm(a, a_scales, b, b_scales, out_dtype)
 
 
-@fp8_gemm_op.register_fake
+@_fake(fp8_gemm_op)
 def _(a, a_scales, b, b_scales, out_dtype=torch.bfloat16):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
-@torch.library.custom_op("minirt::mla_query_absorb", mutates_args=())
+@_registered
 def mla_query_absorb_op(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_scale: torch.Tensor,
                         qk_nope_head_dim: int, v_head_dim: int) -> torch.Tensor:
     """``minirt.kernels.mla_query_absorb`` as a custom op: q_lat [T, H, C]."""
     return mla_query_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim)
 
 
-@mla_query_absorb_op.register_fake
+@_fake(mla_query_absorb_op)
 def _(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim):
     return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], kv_b_weight.shape[1])
 
 
-@torch.library.custom_op("minirt::mla_value_proj_fp8", mutates_args=())
+@_registered
 def mla_value_proj_fp8_op(o_lat: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_scale: torch.Tensor,
                           qk_nope_head_dim: int, v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``minirt.kernels.mla_value_proj_fp8`` as a custom op: (o_fp8 [T, H * v], scales [T, H * v / 128])."""
     return mla_value_proj_fp8(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim)
 
 
-@mla_value_proj_fp8_op.register_fake
+@_fake(mla_value_proj_fp8_op)
 def _(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim):
     width = o_lat.shape[1] * v_head_dim
     return o_lat.new_empty(o_lat.shape[0], width, dtype=FP8_DTYPE), \

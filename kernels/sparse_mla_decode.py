@@ -513,9 +513,9 @@ def _launch_portable(kernel, grid, args, split: bool, plan: "_DecodePlan") -> No
 @dataclass(slots=True)
 class _DecodePlan:
     """What sparse_mla_decode_fp8 derives from one call signature (its tensors' classes, dtypes, shapes,
-    strides, devices and alignment, its options, the kernel and tiling _tiling picks), once: that the
-    inputs pass the checks, the grid and split, the launches' runtime integers, and the compiled kernels
-    (launch's cache)."""
+    strides, devices and alignment, and its options: these decide the kernel and tiling _tiling picks),
+    once: that the inputs pass the checks, the grid and split, the launches' runtime integers, and the
+    compiled kernels (launch's cache)."""
 
     model1: bool
     use_sm90: bool
@@ -528,8 +528,9 @@ class _DecodePlan:
     padded_blocks: bool
     sizes: tuple           # the decode kernel's runtime integers before sm_scale_log2 ...
     flags_strides: tuple   # ... and after it
+    copies: bool           # q and the index lists are copied (one of them has a non-unit last stride)
     partials: Optional[tuple]   # the split partials' shapes (out, lse); None: unsplit
-    merge: tuple           # (grid, runtime integers after the tensors) of the merge kernel
+    merge: tuple           # (grid, runtime integers after the tensors, constexprs) of the merge kernel
     config: Optional[DecodeConfig]   # the portable kernel's launch shape
     compiled: dict
 
@@ -563,13 +564,15 @@ def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, ext
     out_shape, lse_shape = (b, s_q, h_q, D_V), (b, h_q, s_q)
     out_strides = out.stride() if out is not None else _strides(out_shape)
     lse_strides = lse.stride() if lse is not None else _strides(lse_shape)
-    # (the kernels see q and the index lists with a contiguous last dim: sparse_mla_decode_fp8 copies them if not)
-    q_strides = q.stride() if q.stride(3) == 1 else _strides(q.shape)
-    i_strides = indices.stride() if indices.stride(2) == 1 else _strides(indices.shape)
+    # The kernels see q and the index lists with a contiguous last dim: sparse_mla_decode_fp8 copies all
+    # three (contiguous() of a contiguous tensor is itself) where one is not.
+    copies = q.stride(3) != 1 or indices.stride(2) != 1 or (extra_indices is not None and extra_indices.stride(2) != 1)
+    q_strides = _strides(q.shape) if copies else q.stride()
+    i_strides = _strides(indices.shape) if copies else indices.stride()
     if extra_indices is None:
         ei_strides = i_strides
     else:
-        ei_strides = extra_indices.stride() if extra_indices.stride(2) == 1 else _strides(extra_indices.shape)
+        ei_strides = _strides(extra_indices.shape) if copies else extra_indices.stride()
     use_sm90, block_h, block_n = _tiling(q, config)
     n_head_blocks = cdiv(h_q, block_h)
     n_rows = b * s_q
@@ -602,12 +605,13 @@ def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, ext
     n_merge_blocks = cdiv(h_q, _MERGE_BLOCK_H)
     merge = ((n_rows * n_merge_blocks,), (
         num_splits, s_q, h_q, n_merge_blocks, has_sink, *o_strides[:1], *o_strides[2:4], *l_strides[:1],
-        *l_strides[2:3], *out_strides[:3], lse_strides[0], lse_strides[2], lse_strides[1]))
+        *l_strides[2:3], *out_strides[:3], lse_strides[0], lse_strides[2], lse_strides[1]), dict(
+        BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET, INTERPRETED_SPLITS=num_splits if INTERPRET else 0, num_warps=4))
     return _DecodePlan(
         model1=model1, use_sm90=use_sm90, out_shape=out_shape, lse_shape=lse_shape, widths=(topk, extra_topk),
         grid=(n_rows * n_head_blocks, num_splits) if n_rows else None, split_len=split_len, block_h=block_h,
         padded_blocks=not model1 and geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES,
-        sizes=sizes, flags_strides=flags_strides, partials=partials, merge=merge,
+        sizes=sizes, flags_strides=flags_strides, copies=copies, partials=partials, merge=merge,
         config=None if use_sm90 else config or default_config(h_q, d_qk), compiled={})
 
 
@@ -685,7 +689,7 @@ def sparse_mla_decode_fp8(
     plan = per_signature(_PLANS, lambda: (
         described(q), described(kv_cache), described(indices), described(attn_sink), described(topk_length),
         described(extra_kv_cache), described(extra_indices), described(extra_topk_length), described(out),
-        described(lse), d_v, num_splits.__class__, num_splits, config, _tiling(q, config)),
+        described(lse), d_v, num_splits.__class__, num_splits, config),
         lambda: _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, extra_indices,
                       extra_topk_length, out, lse, num_splits, config))
     device = q.device
@@ -695,12 +699,8 @@ def sparse_mla_decode_fp8(
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
     if plan.grid is None:
         return out, lse
-    if q.stride(3) != 1:
-        q = q.contiguous()
-    if indices.stride(2) != 1:
-        indices = indices.contiguous()
-    if extra_indices is not None and extra_indices.stride(2) != 1:
-        extra_indices = extra_indices.contiguous()
+    if plan.copies:   # (the kernels read q and the index lists with a contiguous last dim)
+        q, indices, extra_indices = (t.contiguous() if t is not None else None for t in (q, indices, extra_indices))
     split = plan.partials is not None
     if split:
         dst_out = torch.empty(plan.partials[0], dtype=torch.float32, device=device)
@@ -739,10 +739,9 @@ def sparse_mla_decode_fp8(
         else:
             sm90.launch(grid, args, split, plan.padded_blocks, plan.compiled)
     if split:
-        merge_grid, merge_args = plan.merge
-        launch(_merge_splits_kernel, merge_grid, (dst_out, dst_lse, sink, out, lse, *merge_args), dict(
-            BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET, INTERPRETED_SPLITS=grid[1] if INTERPRET else 0, num_warps=4),
-            plan.compiled)
+        merge_grid, merge_args, merge_constexprs = plan.merge
+        launch(_merge_splits_kernel, merge_grid, (dst_out, dst_lse, sink, out, lse, *merge_args), merge_constexprs,
+               plan.compiled)
     return out, lse
 
 

@@ -14,7 +14,7 @@ from minirt.errors import InputError
 from . import sparse_mla_prefill_sm90 as sm90
 from ._common import (INTERPRET, LN2, LOG2E, check_config, check_device, check_tensor, check_tensors,
                       softmax_rows, softmax_step)
-from ._launch import cdiv, described, launch, per_signature
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 
 @dataclass(frozen=True)
@@ -167,9 +167,9 @@ def _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config) -> N
     check_device(tensors)
 
 
-# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; d_v; config) -> the
-# compiled kernels of its launches: a signature seen before passed the checks and launches them directly.
-_COMPILED: dict = {}
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; d_v; config) -> its Kept
+# (value: the portable kernel's PrefillConfig, None for the sm90 kernel): a signature seen before passed the checks.
+_KEPT: dict = {}
 
 
 def uses_sm90_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: Optional[PrefillConfig] = None) -> bool:
@@ -179,33 +179,35 @@ def uses_sm90_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: Option
     return config is None and not INTERPRET and sm90.supported(q, kv, d_v)
 
 
-def _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config: PrefillConfig, compiled: dict):
+def _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept: Kept):
     """Run the portable kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written;
-    compiled: the call signature's compiled kernels (minirt.kernels._launch.launch)."""
-    s_q, h_q, d_qk = q.shape
+    kept: the call signature's Kept (value: its PrefillConfig)."""
     o, max_logits, lse = out
-    d_v = o.shape[2]
-    n_head_blocks = cdiv(h_q, config.block_h)
     # Unused optional pointers still need a tensor argument; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
-    launch(_sparse_mla_prefill_kernel, (s_q * n_head_blocks,), (
-        q, kv, indices, lengths, sink,
-        o, max_logits, lse,
-        kv.shape[0], h_q, indices.shape[2], n_head_blocks, sm_scale_log2,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(2),
-        indices.stride(0), indices.stride(2),
-        lengths.stride(0), sink.stride(0),
-        o.stride(0), o.stride(1), o.stride(2),
-        max_logits.stride(0), max_logits.stride(1),
-        lse.stride(0), lse.stride(1)), dict(
-        D_V=d_v, D_QK=d_qk,
-        BLOCK_V=_padded(d_v), BLOCK_TAIL=_padded(d_qk - d_v) if d_qk > d_v else 0,
-        BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, UPCAST=INTERPRET,
-        INTERPRETED_TOPK=indices.shape[2] if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages), compiled)
+    if kept.args is None:
+        config = kept.value
+        s_q, h_q, d_qk = q.shape
+        d_v = o.shape[2]
+        n_head_blocks = cdiv(h_q, config.block_h)
+        kept.args = ((s_q * n_head_blocks,), (kv.shape[0], h_q, indices.shape[2], n_head_blocks), (
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(2),
+            indices.stride(0), indices.stride(2),
+            lengths.stride(0), sink.stride(0),
+            o.stride(0), o.stride(1), o.stride(2),
+            max_logits.stride(0), max_logits.stride(1),
+            lse.stride(0), lse.stride(1)), dict(
+            D_V=d_v, D_QK=d_qk,
+            BLOCK_V=_padded(d_v), BLOCK_TAIL=_padded(d_qk - d_v) if d_qk > d_v else 0,
+            BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+            HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, UPCAST=INTERPRET,
+            INTERPRETED_TOPK=indices.shape[2] if INTERPRET else 0,
+            num_warps=config.num_warps, num_stages=config.num_stages))
+    grid, sizes, strides, constexprs = kept.args
+    launch(_sparse_mla_prefill_kernel, grid, (q, kv, indices, lengths, sink, o, max_logits, lse, *sizes, sm_scale_log2,
+                                              *strides), constexprs, kept.compiled)
     return o, max_logits, lse
 
 
@@ -271,10 +273,11 @@ def sparse_mla_prefill(
         minirt.errors.InputError: wrong type, dtype, shape or device, h_kv != 1, d_v not in [1, d_qk],
             head dims outside d_v <= 512 and d_qk - d_v <= 64.
     """
-    compiled = per_signature(_COMPILED, lambda: (
+    kept = per_signature(_KEPT, lambda: (
         described(q), described(kv), described(indices), described(attn_sink), described(topk_length),
         None if out is None else tuple(described(t) for t in out), d_v.__class__, d_v, config),
-        lambda: _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config) or {})
+        lambda: _check_inputs(q, kv, indices, d_v, attn_sink, topk_length, out, config)
+        or Kept(None if uses_sm90_kernel(q, kv, d_v, config) else config or default_config(q.shape[1])))
     s_q, h_q, _ = q.shape
     if out is None:
         out = (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
@@ -283,6 +286,6 @@ def sparse_mla_prefill(
     if s_q == 0 or h_q == 0:
         return tuple(out)
     sm_scale_log2 = float(sm_scale) * formats.LOG2E
-    if uses_sm90_kernel(q, kv, d_v, config):
-        return sm90.launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, compiled)
-    return _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, config or default_config(h_q), compiled)
+    if kept.value is None:   # (the signature's kernel: the sm90 one, else the portable one with its config)
+        return sm90.launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept)
+    return _launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept)

@@ -468,21 +468,23 @@ def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
             and kv.stride(0) * kv.element_size() % 16 == 0 and kv.data_ptr() % 16 == 0)
 
 
-def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, compiled: dict):
+def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
     """Run the kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written;
-    compiled: the call signature's compiled kernels (minirt.kernels._launch.launch)."""
-    s_q, h_q, d_qk = q.shape
+    kept: the call signature's minirt.kernels._launch.Kept."""
     o, max_logits, lse = out
-    n_head_blocks = cdiv(h_q, BLOCK_H.value)
     # Unused optional pointers still need a tensor argument; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
-    launch_compiled(_sparse_mla_prefill_sm90_kernel, (s_q * n_head_blocks,), (
-        q, kv, indices, lengths, sink, o, max_logits, lse,
-        kv.shape[0], h_q, indices.shape[2], n_head_blocks, sm_scale_log2,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
-        sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
-        lse.stride(0), lse.stride(1)), dict(
-        HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, HAS_ROPE=d_qk > 2 * HALF,
-        num_warps=4, maxnreg=168), compiled)
+    if kept.args is None:
+        s_q, h_q, d_qk = q.shape
+        n_head_blocks = cdiv(h_q, BLOCK_H.value)
+        kept.args = ((s_q * n_head_blocks,), (kv.shape[0], h_q, indices.shape[2], n_head_blocks), (
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
+            sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
+            lse.stride(0), lse.stride(1)), dict(
+            HAS_TOPK_LENGTH=topk_length is not None, HAS_ATTN_SINK=attn_sink is not None, HAS_ROPE=d_qk > 2 * HALF,
+            num_warps=4, maxnreg=168))
+    grid, sizes, strides, constexprs = kept.args
+    launch_compiled(_sparse_mla_prefill_sm90_kernel, grid, (q, kv, indices, lengths, sink, o, max_logits, lse, *sizes,
+                                                            sm_scale_log2, *strides), constexprs, kept.compiled)
     return o, max_logits, lse

@@ -15,11 +15,16 @@ Per row (one function on one tiny shape, after warm-up calls that compile its ke
 The targets: host cost <= 15 µs per call for every public kernel function, eager decode within 10% of its
 graph time (bench_decode's b 128 rows: this script's rows are host-bound on purpose). Runs in well under a
 minute once the kernels are compiled (tiny shapes).
+
+Without a GPU, ``TRITON_INTERPRET=1 python3 scripts/bench_host_cost.py --stub-kernels`` estimates the launchers'
+own part: the inputs on the CPU and every kernel launch a no-op, host µs is the Python and torch work of a
+call besides its launches (CPU time of the process, the least of 5 runs: the machine may be shared).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -168,6 +173,24 @@ def time_graph(fn, calls: int, per_graph: int) -> float:
     return (time.perf_counter() - start) / (replays * per_graph) * 1e6
 
 
+def stub_kernel_launches() -> None:
+    """--stub-kernels: every (interpreted) kernel launch does nothing and the cases' inputs are CPU tensors."""
+    global DEVICE
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--stub-kernels needs TRITON_INTERPRET=1 set before the start")
+    from triton.runtime.interpreter import InterpretedFunction
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
+    DEVICE = "cpu"
+
+
+def time_host(fn, calls: int) -> float:
+    """CPU µs of this process per call over `calls` back-to-back calls (no GPU to wait for)."""
+    start = time.process_time()
+    for _ in range(calls):
+        fn()
+    return (time.process_time() - start) / calls * 1e6
+
+
 def profile(fn, calls: int) -> None:
     """Print where `calls` calls of fn spend their host time, by function (cProfile's own time first)."""
     profiler = cProfile.Profile()
@@ -175,7 +198,8 @@ def profile(fn, calls: int) -> None:
     for _ in range(calls):
         fn()
     profiler.disable()
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
@@ -187,9 +211,15 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--profile", action="store_true",
                         help="after each row, the Python functions its calls spend their host time in (cProfile)")
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="no GPU: CPU inputs, kernel launches stubbed out (TRITON_INTERPRET=1): the launchers' own "
+                             "host µs")
     args = parser.parse_args()
+    if args.stub_kernels:
+        stub_kernel_launches()
     # (Triton's launch hooks, a profiler's, send every launch through its dispatch: kernels/_launch.py.)
-    lines = [f"GPU: {torch.cuda.get_device_name()}; {args.calls} calls a row; graph: {args.per_graph} calls a "
+    device = "CPU, kernel launches stubbed out" if args.stub_kernels else f"GPU: {torch.cuda.get_device_name()}"
+    lines = [f"{device}; {args.calls} calls a row; graph: {args.per_graph} calls a "
              f"graph; Triton launch hooks set: {_launch._hooked(knobs.runtime)}", "", "| function | case | host µs / call | eager µs / call | graph µs / call | eager / graph |",
              "|---|---|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
@@ -204,9 +234,13 @@ def main() -> None:
                     raise fn
                 for _ in range(3):   # compiles, fills each launch site's caches
                     fn()
-                host, eager = min((time_eager(fn, args.calls) for _ in range(3)), key=lambda t: t[1])
-                graph = time_graph(fn, args.calls, args.per_graph)
-                row = f"| {name} | {case} | {host:.1f} | {eager:.1f} | {graph:.1f} | {eager / graph:.2f} |"
+                if args.stub_kernels:
+                    host = min(time_host(fn, args.calls) for _ in range(5))
+                    row = f"| {name} | {case} | {host:.1f} | | | |"
+                else:
+                    host, eager = min((time_eager(fn, args.calls) for _ in range(3)), key=lambda t: t[1])
+                    graph = time_graph(fn, args.calls, args.per_graph)
+                    row = f"| {name} | {case} | {host:.1f} | {eager:.1f} | {graph:.1f} | {eager / graph:.2f} |"
             except Exception as error:   # one failing function does not hide the others' rows
                 row = f"| {name} | {case} | error: {type(error).__name__}: {str(error)[:120]} | | | |"
             lines.append(row)

@@ -19,9 +19,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def force_portable_kernels(monkeypatch):
     """Make the public attention functions run the portable Triton kernels, not the Gluon ones."""
     import importlib
-    for name in ("sparse_mla_prefill", "sparse_mla_decode"):   # the modules, not the functions
-        monkeypatch.setattr(importlib.import_module(f"minirt.kernels.{name}"), "uses_sm90_kernel",
-                            lambda *args, **kwargs: False)
+    for name, plans in (("sparse_mla_prefill", "_KEPT"), ("sparse_mla_decode", "_PLANS")):   # the modules
+        module = importlib.import_module(f"minirt.kernels.{name}")
+        monkeypatch.setattr(module, "uses_sm90_kernel", lambda *args, **kwargs: False)
+        # (The kernel is chosen once per call signature: plans kept by earlier calls would keep their choice.)
+        monkeypatch.setattr(module, plans, {})
 
 
 @pytest.fixture(params=["sm90", "portable"] if DEVICE == "cuda" else ["portable"])

@@ -2,9 +2,11 @@
 integers derived once) must give every later call with that signature its own results, and must not let
 through an input that the checks refuse; the ordering kernel ranks sequences by both lists' used entries;
 launch (kernels/_launch.py) passes a compiled kernel's launcher every parameter in order; on a GPU later
-calls launch the compiled kernels directly, with the JIT path's results bit for bit.
+calls launch the compiled kernels directly, with the JIT path's results bit for bit. The head projections'
+kept plans likewise (the other launchers' are tested beside them: positions_to_slots in test_kv_cache_fp8).
 """
 import importlib
+import math
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from triton.runtime.jit import JITFunction
 
 from conftest import DEVICE
 from minirt.errors import InputError
-from minirt.kernels import _launch
+from minirt.kernels import _launch, mla_query_absorb, mla_value_proj_fp8
 from minirt.kernels.sparse_mla_decode import longest_first, sparse_mla_decode_fp8
 from test_sparse_mla_decode import SM_SCALE, check, decode, make_cache, random_indices, random_q, reference
 
@@ -55,6 +57,54 @@ def test_a_kept_plan_serves_new_data_and_refuses_what_the_checks_refuse():
     with pytest.raises(InputError, match="16 bytes"):
         decode(q, shifted, indices, SM_SCALE, topk_length=lengths, num_splits=1)
     assert len(decode_module._PLANS) == plans[0]
+
+
+@pytest.mark.parametrize("strided", ["q", "indices"])
+def test_a_kept_plan_copies_a_list_with_a_non_unit_last_stride(strided):
+    """The plan of a signature whose q or indices has a non-unit last stride copies them before every launch:
+    the same results as the contiguous inputs', on the plan's first and later calls."""
+    b, s_q, h_q, topk = 2, 1, 16, 64
+    _, cache = make_cache(2, 64, 31)
+    for seed in (3, 4):
+        indices = random_indices(b, s_q, topk, 128, seed).to(DEVICE)
+        q = random_q(b, s_q, h_q, seed)
+        want = decode(q, cache, indices, SM_SCALE, num_splits=1)
+        if strided == "q":
+            q = torch.stack([q, torch.full_like(q, math.nan)], -1)[..., 0]
+        else:
+            indices = torch.stack([indices, torch.zeros_like(indices)], -1)[..., 0]
+        assert q.stride(3) != 1 or indices.stride(2) != 1
+        for got, expected in zip(decode(q, cache, indices, SM_SCALE, num_splits=1), want):
+            assert torch.equal(got, expected)
+
+
+def test_head_projections_keep_a_plan_per_signature_and_still_refuse_bad_input():
+    """mla_query_absorb / mla_value_proj_fp8 keep one plan per call signature: a second call with new data (and
+    a strided q_nope, copied) gives that data's results; an out the checks refuse still raises after a kept
+    plan of the same other inputs."""
+    gen = torch.Generator().manual_seed(5)
+    heads, nope, v_dim, latent = 4, 128, 128, 512
+    w = torch.randn(heads * (nope + v_dim), latent, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
+    scales = (torch.rand(heads * (nope + v_dim) // 128, latent // 128, generator=gen) + 0.5).to(DEVICE)
+    results = []
+    for seed in (1, 2):
+        q = torch.randn(3, heads, nope + 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        q_nope = q.to(DEVICE)[..., :nope]
+        results.append((mla_query_absorb(q_nope, w, scales, nope, v_dim),
+                        mla_query_absorb(q_nope.contiguous(), w, scales, nope, v_dim)))
+        strided = torch.stack([q_nope, torch.full_like(q_nope, math.nan)], -1)[..., 0]
+        assert torch.equal(mla_query_absorb(strided, w, scales, nope, v_dim), results[-1][1])
+        o_lat = torch.randn(3, heads, latent, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        codes, o_scales = mla_value_proj_fp8(o_lat.to(DEVICE), w, scales, nope, v_dim)
+        results.append((codes.view(torch.uint8), mla_value_proj_fp8(o_lat.to(DEVICE), w, scales, nope, v_dim)[0]
+                        .view(torch.uint8)))
+    for got, again in results:
+        assert torch.equal(got, again)
+    assert not torch.equal(results[0][0], results[2][0]) and not torch.equal(results[1][0], results[3][0])
+    with pytest.raises(InputError, match="out must be"):
+        mla_query_absorb(q_nope, w, scales, nope, v_dim, out=torch.empty(3, heads, latent, device=DEVICE))
+    with pytest.raises(InputError, match="out must be"):
+        mla_value_proj_fp8(o_lat.to(DEVICE), w, scales, nope, v_dim, out=(codes, o_scales[:, :1]))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels (and their direct launches) need a GPU")

@@ -206,6 +206,11 @@ def test_positions_to_slots():
     # int64 positions and a 2-D [b, n] shape (the writer's use)
     got2 = positions_to_slots(positions[:, 0].long().to(DEVICE), table.to(DEVICE), cache)
     assert torch.equal(got2.cpu(), want[:, 0])
+    # Strided positions and table (copied before the launch), twice: the second call takes the kept plan.
+    strided_table = torch.stack([table, torch.zeros_like(table)], -1).to(DEVICE)[..., 0]
+    for _ in range(2):
+        got3 = positions_to_slots(positions.transpose(1, 2).to(DEVICE).transpose(1, 2), strided_table, cache)
+        assert got3.is_contiguous() and torch.equal(got3.cpu(), want)
 
 
 def test_bad_inputs_raise_input_error():

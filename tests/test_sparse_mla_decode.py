@@ -469,6 +469,7 @@ def test_sm90_launch_matches_kernel_signature(monkeypatch, num_splits, h_q):
     launches, merges = [], record_launches(monkeypatch, decode, "_merge_splits_kernel")   # nothing to merge
     for use_sm90, module, name in ((False, decode, "_sparse_decode_kernel"), (True, *gluon_kernel(h_q))):
         monkeypatch.setattr(decode, "uses_sm90_kernel", lambda *args, **kwargs: use_sm90)
+        monkeypatch.setattr(decode, "_PLANS", {})   # (the kernel is chosen once per call signature)
         recorded = record_launches(monkeypatch, module, name)
         sparse_mla_decode_fp8(q, cache, indices, SM_SCALE, num_splits=num_splits)
         (arguments,) = recorded

@@ -71,6 +71,7 @@ def test_sm90_launch_matches_portable_arguments(monkeypatch, num_splits, h_q):
     for use_sm90, module, name in ((False, decode_module, "_sparse_decode_model1_kernel"),
                                    (True, model1_sm90, "_sparse_decode_model1_kernel")):
         monkeypatch.setattr(decode_module, "uses_sm90_kernel", lambda *args, **kwargs: use_sm90)
+        monkeypatch.setattr(decode_module, "_PLANS", {})   # (the kernel is chosen once per call signature)
         recorded = record_launches(monkeypatch, module, name)
         sparse_mla_decode_fp8(random_q(1, 2, h_q, 9), cache, indices.to(DEVICE), SM_SCALE,
                               attn_sink=torch.zeros(h_q, device=DEVICE),

@@ -14,6 +14,7 @@ from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.kernels.sparse_mla_prefill import PrefillConfig, default_config, sparse_mla_prefill
 from minirt.kernels import sparse_mla_prefill_sm90 as sm90
+from minirt.kernels._launch import Kept
 
 ON_GPU = DEVICE == "cuda"
 
@@ -420,7 +421,7 @@ def test_sm90_launch_matches_kernel_signature(monkeypatch, optional):
     sink, lengths = (torch.zeros(4, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)) \
         if optional else (None, None)
     out = poisoned_outputs(2, 4, 512, q.dtype)
-    assert all(got is o for got, o in zip(sm90.launch(q, kv, indices, 0.1, sink, lengths, out, {}), out))
+    assert all(got is o for got, o in zip(sm90.launch(q, kv, indices, 0.1, sink, lengths, out, Kept()), out))
     (arguments,) = launches
     assert arguments["HAS_ATTN_SINK"] == arguments["HAS_TOPK_LENGTH"] == optional
     assert arguments["sm_scale_log2"] == 0.1 and arguments["out_ptr"] is out[0]

@@ -69,16 +69,21 @@ def test_matches_reference_over_the_concatenation(s_q, h_q, topk, extra_topk, le
 
 
 def test_combined_list_puts_used_entries_first():
-    kv, extra_kv = torch.zeros(4, 1, 8), torch.zeros(3, 1, 8)
-    indices = torch.tensor([[[2, -1, 5, 1]], [[0, 1, 2, 3]]], dtype=torch.int32)
-    extra_indices = torch.tensor([[[3, 0, 2]], [[1, 1, -1]]], dtype=torch.int32)
+    kv, extra_kv = torch.randn(4, 1, 8, device=DEVICE), torch.randn(3, 1, 8, device=DEVICE)
+    indices = torch.tensor([[[2, -1, 5, 1]], [[0, 1, 2, 3]]], dtype=torch.int32, device=DEVICE)
+    extra_indices = torch.tensor([[[3, 0, 2]], [[1, 1, -1]]], dtype=torch.int32, device=DEVICE)
     kv_all, combined, lengths = combine_sources(kv, indices, extra_kv, extra_indices,
-                                                torch.tensor([3, 1], dtype=torch.int32),
-                                                torch.tensor([9, 2], dtype=torch.int32))
-    assert kv_all.shape == (7, 1, 8)
+                                                torch.tensor([3, 1], dtype=torch.int32, device=DEVICE),
+                                                torch.tensor([9, 2], dtype=torch.int32, device=DEVICE))
+    assert torch.equal(kv_all, torch.cat([kv, extra_kv]))
     assert combined.tolist() == [[[2, -1, -1, -1, 4, 6, -1]], [[0, 5, 5, -1, -1, -1, -1]]]
     assert lengths.tolist() == [6, 3]
-    assert combine_sources(kv, indices, extra_kv, extra_indices)[2] is None
+    # Without lengths every entry is used; a list with a non-unit last stride reads as its values.
+    strided = torch.tensor([[[2, 9, -1, 9, 5, 9, 1, 9]], [[0, 9, 1, 9, 2, 9, 3, 9]]], dtype=torch.int32,
+                           device=DEVICE)[:, :, ::2]
+    _, combined, lengths = combine_sources(kv, strided, extra_kv, extra_indices)
+    assert lengths is None
+    assert combined.tolist() == [[[2, -1, -1, 1, -1, 4, 6]], [[0, 1, 2, 3, 5, 5, -1]]]
 
 
 def test_bad_inputs_raise_input_error():
