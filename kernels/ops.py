@@ -7,6 +7,8 @@ Each op has the signature and semantics of the Python function it wraps (see tha
 docstring), less the keyword-only ``out``/``config`` arguments; a function without those is registered
 as it is (:func:`_registered`). The registered fake implementation gives output shapes and dtypes without
 running a kernel (nor the wrapper's checks, which need real data pointers).
+The ops are forward only, like the kernels: autograd falls through them, so their outputs never require
+grad and no gradient flows back through them.
 """
 from typing import Optional
 
