@@ -79,10 +79,11 @@ def test_compressor_state_across_chunks_and_decode(v4_tiny, prefix, layer):
             got.update({lo + i: e for i, e in enumerate(entries)})
     for t in range(T - decoded, T):
         step = SimpleNamespace(positions=torch.tensor([t]), seq=torch.tensor([1]))
-        entry, window, emit = comp.decode(F.linear(x[t: t + 1], comp.wkv), F.linear(x[t: t + 1], comp.wgate), step,
-                                          state, table)
-        assert bool(emit) == ((t + 1) % kind.ratio == 0)
-        if emit:
+        entry = torch.full((1, dim), float("nan"))
+        window = comp.decode(F.linear(x[t: t + 1], comp.wkv), F.linear(x[t: t + 1], comp.wgate), step, state, table,
+                             entry, slots_per_seq=0)  # slot = window id, or -1
+        assert (int(window) >= 0) == ((t + 1) % kind.ratio == 0)
+        if int(window) >= 0:
             got[int(window)] = entry[0]
     assert sorted(got) == list(range(T // kind.ratio))
     torch.testing.assert_close(torch.stack([got[i] for i in sorted(got)]), expect, rtol=1e-5, atol=1e-5)

@@ -5,9 +5,11 @@ Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
 
 * mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32;
 * attention (:class:`Attention`): fp8 projections (``Fp8Linear`` on the stored e4m3 weights, the ue8m0
-  scales as float32), kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
+  scales as float32; those of one input stacked into one GEMM), each norm and rope one ``norm_rope``
+  launch, kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
   each completed window into a compressed entry inside the step (its fp32 partial-window state carried
-  across chunks and steps), written to the MODEL1 compressed cache; CSA: the :class:`Indexer`'s keys
+  across chunks and steps; at decode one ``compressor_decode`` launch), written to the MODEL1 compressed
+  cache; CSA: the :class:`Indexer`'s keys
   (fp32, exact) and top-k by ``lightning_indexer_scores`` / ``indexer_topk``. Prefill attends the
   prefill's bf16 keys and entries with ``sparse_mla_prefill(_two_sources)``; decode reads both fp8
   caches with ``sparse_mla_decode_fp8`` (window + extra cache in one softmax, the sink in the
@@ -36,6 +38,7 @@ from ...fp8_linear import Fp8Linear
 from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
                         sparse_mla_prefill_two_sources, write_kv_model1)
 from ...kernels import mhc
+from ...kernels.compressor_decode import compressor_decode
 from ...kernels.fp8_gemm import fp8_gemm, quantize_act_fp8
 from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
 from ...kernels.moe_routing import route_hash, route_topk
@@ -155,24 +158,14 @@ class Compressor(nn.Module):
         return norm_rope(pooled, eps=self.eps, weight=self.norm, cos=table[0], sin=table[1],
                          positions=windows * self.ratio, out_dtype=self.dtype)
 
-    def decode(self, kv: Tensor, gate: Tensor, step: V4Step, state: CompressorState,
-               table) -> tuple[Tensor, Tensor, Tensor]:
+    def decode(self, kv: Tensor, gate: Tensor, step: V4Step, state: CompressorState, table, out: Tensor,
+               slots_per_seq: int | None = None) -> Tensor | None:
         """One token per sequence, kv / gate [b, width] fp32 its products ``wkv·x`` / ``wgate·x``: store its
-        rows in the ring, and pool its window as if complete.
-        Returns (entries [b, dim] of dtype, window ids [b], emit [b] bool: the window completes now)."""
-        m, pos, seq = self.ratio, step.positions, step.seq
-        state.kv[seq, pos % state.rows] = kv
-        state.score[seq, pos % state.rows] = gate + self.ape[pos % m]
-        windows = pos // m
-        offs = torch.arange(m, device=pos.device)
-        cur = ((windows % 2) * m if self.overlap else torch.zeros_like(windows))[:, None] + offs
-        prev_kv = prev_score = None
-        if self.overlap:
-            prev = ((windows + 1) % 2 * m)[:, None] + offs
-            prev_kv = state.kv[seq[:, None], prev]
-            prev_score = state.score[seq[:, None], prev].masked_fill((windows == 0)[:, None, None], float("-inf"))
-        pooled = self._pool(state.kv[seq[:, None], cur], state.score[seq[:, None], cur], prev_kv, prev_score)
-        return self._finish(pooled, windows, table), windows, (pos + 1) % m == 0
+        rows in the ring and, where its window completes, write the entry (``compressor_decode``, one
+        launch): out [b, dim] by token (zeros where none completes; with ``slots_per_seq`` the slots
+        ``seq · slots_per_seq + window`` or −1 are returned) or [B, n, dim] at [seq, window]."""
+        return compressor_decode(kv, gate, self.ape, state.kv, state.score, step.positions, step.seq, self.norm,
+                                 self.eps, table[0], table[1], out, slots_per_seq=slots_per_seq)
 
     def prefill(self, kv: Tensor, gate: Tensor, step: V4Step, state: CompressorState,
                 table) -> list[tuple[Segment, int, Tensor]]:
@@ -230,20 +223,18 @@ class Indexer(nn.Module):
         compressor's products of x; head_weights [N, heads] fp32: ``weights_proj · x`` (scaled); q
         [N, heads · dim]: ``wq_b · qr``."""
         table = step.rope_table["compress"]
-        spare = state.index_keys.shape[1] - 1
         if step.is_prefill:
             for seg, lo, keys in self.compressor.prefill(kv, gate, step, state.index_compressor, table):
                 state.index_keys[seg.seq, lo: lo + keys.shape[0]] = keys
         else:
-            keys, windows, emit = self.compressor.decode(kv, gate, step, state.index_compressor, table)
-            state.index_keys[step.seq, torch.where(emit, windows, spare)] = keys
+            self.compressor.decode(kv, gate, step, state.index_compressor, table, state.index_keys)
         N = q.shape[0]
         q = norm_rope(q.view(N, self.heads, self.dim), cos=table[0], sin=table[1], positions=step.positions,
                       out_dtype=torch.float32)
         last_visible = step.once("last_visible", lambda: (step.positions + 1) // LayerKind.CSA.ratio - 1)
         if not step.is_prefill:  # decode rows are the cache's first b sequences, in order
             b = N
-            scores = lightning_indexer_scores(q[:, None], state.index_keys[:b, :spare], head_weights[:, None],
+            scores = lightning_indexer_scores(q[:, None], state.index_keys[:b], head_weights[:, None],
                                               last_visible[:, None])
             return indexer_topk(scores, self.topk)[:, 0]
         picks = []
@@ -325,7 +316,8 @@ class Attention(nn.Module):
         o = (self._prefill_attention(q, kv, step, topk) if step.is_prefill
              else self._decode_attention(q, step, state, topk))
         norm_rope(o, inverse=True, out=o, **rope)  # K = V carried the keys' rope: rotated back, in place
-        out = self.tp.all_reduce(self.wo_b(self._wo_a(o.view(N, -1))).float())
+        z_fp8, z_scales = quantize_act_fp8(self._wo_a(o.view(N, -1)))
+        out = self.tp.all_reduce(fp8_gemm(z_fp8, z_scales, self.wo_b.weight, self.wo_b.weight_scale_inv, torch.float32))
         if step.trace is not None:
             step.trace.record("attn", self.index, out)
         return out
@@ -355,8 +347,8 @@ class Attention(nn.Module):
         """Pool the windows completed in this step into the compressed cache (and the prefill's stash)."""
         table, per_seq = step.rope_table["compress"], step.cache.entries_per_seq(self.kind)
         if not step.is_prefill:
-            entries, windows, emit = self.compressor.decode(kv, gate, step, state.compressor, table)
-            slots = torch.where(emit, step.seq * per_seq + windows, -1)
+            entries = torch.empty(kv.shape[0], self.cfg.head_dim, dtype=torch.bfloat16, device=kv.device)
+            slots = self.compressor.decode(kv, gate, step, state.compressor, table, entries, per_seq)
             write_kv_model1(state.compressed, entries, slots)
             return
         stash = step.entry_stash[self.kind.ratio]
