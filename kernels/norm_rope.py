@@ -45,21 +45,20 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, n_rows, 
         mask = row_mask[:, None] & (cols[None, :] < DIM - ROPE)
         tl.store(out_rows[:, None] + cols[None, :],
                  tl.load(x_rows[:, None] + cols[None, :], mask=mask).to(dtype), mask=mask)
-    if ROPE > 0:
+    if ROPE > 0:  # the pairs as [rows, ROPE / 2, 2] tiles: contiguous (vector) loads and stores
         pair = tl.arange(0, ROPE // 2)
-        first = DIM - ROPE + 2 * pair
+        tail = (DIM - ROPE + 2 * pair)[None, :, None] + tl.arange(0, 2)[None, None, :]
         pos = tl.load(pos_ptr + t, mask=row_mask, other=0).to(tl.int64)
         cos = tl.load(cos_ptr + pos[:, None] * stride_c + pair[None, :], mask=row_mask[:, None]).to(tl.float32)
         sin = tl.load(sin_ptr + pos[:, None] * stride_s + pair[None, :], mask=row_mask[:, None]).to(tl.float32)
         if INVERSE:
             sin = -sin
-        a = tl.load(x_rows[:, None] + first[None, :], mask=row_mask[:, None]).to(tl.float32) * scale[:, None]
-        b = tl.load(x_rows[:, None] + first[None, :] + 1, mask=row_mask[:, None]).to(tl.float32) * scale[:, None]
+        mask = row_mask[:, None, None]
+        x = tl.load(x_rows[:, None, None] + tail, mask=mask).to(tl.float32) * scale[:, None, None]
         if WEIGHT:
-            a = a * tl.load(w_ptr + first).to(tl.float32)[None, :]
-            b = b * tl.load(w_ptr + first + 1).to(tl.float32)[None, :]
-        tl.store(out_rows[:, None] + first[None, :], (a * cos - b * sin).to(dtype), mask=row_mask[:, None])
-        tl.store(out_rows[:, None] + first[None, :] + 1, (a * sin + b * cos).to(dtype), mask=row_mask[:, None])
+            x = x * tl.load(w_ptr + tail).to(tl.float32)
+        a, b = tl.split(x)
+        tl.store(out_rows[:, None, None] + tail, tl.join(a * cos - b * sin, a * sin + b * cos).to(dtype), mask=mask)
 
 
 def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[torch.Tensor] = None,
