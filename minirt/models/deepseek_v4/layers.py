@@ -178,9 +178,11 @@ class Compressor(nn.Module):
         for seg in step.segments:
             rows = slice(seg.offset, seg.offset + seg.length)
             first = max(0, m * (seg.start // m) - (m if self.overlap else 0))
-            past = torch.arange(first, seg.start, device=device) % R
-            seg_kv = torch.cat((state.kv[seg.seq, past], kv[rows]))
-            seg_score = torch.cat((state.score[seg.seq, past], score[rows]))
+            seg_kv, seg_score = kv[rows], score[rows]
+            if first < seg.start:  # the ring's rows of the windows this segment completes (no copy without)
+                past = torch.arange(first, seg.start, device=device) % R
+                seg_kv = torch.cat((state.kv[seg.seq, past], seg_kv))
+                seg_score = torch.cat((state.score[seg.seq, past], seg_score))
             lo, hi = seg.start // m, seg.end // m  # windows lo .. hi-1 complete in this segment
             n = hi - lo
             if n > 0:
