@@ -21,6 +21,15 @@ from ._common import check_device
 
 
 @triton.jit
+def _pool_slots(top, den, acc, sc, kv):
+    """One block of slots [S, DIM] into the per-channel online softmax (running max, denominator, sum)."""
+    new_top = tl.maximum(top, tl.max(sc, axis=0))
+    e = tl.exp(sc - new_top[None, :])
+    scale = tl.exp(top - new_top)
+    return new_top, den * scale + tl.sum(e, axis=0), acc * scale + tl.sum(e * kv, axis=0)
+
+
+@triton.jit
 def _compressor_decode_kernel(kv_ptr, gate_ptr, ape_ptr, ring_kv_ptr, ring_score_ptr, pos_ptr, seq_ptr, w_ptr,
                               cos_ptr, sin_ptr, out_ptr, slots_ptr, stride_kv, stride_gate, stride_rb, stride_rr,
                               stride_ot, stride_ob, stride_ow, stride_c, stride_s, slots_per_seq, eps,
@@ -66,12 +75,7 @@ def _compressor_decode_kernel(kv_ptr, gate_ptr, ape_ptr, ring_kv_ptr, ring_score
                           tl.where(is_new, new_score[None, :], float("-inf")))
             kv = tl.where(from_ring, tl.load(ring_kv_ptr + rows, mask=from_ring, other=0.0),
                           tl.where(is_new, new_kv[None, :], 0.0))
-            new_top = tl.maximum(top, tl.max(sc, axis=0))
-            e = tl.exp(sc - new_top[None, :])
-            scale = tl.exp(top - new_top)
-            den = den * scale + tl.sum(e, axis=0)
-            acc = acc * scale + tl.sum(e * kv, axis=0)
-            top = new_top
+            top, den, acc = _pool_slots(top, den, acc, sc, kv)
         if OVERLAP:
             if w > 0:  # window 0 has no previous window
                 for j0 in tl.static_range(0, RATIO, SLOT_BLOCK):
@@ -80,12 +84,7 @@ def _compressor_decode_kernel(kv_ptr, gate_ptr, ape_ptr, ring_kv_ptr, ring_score
                     rows = ring + (q % ROWS)[:, None] * stride_rr + cols[None, :]
                     sc = tl.load(ring_score_ptr + rows, mask=valid, other=float("-inf"))
                     kv = tl.load(ring_kv_ptr + rows, mask=valid, other=0.0)
-                    new_top = tl.maximum(top, tl.max(sc, axis=0))
-                    e = tl.exp(sc - new_top[None, :])
-                    scale = tl.exp(top - new_top)
-                    den = den * scale + tl.sum(e, axis=0)
-                    acc = acc * scale + tl.sum(e * kv, axis=0)
-                    top = new_top
+                    top, den, acc = _pool_slots(top, den, acc, sc, kv)
         pooled = acc / den
         y = pooled / tl.sqrt(tl.sum(pooled * pooled, axis=0) / DIM + eps) * tl.load(w_ptr + cols)
         # Rope on the last ROPE dims (interleaved pairs) at the window's first position; pairs before them
