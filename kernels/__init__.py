@@ -28,6 +28,9 @@
   checkpoint's experts): the routed experts' weighted sum, grouped fp8 GEMMs (fp8 or fp4 weights)
   with the permutation by expert on the device and SwiGLU fused, or at decode sizes (moe_decode)
   FMA products per assignment streaming its expert's rows once; CUDA-graph capturable.
+- ``norm_rope.norm_rope`` / ``compressor_decode.compressor_decode``: DeepSeek-V4's RMS norm + rope on
+  the last dims by position (q, kv, entries, the output's inverse rope) and its compressor at decode
+  (ring write, window pooling, norm and rope), one launch each.
 - ``mhc.hc_pre`` / ``mhc.hc_post``: DeepSeek-V4's mHC mixing (weights, Sinkhorn, collapse; the new
   residual state), one fused launch each.
 - ``torch.ops.minirt.{sparse_mla_prefill, sparse_mla_prefill_two_sources, sparse_mla_decode_fp8,

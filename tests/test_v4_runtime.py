@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import minirt
@@ -56,7 +57,7 @@ def test_verify_v4_tiny_across_chunks_and_window(v4_tiny):
 @pytest.mark.parametrize("prefix, layer", [("attn.compressor.", 1), ("attn.indexer.compressor.", 1),
                                            ("attn.compressor.", 2)])
 def test_compressor_state_across_chunks_and_decode(v4_tiny, prefix, layer):
-    """The runtime's compressor (pure torch: no kernels) emits, over prefill chunks of any length and then
+    """The runtime's compressor emits, over prefill chunks of any length and then
     one decode token at a time, exactly the reference's entries: its fp32 ring carries each partial window
     (and CSA's previous window) across steps, and an entry appears in the step that completes its window."""
     cfg, w = load_checkpoint(v4_tiny, 3)
@@ -73,13 +74,16 @@ def test_compressor_state_across_chunks_and_decode(v4_tiny, prefix, layer):
     got = {}
     for start, end in ((0, 50), (50, 177), (177, T - decoded)):  # seq 1 of 2, chunks not window-aligned
         step = SimpleNamespace(positions=torch.arange(start, end), segments=[Segment(1, start, end - start, 0)])
-        for _, lo, entries in comp.prefill(x[start:end], step, state, table):
+        rows = F.linear(x[start:end], comp.wkv), F.linear(x[start:end], comp.wgate)
+        for _, lo, entries in comp.prefill(*rows, step, state, table):
             got.update({lo + i: e for i, e in enumerate(entries)})
     for t in range(T - decoded, T):
         step = SimpleNamespace(positions=torch.tensor([t]), seq=torch.tensor([1]))
-        entry, window, emit = comp.decode(x[t: t + 1], step, state, table)
-        assert bool(emit) == ((t + 1) % kind.ratio == 0)
-        if emit:
+        entry = torch.full((1, dim), float("nan"))
+        window = comp.decode(F.linear(x[t: t + 1], comp.wkv), F.linear(x[t: t + 1], comp.wgate), step, state, table,
+                             entry, slots_per_seq=0)  # slot = window id, or -1
+        assert (int(window) >= 0) == ((t + 1) % kind.ratio == 0)
+        if int(window) >= 0:
             got[int(window)] = entry[0]
     assert sorted(got) == list(range(T // kind.ratio))
     torch.testing.assert_close(torch.stack([got[i] for i in sorted(got)]), expect, rtol=1e-5, atol=1e-5)

@@ -8,9 +8,8 @@ Per layer, by kind (:class:`LayerState`):
 * CSA / HCA: the **compressed cache**, MODEL1, one entry per ``ratio`` tokens: entry w of sequence b at slot
   ``b · entries_per_seq + w`` (pages of 64 entries for CSA, 2 for HCA); and the compressor's fp32
   partial-window state (:class:`CompressorState`).
-* CSA: the indexer's **key cache**, fp32 ``[max_batch, entries_per_seq + 1, index_head_dim]`` (exact keys:
-  the indexer selects what the reference selects), its last row a spare that absorbs the writes of steps
-  that complete no window; and the indexer compressor's state.
+* CSA: the indexer's **key cache**, fp32 ``[max_batch, entries_per_seq, index_head_dim]`` (exact keys:
+  the indexer selects what the reference selects); and the indexer compressor's state.
 
 Nothing here depends on a step's contents; the engine writes, the layers read.
 """
@@ -104,7 +103,7 @@ class V4Cache(CacheCapacity):
                 state.compressor = CompressorState(max_batch, kind.ratio, (2 if overlap else 1) * cfg.head_dim,
                                                    overlap, device)
             if kind == LayerKind.CSA:
-                state.index_keys = torch.zeros(max_batch, entries_per_seq(max_seq_len, kind) + 1, cfg.index_head_dim,
+                state.index_keys = torch.zeros(max_batch, entries_per_seq(max_seq_len, kind), cfg.index_head_dim,
                                                device=device)
                 state.index_compressor = CompressorState(max_batch, kind.ratio, 2 * cfg.index_head_dim, True, device)
             self.layers.append(state)

@@ -75,14 +75,14 @@ class EngineV4(KernelRuntime):
         return self.head(y.to(torch.bfloat16)).float()
 
     def _run(self, step: V4Step) -> torch.Tensor:
-        X = self.embed(step.tokens).float()[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        X = torch.empty(step.tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size, device=self.device)
+        X.copy_(self.embed(step.tokens)[:, None])  # the embedding in every stream, cast to fp32 in one copy
         for layer in self.layers:
             X = layer(X, step)
         return X
 
     def _step(self, tokens, positions, seq, window_slots, **prefill) -> V4Step:
-        rope = {family: (cos[positions], sin[positions]) for family, (cos, sin) in self._rope.items()}
-        return V4Step(tokens, positions, seq, rope, self._rope, self.cache, window_slots, **prefill)
+        return V4Step(tokens, positions, seq, self._rope, self.cache, window_slots, **prefill)
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,

@@ -5,9 +5,11 @@ Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
 
 * mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32;
 * attention (:class:`Attention`): fp8 projections (``Fp8Linear`` on the stored e4m3 weights, the ue8m0
-  scales as float32), kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
+  scales as float32; those of one input stacked into one GEMM), each norm and rope one ``norm_rope``
+  launch, kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
   each completed window into a compressed entry inside the step (its fp32 partial-window state carried
-  across chunks and steps), written to the MODEL1 compressed cache; CSA: the :class:`Indexer`'s keys
+  across chunks and steps; at decode one ``compressor_decode`` launch), written to the MODEL1 compressed
+  cache; CSA: the :class:`Indexer`'s keys
   (fp32, exact) and top-k by ``lightning_indexer_scores`` / ``indexer_topk``. Prefill attends the
   prefill's bf16 keys and entries with ``sparse_mla_prefill(_two_sources)``; decode reads both fp8
   caches with ``sparse_mla_decode_fp8`` (window + extra cache in one softmax, the sink in the
@@ -23,27 +25,29 @@ plan their segments on the host.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...context import KVStash, PrefillTrace, Segment
+from ...errors import ConfigError
 from ...fp8_linear import Fp8Linear
 from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
                         sparse_mla_prefill_two_sources, write_kv_model1)
 from ...kernels import mhc
+from ...kernels.compressor_decode import compressor_decode
+from ...kernels.fp8_gemm import fp8_gemm, quantize_act_fp8
 from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
 from ...kernels.moe_routing import route_hash, route_topk
-from ...norms import rmsnorm
+from ...kernels.norm_rope import norm_rope
 from ...parallel import SINGLE, TensorParallel, expert_parallel_moe
 from .cache import CompressorState, LayerState, V4Cache
 from .checkpoint import scale_name
 from .config import DeepseekV4Config, LayerKind
 from .parallel import expert_range
-from .reference import rope_tail, unweighted_rmsnorm
 
 
 def rope_family(kind: LayerKind) -> str:
@@ -55,19 +59,19 @@ def rope_family(kind: LayerKind) -> str:
 class V4Step:
     """What a prefill chunk or decode step needs besides the activations (N tokens).
 
-    tokens, positions, seq [N] int64: token ids, positions, cache rows. rope: family → (cos, sin) [N, 32]
-    fp32 at positions; rope_table: family → (cos, sin) tables by position (entry positions). window_slots
-    [N] int64: the window-ring slot each token's kv goes to (−1: not written, a later token of its
+    tokens, positions, seq [N] int64: token ids, positions, cache rows. rope_table: family → (cos, sin)
+    [positions, 32] fp32 tables by position (the kernels read them at the tokens' and entries'
+    positions). window_slots [N] int64: the window-ring slot each token's kv goes to (−1: not written, a later token of its
     segment takes the slot). Prefill only: segments (host), stash (the prefill's bf16 kv rows), window_rows
     [N] (stash rows), entry_stash / entry_base (per ratio: the prefill's bf16 compressed entries and each
     token's sequence's first row). topk_override: per layer None or [N, k] entry ids replacing the
-    indexer's choice. trace: per-layer intermediates of a prefill.
+    indexer's choice. trace: per-layer intermediates of a prefill. shared: what every layer (of a kind)
+    derives from the step alike (:meth:`once`).
     """
 
     tokens: Tensor
     positions: Tensor
     seq: Tensor
-    rope: dict[str, tuple[Tensor, Tensor]]
     rope_table: dict[str, tuple[Tensor, Tensor]]
     cache: V4Cache
     window_slots: Tensor
@@ -78,10 +82,23 @@ class V4Step:
     entry_base: dict[int, Tensor] | None = None
     topk_override: list[Tensor | None] | None = None
     trace: PrefillTrace | None = None
+    shared: dict = field(default_factory=dict)
 
     @property
     def is_prefill(self) -> bool:
         return self.segments is not None
+
+    def once(self, key, make: Callable[[], object]):
+        """``make()``, computed by the step's first layer that asks for ``key`` and reused by the others
+        (the window's indices, the entries' lengths: the same tensors in every layer)."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``minirt.norms.rmsnorm`` of x [N, d] fp32 in one launch (``norm_rope``): [N, d] fp32."""
+    return norm_rope(x, eps=eps, weight=weight)
 
 
 def fp8_linear(weight: Tensor, scale: Tensor) -> Fp8Linear:
@@ -99,21 +116,35 @@ def _linear(w: Mapping[str, Tensor], name: str) -> Fp8Linear:
 # Compressor and indexer
 
 
+def _stack_rows(parts: list[tuple[object, str]]) -> tuple[Tensor, list[int]]:
+    """Weights [out_i, in] of one input (attribute ``name`` of each ``owner``) stacked by rows, so that
+    their products run as one GEMM; each owner's attribute becomes a view of its rows (one copy in
+    memory). Returns (stacked [Σ out_i, in], the sizes out_i)."""
+    stacked = torch.cat([getattr(owner, name) for owner, name in parts])
+    sizes, row = [], 0
+    for owner, name in parts:
+        n = getattr(owner, name).shape[0]
+        setattr(owner, name, stacked[row: row + n])
+        sizes.append(n)
+        row += n
+    return stacked, sizes
+
+
 class Compressor(nn.Module):
     """One compressor (``prefix``: ``attn.compressor.`` or ``attn.indexer.compressor.``): per token the
     fp32 rows ``kv = wkv·x``, ``score = wgate·x + ape[p mod ratio]``; per completed window w the entry
     ``rope(norm(Σ softmax(score) · kv))`` at position ratio · w, over the window's tokens (with ``overlap``,
-    CSA: the previous window's first halves, then the window's second halves)."""
+    CSA: the previous window's first halves, then the window's second halves), as ``dtype``.
 
-    def __init__(self, w: Mapping[str, Tensor], prefix: str, ratio: int, dim: int, overlap: bool, eps: float):
+    Its callers run the products ``wkv·x`` / ``wgate·x`` (fp32, in one GEMM with the layer's other fp32
+    projections of x) and hand them to :meth:`decode` / :meth:`prefill`."""
+
+    def __init__(self, w: Mapping[str, Tensor], prefix: str, ratio: int, dim: int, overlap: bool, eps: float,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.ratio, self.dim, self.overlap, self.eps = ratio, dim, overlap, eps
+        self.ratio, self.dim, self.overlap, self.eps, self.dtype = ratio, dim, overlap, eps, dtype
         self.wkv, self.wgate = w[prefix + "wkv.weight"].float(), w[prefix + "wgate.weight"].float()
         self.ape, self.norm = w[prefix + "ape"].float(), w[prefix + "norm.weight"].float()
-
-    def rows(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        x = x.float()
-        return F.linear(x, self.wkv), F.linear(x, self.wgate) + self.ape[positions % self.ratio]
 
     def _pool(self, kv: Tensor, score: Tensor, prev_kv: Tensor | None, prev_score: Tensor | None) -> Tensor:
         """Pooled windows [n, dim] from their rows [n, ratio, width] (and the previous windows')."""
@@ -124,40 +155,34 @@ class Compressor(nn.Module):
         return (kv * score.softmax(dim=1)).sum(dim=1)
 
     def _finish(self, pooled: Tensor, windows: Tensor, table: tuple[Tensor, Tensor]) -> Tensor:
-        start = windows * self.ratio
-        return rope_tail(rmsnorm(pooled, self.norm, self.eps), table[0][start], table[1][start])
+        return norm_rope(pooled, eps=self.eps, weight=self.norm, cos=table[0], sin=table[1],
+                         positions=windows * self.ratio, out_dtype=self.dtype)
 
-    def decode(self, x: Tensor, step: V4Step, state: CompressorState, table) -> tuple[Tensor, Tensor, Tensor]:
-        """One token per sequence: store its rows in the ring, and pool its window as if complete.
-        Returns (entries [b, dim] fp32, window ids [b], emit [b] bool: the window completes now)."""
-        m, pos, seq = self.ratio, step.positions, step.seq
-        kv, score = self.rows(x, pos)
-        state.kv[seq, pos % state.rows] = kv
-        state.score[seq, pos % state.rows] = score
-        windows = pos // m
-        offs = torch.arange(m, device=pos.device)
-        cur = ((windows % 2) * m if self.overlap else torch.zeros_like(windows))[:, None] + offs
-        prev_kv = prev_score = None
-        if self.overlap:
-            prev = ((windows + 1) % 2 * m)[:, None] + offs
-            prev_kv = state.kv[seq[:, None], prev]
-            prev_score = state.score[seq[:, None], prev].masked_fill((windows == 0)[:, None, None], float("-inf"))
-        pooled = self._pool(state.kv[seq[:, None], cur], state.score[seq[:, None], cur], prev_kv, prev_score)
-        return self._finish(pooled, windows, table), windows, (pos + 1) % m == 0
+    def decode(self, kv: Tensor, gate: Tensor, step: V4Step, state: CompressorState, table, out: Tensor,
+               slots_per_seq: int | None = None) -> Tensor | None:
+        """One token per sequence, kv / gate [b, width] fp32 its products ``wkv·x`` / ``wgate·x``: store its
+        rows in the ring and, where its window completes, write the entry (``compressor_decode``, one
+        launch): out [b, dim] by token (zeros where none completes; with ``slots_per_seq`` the slots
+        ``seq · slots_per_seq + window`` or −1 are returned) or [B, n, dim] at [seq, window]."""
+        return compressor_decode(kv, gate, self.ape, state.kv, state.score, step.positions, step.seq, self.norm,
+                                 self.eps, table[0], table[1], out, slots_per_seq=slots_per_seq)
 
-    def prefill(self, x: Tensor, step: V4Step, state: CompressorState, table) -> list[tuple[Segment, int, Tensor]]:
-        """A prefill step's segments: per segment (segment, first window id, entries [n, dim] fp32) of the
-        windows that complete in it (n may be 0), the earlier positions' rows read from the ring; the
-        ring then holds each segment's last positions."""
-        m, R, device = self.ratio, state.rows, x.device
-        kv, score = self.rows(x, step.positions)
+    def prefill(self, kv: Tensor, gate: Tensor, step: V4Step, state: CompressorState,
+                table) -> list[tuple[Segment, int, Tensor]]:
+        """A prefill step's segments, kv / gate [N, width] fp32 its tokens' products: per segment (segment,
+        first window id, entries [n, dim] of dtype) of the windows that complete in it (n may be 0), the
+        earlier positions' rows read from the ring; the ring then holds each segment's last positions."""
+        m, R, device = self.ratio, state.rows, kv.device
+        score = gate + self.ape[step.positions % m]
         out = []
         for seg in step.segments:
             rows = slice(seg.offset, seg.offset + seg.length)
             first = max(0, m * (seg.start // m) - (m if self.overlap else 0))
-            past = torch.arange(first, seg.start, device=device) % R
-            seg_kv = torch.cat((state.kv[seg.seq, past], kv[rows]))
-            seg_score = torch.cat((state.score[seg.seq, past], score[rows]))
+            seg_kv, seg_score = kv[rows], score[rows]
+            if first < seg.start:  # the ring's rows of the windows this segment completes (no copy without)
+                past = torch.arange(first, seg.start, device=device) % R
+                seg_kv = torch.cat((state.kv[seg.seq, past], seg_kv))
+                seg_score = torch.cat((state.score[seg.seq, past], seg_score))
             lo, hi = seg.start // m, seg.end // m  # windows lo .. hi-1 complete in this segment
             n = hi - lo
             if n > 0:
@@ -183,34 +208,35 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """CSA's lightning indexer: keys from its own compressor (fp32 key cache), queries
     ``rope(indexer.wq_b · qr)`` per head, ``I[t, s] = Σ_h wp[t, h] · d^-½ · h^-½ · relu(q[t, h] · k[s])`` over
-    the visible entries (s < (t + 1) // 4), top ``index_topk`` entry ids (−1 past the visible ones)."""
+    the visible entries (s < (t + 1) // 4), top ``index_topk`` entry ids (−1 past the visible ones).
+    Its products of x (the compressor's, ``weights_proj``) and of qr (``wq_b``) run in the attention's
+    fused GEMMs."""
 
     def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config):
         super().__init__()
         self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = _linear(w, "attn.indexer.wq_b.weight")
         self.weights_proj = w["attn.indexer.weights_proj.weight"].float() * (self.dim**-0.5 * self.heads**-0.5)
         self.compressor = Compressor(w, "attn.indexer.compressor.", LayerKind.CSA.ratio, self.dim, True,
                                      cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, qr: Tensor, step: V4Step, state: LayerState) -> Tensor:
-        """Write this step's completed keys and select: [N, index_topk] int32 entry ids."""
+    def forward(self, kv: Tensor, gate: Tensor, head_weights: Tensor, q: Tensor, step: V4Step,
+                state: LayerState) -> Tensor:
+        """Write this step's completed keys and select: [N, index_topk] int32 entry ids. kv, gate: the
+        compressor's products of x; head_weights [N, heads] fp32: ``weights_proj · x`` (scaled); q
+        [N, heads · dim]: ``wq_b · qr``."""
         table = step.rope_table["compress"]
-        spare = state.index_keys.shape[1] - 1
         if step.is_prefill:
-            for seg, lo, keys in self.compressor.prefill(x, step, state.index_compressor, table):
+            for seg, lo, keys in self.compressor.prefill(kv, gate, step, state.index_compressor, table):
                 state.index_keys[seg.seq, lo: lo + keys.shape[0]] = keys
         else:
-            keys, windows, emit = self.compressor.decode(x, step, state.index_compressor, table)
-            state.index_keys[step.seq, torch.where(emit, windows, spare)] = keys
-        N = x.shape[0]
-        cos, sin = step.rope["compress"]
-        q = rope_tail(self.wq_b(qr).float().view(N, self.heads, self.dim), cos, sin)
-        head_weights = F.linear(x.float(), self.weights_proj)
-        last_visible = (step.positions + 1) // LayerKind.CSA.ratio - 1
+            self.compressor.decode(kv, gate, step, state.index_compressor, table, state.index_keys)
+        N = q.shape[0]
+        q = norm_rope(q.view(N, self.heads, self.dim), cos=table[0], sin=table[1], positions=step.positions,
+                      out_dtype=torch.float32)
+        last_visible = step.once("last_visible", lambda: (step.positions + 1) // LayerKind.CSA.ratio - 1)
         if not step.is_prefill:  # decode rows are the cache's first b sequences, in order
             b = N
-            scores = lightning_indexer_scores(q[:, None], state.index_keys[:b, :spare], head_weights[:, None],
+            scores = lightning_indexer_scores(q[:, None], state.index_keys[:b], head_weights[:, None],
                                               last_visible[:, None])
             return indexer_topk(scores, self.topk)[:, 0]
         picks = []
@@ -226,16 +252,31 @@ class Indexer(nn.Module):
 # Attention
 
 
+def _stacked_fp8(w: Mapping[str, Tensor], names: list[str]) -> tuple[Fp8Linear, list[int]]:
+    """One Fp8Linear on the stored e4m3 weights ``names`` of one input, stacked by rows (every part but the
+    last a whole number of 128-row scale blocks, so the block scales stack too), and the parts' sizes."""
+    sizes = [w[n].shape[0] for n in names]
+    if any(n % 128 for n in sizes[:-1]):
+        raise ConfigError(f"projections of {sizes} rows do not stack by 128-row scale blocks")
+    return (fp8_linear(torch.cat([w[n] for n in names]), torch.cat([w[scale_name(n)] for n in names])), sizes)
+
+
 class Attention(nn.Module):
     """One layer's attention of ``kind`` on x [N, D] bf16 (attn_norm applied): [N, D] fp32. ``tp``: ``w``
-    holds this rank's heads and output groups; the output is summed over the ranks."""
+    holds this rank's heads and output groups; the output is summed over the ranks.
+
+    Its projections of one input run as one GEMM each: ``wq_a`` and ``wkv`` of x (fp8), ``wq_b`` and the
+    indexer's ``wq_b`` of qr (fp8), and, fp32, the compressors' ``wkv`` / ``wgate`` and the indexer's
+    ``weights_proj`` of x."""
 
     def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, kind: LayerKind,
                  tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg, self.index, self.kind, self.rope, self.tp = cfg, index, kind, rope_family(kind), tp
         self.heads = cfg.num_attention_heads // tp.world
-        self.wq_a, self.wq_b, self.wkv = (_linear(w, f"attn.{n}.weight") for n in ("wq_a", "wq_b", "wkv"))
+        self.wq_a_wkv, self.x_sizes = _stacked_fp8(w, ["attn.wq_a.weight", "attn.wkv.weight"])
+        self.wq_b, _ = _stacked_fp8(w, ["attn.wq_b.weight"] + (["attn.indexer.wq_b.weight"] if kind == LayerKind.CSA
+                                                                else []))
         self.q_norm, self.kv_norm = w["attn.q_norm.weight"].float(), w["attn.kv_norm.weight"].float()
         g = cfg.o_groups // tp.world
         wo_a, wo_a_scale = w["attn.wo_a.weight"], w[scale_name("attn.wo_a.weight")]
@@ -245,92 +286,116 @@ class Attention(nn.Module):
         self.wo_b = _linear(w, "attn.wo_b.weight")
         self.sink = w["attn.attn_sink"].float()
         self.compressor = (Compressor(w, "attn.compressor.", kind.ratio, cfg.head_dim, kind == LayerKind.CSA,
-                                      cfg.rms_norm_eps) if kind != LayerKind.SWA else None)
+                                      cfg.rms_norm_eps, torch.bfloat16) if kind != LayerKind.SWA else None)
         self.indexer = Indexer(w, cfg) if kind == LayerKind.CSA else None
+        if self.compressor is not None:
+            parts = [(self.compressor, "wkv"), (self.compressor, "wgate")]
+            if self.indexer is not None:
+                parts += [(self.indexer.compressor, "wkv"), (self.indexer.compressor, "wgate"),
+                          (self.indexer, "weights_proj")]
+            self.x_fp32, self.x_fp32_sizes = _stack_rows(parts)
 
     def forward(self, x: Tensor, step: V4Step) -> Tensor:
         cfg, N = self.cfg, x.shape[0]
         eps, H, hd = cfg.rms_norm_eps, self.heads, cfg.head_dim
-        cos, sin = step.rope[self.rope]
-        qr = rmsnorm(self.wq_a(x).float(), self.q_norm, eps)
-        q = rope_tail(unweighted_rmsnorm(self.wq_b(qr).float().view(N, H, hd), eps), cos, sin).to(torch.bfloat16)
-        kv = rope_tail(rmsnorm(self.wkv(x).float(), self.kv_norm, eps), cos, sin).to(torch.bfloat16)
+        cos, sin = step.rope_table[self.rope]
+        rope = dict(cos=cos, sin=sin, positions=step.positions)
+        q_a, kv = self.wq_a_wkv(x).split(self.x_sizes, dim=-1)
+        qr = norm_rope(q_a, eps=eps, weight=self.q_norm, out_dtype=torch.float32)
+        q_all = self.wq_b(qr)
+        q = norm_rope(q_all[:, : H * hd].view(N, H, hd), eps=eps, **rope)
+        kv = norm_rope(kv, eps=eps, weight=self.kv_norm, **rope)
         state = step.cache.layers[self.index]
         write_kv_model1(state.window, kv, step.window_slots)
         topk = None
-        if self.kind != LayerKind.SWA:
-            self._write_entries(x, step, state)
+        if self.compressor is not None:
+            rows = F.linear(x.float(), self.x_fp32).split(self.x_fp32_sizes, dim=-1)
+            self._write_entries(rows[0], rows[1], step, state)
         if self.kind == LayerKind.CSA:
-            topk = self._topk(x, qr, step, state)
+            topk = self._topk(rows[2:], q_all[:, H * hd:], step, state)
             if step.trace is not None:
                 step.trace.record("topk", self.index, topk)
         o = (self._prefill_attention(q, kv, step, topk) if step.is_prefill
              else self._decode_attention(q, step, state, topk))
-        o = rope_tail(o.float(), cos, -sin).to(torch.bfloat16)  # K = V carried the keys' rope
-        groups = o.view(N, len(self.wo_a), -1)
-        z = torch.cat([proj(groups[:, k]) for k, proj in enumerate(self.wo_a)], dim=-1)
-        out = self.tp.all_reduce(self.wo_b(z).float())
+        norm_rope(o, inverse=True, out=o, **rope)  # K = V carried the keys' rope: rotated back, in place
+        z_fp8, z_scales = quantize_act_fp8(self._wo_a(o.view(N, -1)))
+        out = self.tp.all_reduce(fp8_gemm(z_fp8, z_scales, self.wo_b.weight, self.wo_b.weight_scale_inv, torch.float32))
         if step.trace is not None:
             step.trace.record("attn", self.index, out)
         return out
 
-    def _topk(self, x, qr, step: V4Step, state: LayerState) -> Tensor:
+    def _wo_a(self, o: Tensor) -> Tensor:
+        """The grouped projection of o [N, H · hd] bf16: [N, groups · o_lora_rank] bf16, o quantised once
+        (its 128-value blocks do not cross the groups) and each group's product written in place."""
+        o_fp8, scales = quantize_act_fp8(o)
+        g, r = len(self.wo_a), self.wo_a[0].weight.shape[0]
+        cols = o.shape[1] // g
+        z = torch.empty(o.shape[0], g * r, dtype=torch.bfloat16, device=o.device)
+        for k, proj in enumerate(self.wo_a):
+            fp8_gemm(o_fp8[:, k * cols:(k + 1) * cols], scales[:, k * cols // 128:(k + 1) * cols // 128], proj.weight,
+                     proj.weight_scale_inv, out=z[:, k * r:(k + 1) * r])
+        return z
+
+    def _topk(self, rows, q, step: V4Step, state: LayerState) -> Tensor:
         """[N, index_topk] int32 entry ids: the indexer's (its keys written either way), or the override."""
-        chosen = self.indexer(x, qr, step, state)
+        chosen = self.indexer(*rows, q, step, state)
         override = step.topk_override[self.index] if step.topk_override is not None else None
         if override is None:
             return chosen
         override = override.to(chosen.device, torch.int32)[:, : chosen.shape[1]]
         return F.pad(override, (0, chosen.shape[1] - override.shape[1]), value=-1)
 
-    def _write_entries(self, x: Tensor, step: V4Step, state: LayerState) -> None:
+    def _write_entries(self, kv: Tensor, gate: Tensor, step: V4Step, state: LayerState) -> None:
         """Pool the windows completed in this step into the compressed cache (and the prefill's stash)."""
         table, per_seq = step.rope_table["compress"], step.cache.entries_per_seq(self.kind)
         if not step.is_prefill:
-            entries, windows, emit = self.compressor.decode(x, step, state.compressor, table)
-            slots = torch.where(emit, step.seq * per_seq + windows, -1)
-            write_kv_model1(state.compressed, entries.to(torch.bfloat16), slots)
+            entries = torch.empty(kv.shape[0], self.cfg.head_dim, dtype=torch.bfloat16, device=kv.device)
+            slots = self.compressor.decode(kv, gate, step, state.compressor, table, entries, per_seq)
+            write_kv_model1(state.compressed, entries, slots)
             return
         stash = step.entry_stash[self.kind.ratio]
         rows = stash.layer(self.index, self.cfg.head_dim)
-        for seg, lo, entries in self.compressor.prefill(x, step, state.compressor, table):
-            ids = torch.arange(lo, lo + entries.shape[0], device=x.device)
-            entries = entries.to(torch.bfloat16)
+        for seg, lo, entries in self.compressor.prefill(kv, gate, step, state.compressor, table):
+            ids = torch.arange(lo, lo + entries.shape[0], device=kv.device)
             write_kv_model1(state.compressed, entries, seg.seq * per_seq + ids)
             rows[stash.base[seg.seq] + ids, 0] = entries
 
     def _extra(self, step: V4Step, topk: Tensor | None, first: Tensor, width: int) -> tuple[Tensor, Tensor | None]:
         """(extra indices [N, k] int32 = first + entry id, lengths [N] int32 or None) of the compressed entries
-        each token attends: CSA its top-k, HCA every visible entry (``width`` columns, lengths (t+1) // 128)."""
+        each token attends: CSA its top-k, HCA every visible entry (``width`` columns, lengths (t+1) // 128;
+        the same in every HCA layer of the step). first [N] int32."""
         if self.kind == LayerKind.CSA:
-            return torch.where(topk >= 0, first[:, None] + topk, -1).to(torch.int32), None
-        ids = first[:, None] + torch.arange(width, device=first.device)
-        return ids.to(torch.int32), ((step.positions + 1) // self.kind.ratio).to(torch.int32)
+            return torch.where(topk >= 0, topk + first[:, None], -1), None
+        return step.once(("entries", self.kind), lambda: (
+            first[:, None] + torch.arange(width, dtype=torch.int32, device=first.device),
+            ((step.positions + 1) // self.kind.ratio).to(torch.int32)))
 
     def _prefill_attention(self, q: Tensor, kv: Tensor, step: V4Step, topk: Tensor | None) -> Tensor:
         cfg, W = self.cfg, self.cfg.sliding_window
         keys = step.stash.layer(self.index, cfg.head_dim)
         keys[step.window_rows, 0] = kv
-        back = torch.arange(W, device=q.device)
-        window = torch.where(step.positions[:, None] >= back, step.window_rows[:, None] - back, -1)
-        window = window.to(torch.int32)[:, None]
+        window = step.once("window", lambda: torch.where(
+            step.positions[:, None] >= torch.arange(W, device=q.device),
+            step.window_rows[:, None] - torch.arange(W, device=q.device), -1).to(torch.int32)[:, None])
         if self.kind == LayerKind.SWA:
             return sparse_mla_prefill(q, keys, window, cfg.sm_scale, cfg.head_dim, self.sink)[0]
         width = max(1, max(seg.end // self.kind.ratio for seg in step.segments))
-        extra, lengths = self._extra(step, topk, step.entry_base[self.kind.ratio], width)
+        first = step.once(("first", self.kind), lambda: step.entry_base[self.kind.ratio].to(torch.int32))
+        extra, lengths = self._extra(step, topk, first, width)
         entries = step.entry_stash[self.kind.ratio].layer(self.index, cfg.head_dim)
         return sparse_mla_prefill_two_sources(q, keys, window, entries, extra[:, None], cfg.sm_scale, cfg.head_dim,
                                               self.sink, None, lengths)[0]
 
     def _decode_attention(self, q: Tensor, step: V4Step, state: LayerState, topk: Tensor | None) -> Tensor:
         W, pos, seq = self.cfg.sliding_window, step.positions, step.seq
-        back = torch.arange(W, device=q.device)
-        past = pos[:, None] - back
-        window = torch.where(past >= 0, seq[:, None] * W + past % W, -1).to(torch.int32)[:, None]
+        window = step.once("window", lambda: torch.where(
+            pos[:, None] >= torch.arange(W, device=q.device),
+            seq[:, None] * W + (pos[:, None] - torch.arange(W, device=q.device)) % W, -1).to(torch.int32)[:, None])
         extra = {}
         if self.kind != LayerKind.SWA:
             per_seq = step.cache.entries_per_seq(self.kind)
-            ids, lengths = self._extra(step, topk, seq * per_seq, per_seq)
+            first = step.once(("first", self.kind), lambda: (seq * per_seq).to(torch.int32))
+            ids, lengths = self._extra(step, topk, first, per_seq)
             extra = dict(extra_kv_cache=state.compressed, extra_indices=ids[:, None], extra_topk_length=lengths)
         o, _ = sparse_mla_decode_fp8(q[:, None], state.window, window, self.cfg.sm_scale, self.cfg.head_dim,
                                      attn_sink=self.sink, **extra)
@@ -373,7 +438,7 @@ class MoE(nn.Module):
         if self.tp.world > 1:
             return expert_parallel_moe(x, None, self._routed, self._shared, (weights, ids), cfg.n_routed_experts,
                                        self.tp).float()
-        return self._routed(x, ids, weights).float() + self._shared(x).float()
+        return self._routed(x, ids, weights).float().add_(self._shared(x))
 
     def _routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """[T, D] bf16: this rank's experts' weighted sum (slots of other experts: id -1, skipped)."""
