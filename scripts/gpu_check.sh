@@ -6,7 +6,7 @@
 # tests:        runtime, CLI, README, embedding, MoE model, first-run, untrusted-input and V4 runtime tests
 #               with CUDA tensors (tiny and v4-tiny presets)
 # kernel-tests: the kernel test files with CUDA tensors (each attention test through both kernels; MoE
-#               kernels; the direct-launch path; the norm and rope kernels)
+#               kernels; the direct-launch path; the norm and rope kernels; decode_topk; V4's compressor)
 # v4-decode:    the MODEL1 (DeepSeek-V4) cache and decode test files with CUDA tensors (each decode test
 #               through the Gluon and the portable kernel), then bench_decode.py's V4 table
 # host-cost:    scripts/bench_host_cost.py (host µs per call of each public kernel function, eager beside
@@ -14,7 +14,7 @@
 # moe-bench:    scripts/bench_moe.py (routing, grouped GEMMs beside torch._scaled_mm, the expert block at
 #               decode and prefill sizes, V3.2 and V4-Flash shapes) with its launch-shape variants
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
-#               bench_indexer_paged.py; ceilings measured in the same run
+#               bench_indexer_paged.py, bench_mhc.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
 # v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers, several GB in
 #               /tmp/minirt-v32), then `minirt verify` (default fp8 weights; bf16 weights; a prompt
@@ -65,7 +65,8 @@ for stage in "$@"; do
     kernel-tests) run kernel-tests python3 -m pytest -q tests/test_sparse_mla_prefill.py tests/test_sparse_mla_decode.py \
                     tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py tests/test_indexer_cache.py \
                     tests/test_fp8_gemm.py tests/test_moe_kernels.py tests/test_sparse_mla_prefill_two_sources.py \
-                    tests/test_decode_launch.py tests/test_rms_norm.py tests/test_rope_kernel.py ;;
+                    tests/test_decode_launch.py tests/test_rms_norm.py tests/test_rope_kernel.py tests/test_decode_topk.py \
+                    tests/test_norm_rope.py tests/test_compressor_decode.py ;;
     v4-decode)
       run v4-decode-tests python3 -m pytest -q tests/test_model1_cache.py tests/test_sparse_mla_decode_model1.py \
                             tests/test_sparse_mla_decode_model1_sm90.py
@@ -79,7 +80,8 @@ for stage in "$@"; do
       run bench-prefill python3 scripts/bench_prefill.py --out "$OUT/prefill.md" --plot "$OUT/prefill.png"
       run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"
       run bench-indexer python3 scripts/bench_indexer.py --out "$OUT/indexer.md"
-      run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md" ;;
+      run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md"
+      run bench-mhc python3 scripts/bench_mhc.py ;;
     gemm-bench) run bench-gemm python3 scripts/bench_gemm.py --out "$OUT/gemm.md" ;;
     v32|v32-generate|runtime-bench)
       V32=/tmp/minirt-v32
