@@ -35,7 +35,9 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from minirt.kernels import indexer_cache  # noqa: E402
+from minirt.kernels._launch import Kept  # noqa: E402
 from minirt.kernels.decode_topk import decode_topk  # noqa: E402
+from minirt.kernels.lightning_indexer import indexer_topk  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
 from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
@@ -68,7 +70,7 @@ def recorded_prefill_launch(d_qk: int, with_options: bool):
     kernel, recorder = sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel, Recorder()
     sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = recorder
     try:
-        sparse_mla_prefill_sm90.launch(q, kv, indices, 0.1, sink, lengths, out, {})
+        sparse_mla_prefill_sm90.launch(q, kv, indices, 0.1, sink, lengths, out, Kept())
     finally:
         sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = kernel
     return recorder.calls[0]
@@ -151,14 +153,15 @@ def recorded_topk_launches():
     names = ("_histogram_kernel", "_gather_kernel", "_sort_kernel")
     kernels = {name: getattr(module, name) for name in names}
     recorders = {name: Recorder() for name in names}
-    check_device = module.check_device
-    module.check_device = lambda tensors: None
+    checks = sys.modules[indexer_topk.__module__]   # decode_topk's input checks live beside indexer_topk
+    check_device = checks.check_device
+    checks.check_device = lambda tensors: None
     for name in names:
         setattr(module, name, recorders[name])
     try:
         decode_topk(torch.empty((16, 163840)), 2048)
     finally:
-        module.check_device = check_device
+        checks.check_device = check_device
         for name in names:
             setattr(module, name, kernels[name])
     return [(f"{name} {i + 1}", kernels[name], *call) for name in names for i, call in enumerate(recorders[name].calls)]
