@@ -407,41 +407,23 @@ def _e2m1_as_e4m3(packed):
 # in [2^-6, 384]: all normal e4m3, exact; the product is multiplied by 2^(top - 133) per row.
 FOLD_SPREAD = 11
 _FOLD_SPREAD = tl.constexpr(FOLD_SPREAD)
+def _fold_ptx_half(magnitudes: str, signs: str, out: str) -> str:
+    """One nibble half of _FOLD_PTX: magnitudes / signs, the instructions leaving its 3-bit magnitudes in
+    x and its sign bits (0x80 of each byte) in d; out, the operand it writes."""
+    return (magnitudes + "shr.b32 y, x, 4;\nor.b32 y, y, x;\nprmt.b32 s, y, y, 0x0020;\nprmt.b32 m, lut0, lut1, s;\n"
+            "prmt.b32 n, nz0, nz1, s;\nand.b32 n, n, $3;\nadd.u32 m, m, n;\n" + signs + f"or.b32 {out}, m, d;\n")
+
+
 # PTX of _e2m1_folded for 4 packed bytes ($2) and their exponent offsets ($3): each nibble's magnitude
 # (3 bits) indexes two byte tables (prmt): the e4m3 code of its value x 2^-5 (0x08 .. 0x24) and a
 # nonzero mask; the offset (a multiple of 8, <= 88: no byte carries) is added to nonzero codes'
 # exponent fields and the sign bit put on. $0: the low nibbles' codes, $1: the high nibbles'.
-_FOLD_PTX = tl.constexpr("""
-{
-.reg .b32 x, y, s, m, n, d, lut0, lut1, nz0, nz1;
-mov.b32 lut0, 0x14100800;
-mov.b32 lut1, 0x24201C18;
-mov.b32 nz0, 0xFFFFFF00;
-mov.b32 nz1, 0xFFFFFFFF;
-and.b32 x, $2, 0x07070707;
-shr.b32 y, x, 4;
-or.b32 y, y, x;
-prmt.b32 s, y, y, 0x0020;
-prmt.b32 m, lut0, lut1, s;
-prmt.b32 n, nz0, nz1, s;
-and.b32 n, n, $3;
-add.u32 m, m, n;
-shl.b32 d, $2, 4;
-and.b32 d, d, 0x80808080;
-or.b32 $0, m, d;
-shr.b32 x, $2, 4;
-and.b32 x, x, 0x07070707;
-shr.b32 y, x, 4;
-or.b32 y, y, x;
-prmt.b32 s, y, y, 0x0020;
-prmt.b32 m, lut0, lut1, s;
-prmt.b32 n, nz0, nz1, s;
-and.b32 n, n, $3;
-add.u32 m, m, n;
-and.b32 d, $2, 0x80808080;
-or.b32 $1, m, d;
-}
-""")
+_FOLD_PTX = tl.constexpr(
+    "\n{\n.reg .b32 x, y, s, m, n, d, lut0, lut1, nz0, nz1;\nmov.b32 lut0, 0x14100800;\nmov.b32 lut1, 0x24201C18;\n"
+    "mov.b32 nz0, 0xFFFFFF00;\nmov.b32 nz1, 0xFFFFFFFF;\n"
+    + _fold_ptx_half("and.b32 x, $2, 0x07070707;\n", "shl.b32 d, $2, 4;\nand.b32 d, d, 0x80808080;\n", "$0")
+    + _fold_ptx_half("shr.b32 x, $2, 4;\nand.b32 x, x, 0x07070707;\n", "and.b32 d, $2, 0x80808080;\n", "$1")
+    + "}\n")
 
 
 @triton.jit
