@@ -14,7 +14,7 @@ from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.kernels.decode_topk import decode_topk
 from minirt.kernels.lightning_indexer import indexer_topk
-from test_lightning_indexer import stable_topk_reference, tied_scores
+from test_lightning_indexer import assert_sync_free_and_replayed, stable_topk_reference, tied_scores
 
 # The module (minirt.kernels re-exports the function under the module's name).
 dt = importlib.import_module("minirt.kernels.decode_topk")
@@ -104,14 +104,4 @@ def test_decode_shape_sync_free_and_graph_capturable():
 
     scores = fresh()
     assert torch.equal(decode_topk(scores, topk), stable_topk_reference(scores, topk))
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        decode_topk(scores, topk)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = decode_topk(scores, topk)
-    scores.copy_(fresh())
-    graph.replay()
-    assert torch.equal(captured, stable_topk_reference(scores, topk))
+    assert_sync_free_and_replayed(decode_topk, scores, topk, fresh)

@@ -486,15 +486,21 @@ def test_topk_is_sync_free_and_graph_capturable(topk_path):
     with pytest.raises(InputError, match="CUDA"):
         indexer_topk(scores.cpu(), topk)
     indexer_topk(scores, topk)                 # compile first: the check is about the steady state
+    assert_sync_free_and_replayed(indexer_topk, scores, topk, lambda: tied_scores(gen, shape))
+
+
+def assert_sync_free_and_replayed(select, scores, topk, new_scores):
+    """select(scores, topk) raises no host synchronisation (sync debug mode "error"), and a CUDA graph
+    capturing it replays on new_scores() (copied into scores) to the stable-sort reference."""
     torch.cuda.set_sync_debug_mode("error")
     try:
-        indexer_topk(scores, topk)
+        select(scores, topk)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = indexer_topk(scores, topk)
-    scores.copy_(tied_scores(gen, shape))
+        captured = select(scores, topk)
+    scores.copy_(new_scores())
     graph.replay()
     assert torch.equal(captured, stable_topk_reference(scores, topk))
 
