@@ -263,8 +263,7 @@ class _ProgressBar:
             self.bar.start()
         else:
             self.bar.update(self.task, completed=done, total=total, description=self.description(name))
-        if done >= total:  # finished: drawn once more, then the next phase (if any) says what it is
-            self.bar.refresh()
+        if done >= total:  # finished: stop() draws it once more, then the next phase (if any) says what it is
             self._stop()
             if self.then is not None and console.is_terminal:
                 self.phase = Live(Spinner("dots", self.then), console=console, transient=True)
