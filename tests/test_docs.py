@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PERFORMANCE = DOCS / "performance.md"
-KERNEL_PAGES = {"prefill.md", "decode.md", "indexer.md", "gemm.md", "runtime.md"}
+KERNEL_PAGES = {"prefill.md", "decode.md", "indexer.md", "gemm.md", "runtime.md", "moe.md"}
 METADATA = ("Command", "Measured", "GPU", "Software", "Ceilings")
 
 HEADING = re.compile(r"^#{1,6} ")
