@@ -165,8 +165,9 @@ def _launch_args(q, k, weights, limit, out, config: IndexerConfig) -> tuple:
         BF16X3=q.dtype == torch.float32, KEYS_SPLIT=keys_split, **tile_args)
 
 
-# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; config) -> its Kept
-# (value: the launch shape; args: _launch_args' result): a signature seen before passed the checks.
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; config; the split
+# threshold, which benchmarks and tests change) -> its Kept (value: the launch shape; args: _launch_args' result):
+# a signature seen before passed the checks.
 _KEPT: dict = {}
 
 
@@ -220,7 +221,8 @@ def lightning_indexer_scores(
             config not an IndexerConfig.
     """
     kept = per_signature(_KEPT, lambda: (
-        described(q), described(k), described(weights), described(limit), described(out), config.__class__, config),
+        described(q), described(k), described(weights), described(limit), described(out), config.__class__, config,
+        PRESPLIT_MIN_QUERIES),
         lambda: _check_inputs(q, k, weights, limit, out, config)
         or Kept(config or default_config(*q.shape[-3:], q.element_size())))
     if out is None:

@@ -35,6 +35,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from minirt.kernels import indexer_cache  # noqa: E402
+from minirt.kernels._launch import Kept  # noqa: E402
 from minirt.kernels.decode_topk import decode_topk  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
 from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
@@ -139,7 +140,7 @@ def recorded_indexer_launch(fp8: bool, n_queries: int, n_batch: int = 1):
     kernel, recorder = indexer_cache._paged_scores_kernel, Recorder()
     indexer_cache._paged_scores_kernel = recorder
     try:
-        indexer_cache._launch_paged(q, weights, cache, table, limit, out, fp8, geometry, config)
+        indexer_cache._launch_paged(q, weights, cache, table, limit, out, Kept((fp8, geometry, config, n_keys)))
     finally:
         indexer_cache._paged_scores_kernel = kernel
     return (kernel, *recorder.calls[0])

@@ -203,6 +203,7 @@ def test_launch_shapes(monkeypatch, programs, config):
     """Every launch shape the benchmark tries, with the keys split into one chunk per query tile or one
     tile per chunk: chunks whose tiles are partly computed, partly -inf-filled, or all filled."""
     monkeypatch.setattr(_indexer_tiles, "num_programs_target", lambda device: programs)
+    monkeypatch.setattr(li, "_KEPT", {})   # (the launch shape is kept per call signature)
     gen = torch.Generator(DEVICE).manual_seed(23)
     n_queries, n_keys = 6, 333
     q, k, weights = random_inputs(gen, (n_queries,), n_keys, 64, 128, torch.bfloat16)
