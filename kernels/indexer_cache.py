@@ -418,7 +418,8 @@ def _launch_paged(q, weights, cache, block_table, limit, out, kept: Kept) -> tor
 
 
 # Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; n_keys; config; the
-# split threshold) -> its Kept (value: fp8, the cache's geometry, the launch shape, n_keys): a signature seen before passed the checks.
+# split threshold) -> its Kept (value: fp8, the cache's geometry, the launch shape, n_keys): a signature seen
+# before passed the checks.
 _KEPT: dict = {}
 
 

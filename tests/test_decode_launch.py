@@ -19,7 +19,8 @@ from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.formats import quantize_groups
 from minirt.kernels import (_launch, decode_topk, fp8_gemm, indexer_topk, lightning_indexer_scores, mla_query_absorb,
-                            mla_value_proj_fp8, new_index_cache, paged_indexer_scores, quantize_act_fp8, write_index_keys)
+                            mla_value_proj_fp8, new_index_cache, paged_indexer_scores, quantize_act_fp8,
+                            write_index_keys)
 from minirt.kernels import indexer_cache, lightning_indexer
 from minirt.kernels.sparse_mla_decode import longest_first, sparse_mla_decode_fp8
 from test_sparse_mla_decode import SM_SCALE, check, decode, make_cache, random_indices, random_q, reference
