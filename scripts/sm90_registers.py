@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from minirt.kernels import indexer_cache  # noqa: E402
+from minirt.kernels import indexer_cache, lightning_indexer  # noqa: E402
 from minirt.kernels._launch import Kept  # noqa: E402
 from minirt.kernels.decode_topk import decode_topk  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
@@ -152,14 +152,15 @@ def recorded_topk_launches():
     names = ("_histogram_kernel", "_gather_kernel", "_sort_kernel")
     kernels = {name: getattr(module, name) for name in names}
     recorders = {name: Recorder() for name in names}
-    check_device = module.check_device
-    module.check_device = lambda tensors: None
+    # (Its input checks, lightning_indexer.check_topk_inputs, refuse CPU tensors outside the interpreter.)
+    check_device = lightning_indexer.check_device
+    lightning_indexer.check_device = lambda tensors: None
     for name in names:
         setattr(module, name, recorders[name])
     try:
         decode_topk(torch.empty((16, 163840)), 2048)
     finally:
-        module.check_device = check_device
+        lightning_indexer.check_device = check_device
         for name in names:
             setattr(module, name, kernels[name])
     return [(f"{name} {i + 1}", kernels[name], *call) for name in names for i, call in enumerate(recorders[name].calls)]
