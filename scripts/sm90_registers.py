@@ -69,7 +69,7 @@ def recorded_prefill_launch(d_qk: int, with_options: bool):
     kernel, recorder = sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel, Recorder()
     sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = recorder
     try:
-        sparse_mla_prefill_sm90.launch(q, kv, indices, 0.1, sink, lengths, out, {})
+        sparse_mla_prefill_sm90.launch(q, kv, indices, 0.1, sink, lengths, out, Kept())
     finally:
         sparse_mla_prefill_sm90._sparse_mla_prefill_sm90_kernel = kernel
     return recorder.calls[0]
