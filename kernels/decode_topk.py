@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET
+from ._launch import Kept, cdiv, described, launch, per_signature
 from .lightning_indexer import check_topk_inputs, indexer_topk
 
 # Scores per program of the histogram and gather passes: 163,840 keys give 80 programs per row.
@@ -192,26 +193,37 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
             the kernels cannot run on.
     """
-    check_topk_inputs(scores, topk)
+    kept = per_signature(_KEPT, lambda: (described(scores), topk.__class__, topk),
+                         lambda: check_topk_inputs(scores, topk) or Kept({}))
     if topk > MAX_TOPK:
         return indexer_topk(scores, topk)
-    n_keys, n_rows = scores.shape[-1], scores.shape[:-1].numel()
+    n_keys = scores.shape[-1]
+    if kept.args is None:
+        n_rows = scores.shape[:-1].numel()
+        rows = scores.reshape(n_rows, n_keys)
+        copy = rows.stride(-1) != 1 or rows.data_ptr() != scores.data_ptr()   # (not a view of scores as rows)
+        slots = triton.next_power_of_2(topk)
+        row_stride = n_keys if copy else rows.stride(0)
+        kept.args = (n_rows, copy, slots, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk), dict(
+            TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4), (n_keys, row_stride, topk, topk), dict(
+            ROW_WORDS=_ROW_WORDS, SLOTS=slots, ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET,
+            INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8))
+    n_rows, copy, slots, grid, integers, pass_constexprs, sort_integers, sort_constexprs = kept.args
+    # (out [..., topk] contiguous: the sort kernel's rows of stride topk.)
+    out = torch.empty((*scores.shape[:-1], topk), dtype=torch.int32, device=scores.device)
     if n_rows == 0 or n_keys == 0:
-        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
-    out = torch.empty((n_rows, topk), dtype=torch.int32, device=scores.device)
-    rows = scores.reshape(n_rows, n_keys)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    slots = triton.next_power_of_2(topk)
+        return out.fill_(-1)
+    rows = scores.reshape(n_rows, n_keys).contiguous() if copy else scores
     hist = torch.zeros((n_rows, _ROW_WORDS), dtype=torch.int32, device=scores.device)
     keys = torch.empty((n_rows, slots), dtype=torch.int64, device=scores.device)
-    grid = (n_rows, triton.cdiv(n_keys, TILE))
-    for pass_ in (1, 2):
-        _histogram_kernel[grid](rows, hist, n_keys, rows.stride(0), topk, PASS=pass_, TILE=TILE,
-                                ROW_WORDS=_ROW_WORDS, num_warps=4)
-    _gather_kernel[grid](rows, hist, keys, n_keys, rows.stride(0), topk, TILE=TILE, ROW_WORDS=_ROW_WORDS,
-                         SLOTS=slots, num_warps=4)
-    _sort_kernel[(n_rows,)](rows, hist, keys, out, n_keys, rows.stride(0), out.stride(0), topk,
-                            ROW_WORDS=_ROW_WORDS, SLOTS=slots, ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET,
-                            INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
-    return out.view(*scores.shape[:-1], topk)
+    # (Each pass's own compiled kernel: the second's in kept.value.)
+    for pass_, compiled in ((1, kept.compiled), (2, kept.value)):
+        launch(_histogram_kernel, grid, (rows, hist, *integers), dict(PASS=pass_, **pass_constexprs), compiled)
+    launch(_gather_kernel, grid, (rows, hist, keys, *integers), dict(SLOTS=slots, **pass_constexprs), kept.compiled)
+    launch(_sort_kernel, (n_rows,), (rows, hist, keys, out, *sort_integers), sort_constexprs, kept.compiled)
+    return out
+
+
+# Call signature (scores' class, dtype, shape, strides, device and alignment; topk) -> its Kept (value: the
+# second histogram pass's compiled kernel; args: the launches): a signature seen before passed the checks.
+_KEPT: dict = {}

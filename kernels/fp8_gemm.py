@@ -42,7 +42,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
 from ._common import INTERPRET, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from ._launch import cdiv, described, launch, per_signature
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 # One k block of the product = one activation group = one weight block column (all 128 wide).
 BLOCK_K = FP8_GROUP
@@ -86,22 +86,27 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         minirt.errors.InputError: wrong rank, dtype, K, or a device the kernels cannot use.
     """
-    compiled = per_signature(_QUANTISATIONS, lambda: described(x), lambda: _check_act(x) or {})
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n_groups = k // FP8_GROUP
-    x_fp8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
-    if x.numel() > 0:
+    kept = per_signature(_QUANTISATIONS, lambda: described(x), lambda: _check_act(x) or Kept())
+    if kept.args is None:
+        copy = x.stride(1) != 1
+        m, k = x.shape
+        n_groups = k // FP8_GROUP
         rows = rows_per_program(m, _QUANT_GROUPS * FP8_GROUP)
-        launch(_quantize_act_kernel, (cdiv(m, rows), cdiv(n_groups, _QUANT_GROUPS)),
-               (x, x_fp8.view(torch.uint8), scales, m, n_groups, x.stride(0), k, n_groups),
-               dict(ROWS=rows, GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT), compiled)
+        kept.args = (copy, (m, n_groups), x.numel() > 0, (cdiv(m, rows), cdiv(n_groups, _QUANT_GROUPS)), (
+            m, n_groups, k if copy else x.stride(0), k, n_groups), dict(
+            ROWS=rows, GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT))
+    copy, scale_shape, launched, grid, integers, constexprs = kept.args
+    if copy:
+        x = x.contiguous()
+    x_fp8 = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    if launched:
+        launch(_quantize_act_kernel, grid, (x, x_fp8.view(torch.uint8), scales, *integers), constexprs, kept.compiled)
     return x_fp8, scales
 
 
-# Call signature of quantize_act_fp8 (x's class, dtype, shape, strides, device, alignment) -> its compiled kernel.
+# Call signature of quantize_act_fp8 (x's class, dtype, shape, strides, device, alignment) -> its Kept (args: the
+# launch): a signature seen before passed the checks.
 _QUANTISATIONS: dict = {}
 
 
@@ -408,31 +413,34 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, compiled: dict) -> None:
+def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, kept: Kept) -> None:
     """out = the product by the stream kernel; a [M <= STREAM_MAX_M, K] and b with unit stride along K;
-    compiled: the call signature's compiled kernel (minirt.kernels._launch.launch)."""
-    (m, k), n = a.shape, b.shape[0]
-    tiles = cdiv(n, config.block_n)
-    per_split = _stream_k_blocks_per_split(config, m, k, tiles, a.device)
-    n_k_blocks = cdiv(k, BLOCK_K)
-    splits = cdiv(n_k_blocks, per_split)
+    kept: the call signature's Kept (args: the launch, derived at its first call)."""
+    if kept.args is None:
+        (m, k), n = a.shape, b.shape[0]
+        tiles = cdiv(n, config.block_n)
+        per_split = _stream_k_blocks_per_split(config, m, k, tiles, a.device)
+        n_k_blocks = cdiv(k, BLOCK_K)
+        splits = cdiv(n_k_blocks, per_split)
+        kept.args = ((tiles, splits), (splits, tiles * config.block_n, m) if splits > 1 else None, tiles, (
+            m, n, k, n_k_blocks, per_split,
+            a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
+            b_scales.stride(1), out.stride(0), out.stride(1)), dict(
+            BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
+            INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
+            INTERPRETED_SPLITS=splits if INTERPRET else 0,
+            num_warps=config.num_warps, num_stages=config.num_stages))
+    grid, partials_shape, tiles, integers, constexprs = kept.args
     partials = arrivals = out      # unread placeholders without split-K
-    if splits > 1:
-        partials = torch.empty((splits, tiles * config.block_n, m), dtype=torch.float32, device=a.device)
+    if partials_shape is not None:
+        partials = torch.empty(partials_shape, dtype=torch.float32, device=a.device)
         arrivals = _arrival_counters(a.device, tiles)
-    launch(_fp8_stream_kernel, (tiles, splits), (
-        a, a_scales, b, b_scales, out, partials, arrivals,
-        m, n, k, n_k_blocks, per_split,
-        a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
-        b_scales.stride(1), out.stride(0), out.stride(1)), dict(
-        BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
-        INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
-        INTERPRETED_SPLITS=splits if INTERPRET else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages), compiled)
+    launch(_fp8_stream_kernel, grid, (a, a_scales, b, b_scales, out, partials, arrivals, *integers), constexprs,
+           kept.compiled)
 
 
 def _tiles(a, a_scales, b, b_scales, out, config: Fp8GemmConfig) -> None:
-    """out = the product by the tile kernel; a and b TMA-ready (_aligned_rows)."""
+    """out = the product by the tile kernel; a and b TMA-ready (not _copied)."""
     (m, k), n = a.shape, b.shape[0]
     n_k_blocks = cdiv(k, BLOCK_K)
     tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
@@ -527,12 +535,10 @@ def _check_operand(name: str, t: torch.Tensor, scales: torch.Tensor, scale_shape
                          f"{getattr(scales, 'dtype', type(scales).__name__)} {list(getattr(scales, 'shape', ()))}")
 
 
-def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """t with unit stride along K and a 16-byte aligned base and row stride (as TMA and cuBLASLt need
-    and 16-byte vector loads want); anything else is copied."""
-    if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
-        t = t.contiguous()
-    return t
+def _copied(t: torch.Tensor) -> bool:
+    """Whether fp8_gemm copies operand t first: unless t has unit stride along K and a 16-byte aligned base
+    and row stride (as TMA and cuBLASLt need and 16-byte vector loads want)."""
+    return t.stride(1) != 1 or t.stride(0) % 16 != 0 or t.data_ptr() % 16 != 0
 
 
 def fp8_gemm(
@@ -593,9 +599,10 @@ def fp8_gemm(
             shapes, a bad ``out`` or ``config`` (a StreamConfig with M > 16), or tensors on a device
             the kernels cannot use (CPU without TRITON_INTERPRET=1; CUDA GPUs before sm_90).
     """
-    compiled = per_signature(_GEMMS, lambda: (
+    kept = per_signature(_GEMMS, lambda: (
         described(a), described(a_scales), described(b), described(b_scales), described(out), out_dtype,
-        config.__class__, config), lambda: _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out) or {})
+        config.__class__, config), lambda: _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out)
+        or Kept(_gemm_plan(a, b, out_dtype, config)))
     (m, k), n = a.shape, b.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -604,24 +611,35 @@ def fp8_gemm(
     if k == 0:
         return out.zero_()
 
-    a, b = _aligned_rows(a), _aligned_rows(b)
-    if config is None:
-        path = default_path(m, n, k, a.device, out_dtype)
-        config = STREAM_CONFIG if path == "stream" else default_config(m) if path == "tiles" else None
+    config, copies = kept.value
+    if copies[0]:
+        a = a.contiguous()
+    if copies[1]:
+        b = b.contiguous()
     if isinstance(config, StreamConfig):
-        _stream(a, a_scales, b, b_scales, out, config, compiled)
+        _stream(a, a_scales, b, b_scales, out, config, kept)
     elif isinstance(config, Fp8GemmConfig):
         _tiles(a, a_scales, b, b_scales, out, config)
     else:
         rows = m - m % SCALED_MM_ROWS
         scaled_mm_blockwise(a[:rows], a_scales[:rows], b, b_scales, out[:rows])
         if rows < m:
-            _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG, compiled)
+            _stream(a[rows:], a_scales[rows:], b, b_scales, out[rows:], STREAM_CONFIG, kept)
     return out
 
 
+def _gemm_plan(a, b, out_dtype, config) -> tuple:
+    """What fp8_gemm keeps for a checked call signature: (the implementation's config: a StreamConfig, an
+    Fp8GemmConfig, or None for scaled_mm (default_path); whether a and b are copied first (_copied))."""
+    (m, k), n = a.shape, b.shape[0]
+    if config is None:
+        path = default_path(m, n, k, a.device, out_dtype)
+        config = STREAM_CONFIG if path == "stream" else default_config(m) if path == "tiles" else None
+    return config, (_copied(a), _copied(b))
+
+
 # Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; out_dtype; config)
-# -> the compiled stream kernel: a signature seen before passed the checks and launches it directly.
+# -> its Kept (value: _gemm_plan's; args: the stream launch): a signature seen before passed the checks.
 _GEMMS: dict = {}
 
 

@@ -35,10 +35,11 @@ import triton.language as tl
 from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, CACHE_BLOCK_SIZE, FP8_DTYPE, INDEX_KEY_BYTES, INDEX_KEY_DIM, quantize_groups
 
-from ._common import check_config, check_device, check_slots, rows_of, writable_slot
+from ._common import check_config, check_device, check_slots, flat_of, rows_of, writable_slot
 from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, launch_shape, program_tile, query_tile,
                              split_query)
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
+from ._launch import Kept, described, launch, per_signature
 from .kv_cache_fp8 import CacheGeometry
 from . import lightning_indexer
 from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config, split_bf16_parts
@@ -223,17 +224,29 @@ def write_index_keys(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) 
     Raises:
         minirt.errors.InputError: wrong dtype, shape or device; not an fp8 index cache.
     """
+    geometry, compiled = per_signature(_WRITES, lambda: (described(cache), described(k), described(slots)),
+                                       lambda: (_checked_write(cache, k, slots), {}))
+    k = rows_of(k, INDEX_KEY_DIM)
+    slots = flat_of(slots)
+    if slots.numel() == 0:
+        return
+    launch(_write_index_keys_kernel, (slots.numel(),), (
+        cache, k, slots, geometry.block_size, geometry.num_slots, geometry.block_stride // 16, k.stride(0)),
+        dict(DIM=INDEX_KEY_DIM, MIN_EXPONENT=ACT_MIN_EXPONENT, num_warps=1), compiled)
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> (the cache's
+# geometry, the writer's compiled kernel): a signature seen before passed the checks.
+_WRITES: dict = {}
+
+
+def _checked_write(cache, k, slots) -> CacheGeometry:
+    """write_index_keys' input checks (InputError); the cache's geometry."""
     geometry = _fp8_cache_geometry(cache)
     _check_keys(k)
     check_slots(slots, k.shape[:-1])
     check_device({"cache": cache, "k": k, "slots": slots})
-    k = rows_of(k, INDEX_KEY_DIM)
-    slots = slots.reshape(-1).contiguous()
-    if slots.numel() == 0:
-        return
-    _write_index_keys_kernel[(slots.numel(),)](
-        cache, k, slots, geometry.block_size, geometry.num_slots, geometry.block_stride // 16, k.stride(0),
-        DIM=INDEX_KEY_DIM, MIN_EXPONENT=ACT_MIN_EXPONENT, num_warps=1)
+    return geometry
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,34 +384,43 @@ def split_pages(cache: torch.Tensor, block_table: torch.Tensor, n_keys: int):
     return hi, lo, torch.where(valid, ids, -1)
 
 
-def _launch_paged(q, weights, cache, block_table, limit, out, fp8: bool, geometry: CacheGeometry,
-                  config: IndexerConfig) -> torch.Tensor:
-    """Scores with an explicit launch shape (the benchmark's variants); inputs already checked."""
+def _launch_paged(q, weights, cache, block_table, limit, out, kept: Kept) -> torch.Tensor:
+    """Scores into out with the launch shape of kept.value (fp8, geometry, config, n_keys); inputs already
+    checked. kept: the call signature's Kept (args: the launch, derived at its first launch)."""
     if out.numel() == 0:
         return out
-    n_batch, n_queries, n_heads, head_dim = q.shape
-    n_keys = out.shape[2]
-    grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
-    table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    cache_lo = cache
+    fp8, geometry, config, n_keys = kept.value
+    plan = kept.args
     # Exact keys as lightning_indexer_scores takes float32 keys: a prefill chunk splits them once.
-    keys_split = not fp8 and n_queries >= lightning_indexer.PRESPLIT_MIN_QUERIES and table.shape[1] > 0
+    copy_table, keys_split = plan[:2] if plan is not None else (
+        block_table.stride(1) != 1,
+        not fp8 and q.shape[1] >= lightning_indexer.PRESPLIT_MIN_QUERIES and block_table.shape[1] > 0)
+    table = block_table.contiguous() if copy_table else block_table
+    cache_lo = cache
     if keys_split:
         cache, cache_lo, table = split_pages(cache, table, n_keys)
-        geometry = CacheGeometry(cache.shape[0], geometry.block_size, geometry.block_size * head_dim * 2)
-    _paged_scores_kernel[grid](
-        q, weights, cache, cache_lo, table, limit, out,
-        n_queries, n_keys, n_heads, *tiling,
-        geometry.block_size, geometry.num_blocks, table.shape[1], geometry.block_stride // 16,
-        q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-        weights.stride(0), weights.stride(1), weights.stride(2),
-        table.stride(0), limit.stride(0), limit.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        # fp8: e4m3 products are exact, sums fp32 (Hopper's fp8 MMA accumulates with fewer bits).
-        # float32: three bf16 tensor-core products of split operands, as lightning_indexer_scores.
-        HEAD_DIM=head_dim, FP8=fp8, KEYS_SPLIT=keys_split, **tile_args,
-    )
+    if plan is None:
+        if keys_split:
+            geometry = CacheGeometry(cache.shape[0], geometry.block_size, geometry.block_size * q.shape[3] * 2)
+        n_batch, n_queries, n_heads, head_dim = q.shape
+        grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
+        plan = kept.args = (copy_table, keys_split, grid, (
+            n_queries, n_keys, n_heads, *tiling,
+            geometry.block_size, geometry.num_blocks, table.shape[1], geometry.block_stride // 16,
+            *q.stride(), *weights.stride(), table.stride(0), *limit.stride(), *out.stride()), dict(
+            # fp8: e4m3 products are exact, sums fp32 (Hopper's fp8 MMA accumulates with fewer bits).
+            # float32: three bf16 tensor-core products of split operands, as lightning_indexer_scores.
+            HEAD_DIM=head_dim, FP8=fp8, KEYS_SPLIT=keys_split, **tile_args))
+    _, _, grid, integers, constexprs = plan
+    launch(_paged_scores_kernel, grid, (q, weights, cache, cache_lo, table, limit, out, *integers), constexprs,
+           kept.compiled)
     return out
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; n_keys; config; the
+# split threshold) -> its Kept (value: fp8, the cache's geometry, the launch shape, n_keys): a signature seen
+# before passed the checks.
+_KEPT: dict = {}
 
 
 def paged_indexer_scores(
@@ -462,13 +484,20 @@ def paged_indexer_scores(
         minirt.errors.InputError: wrong type, dtype, shape, alignment or device; q not matching the
             cache's format or key dim.
     """
-    fp8, geometry, n_keys = _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out)
+    kept = per_signature(_KEPT, lambda: (
+        described(q), described(weights), described(cache), described(block_table), described(limit),
+        n_keys.__class__, n_keys, described(out), config.__class__, config, lightning_indexer.PRESPLIT_MIN_QUERIES),
+        lambda: Kept(_checked_launch_shape(q, weights, cache, block_table, limit, n_keys, out, config)))
     if out is None:
-        out = torch.empty((q.shape[0], q.shape[1], n_keys), dtype=torch.float32, device=q.device)
-    if config is None:
-        config = paged_config(q.shape[1], q.shape[2], q.shape[3], fp8)
+        out = torch.empty((q.shape[0], q.shape[1], kept.value[3]), dtype=torch.float32, device=q.device)
+    return _launch_paged(q, weights, cache, block_table, limit, out, kept)
+
+
+def _checked_launch_shape(q, weights, cache, block_table, limit, n_keys, out, config) -> tuple:
+    """paged_indexer_scores' input checks (InputError); (fp8, the cache's geometry, the launch shape, n_keys)."""
+    fp8, geometry, n_keys = _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out)
     check_config(config, IndexerConfig)
-    return _launch_paged(q, weights, cache, block_table, limit, out, fp8, geometry, config)
+    return fp8, geometry, config or paged_config(q.shape[1], q.shape[2], q.shape[3], fp8), n_keys
 
 
 def paged_config(n_queries: int, n_heads: int, head_dim: int, fp8: bool) -> IndexerConfig:

@@ -14,6 +14,7 @@ from minirt.errors import InputError
 from ._common import INTERPRET, check_config, check_device, check_tensor, check_tensors
 from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, launch_shape, program_tile, query_tile,
                              split_query)
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -139,39 +140,35 @@ def split_bf16_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (x - hi.float()).to(torch.bfloat16, memory_format=torch.contiguous_format)
 
 
-def _launch(q, k, weights, limit, out, config: IndexerConfig) -> torch.Tensor:
-    """Run the kernel on inputs checked by lightning_indexer_scores with launch shape config."""
+def _launch_args(q, k, weights, limit, out, config: IndexerConfig) -> tuple:
+    """The launch lightning_indexer_scores derives from a checked call signature with launch shape config:
+    (grid, whether the keys are split first, the kernel's integers after its tensors, its constexprs)."""
     batched = q.dim() == 4
-    if out is None:
-        out = torch.empty((*q.shape[:-2], k.shape[-2]), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out
-    # The kernel always sees a batch dimension; an unbatched call is a batch of one (views only).
-    q4, k3, w3, out3 = (q, k, weights, out) if batched else (q[None], k[None], weights[None], out[None])
-    lim2 = None if limit is None else (limit if batched else limit[None])
-    n_batch, n_queries, n_heads, head_dim = q4.shape
-    n_keys = k3.shape[1]
-
+    # The kernel always sees a batch dimension; an unbatched call is a batch of one (batch strides 0).
+    n_batch, (n_queries, n_heads, head_dim) = (q.shape[0] if batched else 1), q.shape[-3:]
+    n_keys = k.shape[-2]
     grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
-    # An absent limit still needs a tensor argument; HAS_LIMIT keeps it unread.
-    limit_arg = lim2 if lim2 is not None else w3
     keys_split = q.dtype == torch.float32 and n_queries >= PRESPLIT_MIN_QUERIES
-    k3, k_lo3 = split_bf16_parts(k3) if keys_split else (k3, k3)
-    _indexer_scores_kernel[grid](
-        q4, k3, k_lo3, w3, limit_arg, out3,
-        n_queries, n_keys, n_heads, *tiling,
-        q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
-        k3.stride(0), k3.stride(1), k3.stride(2),
-        w3.stride(0), w3.stride(1), w3.stride(2),
-        limit_arg.stride(0), limit_arg.stride(1),
-        out3.stride(0), out3.stride(1), out3.stride(2),
-        HEAD_DIM=head_dim, HAS_LIMIT=lim2 is not None,
+
+    def strides(t, rank):   # t's strides with a leading batch stride (0 unbatched)
+        return t.stride() if batched else (0, *t.stride()[:rank - 1])
+
+    # Split keys are contiguous copies of k; an absent limit is passed as weights, unread (HAS_LIMIT).
+    k_strides = (n_keys * head_dim if batched else 0, head_dim, 1) if keys_split else strides(k, 3)
+    integers = (n_queries, n_keys, n_heads, *tiling, *strides(q, 4), *k_strides, *strides(weights, 3),
+                *(strides(limit, 2) if limit is not None else (0, 0)), *strides(out, 3))
+    return grid, keys_split, integers, dict(
+        HEAD_DIM=head_dim, HAS_LIMIT=limit is not None,
         # 16-bit inputs: exact products, fp32 sums. float32 inputs: three bf16 tensor-core products of
         # split operands (_indexer_tiles) instead of the fp32 FMA path, which ran at 0.9 TFLOP/s and
         # made up 65% of a v32 runtime prefill (docs/perf/indexer.md).
-        BF16X3=q.dtype == torch.float32, KEYS_SPLIT=keys_split, **tile_args,
-    )
-    return out
+        BF16X3=q.dtype == torch.float32, KEYS_SPLIT=keys_split, **tile_args)
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment; config; the split
+# threshold, which benchmarks and tests change) -> its Kept (value: the launch shape; args: _launch_args' result):
+# a signature seen before passed the checks.
+_KEPT: dict = {}
 
 
 def lightning_indexer_scores(
@@ -223,8 +220,22 @@ def lightning_indexer_scores(
         minirt.errors.InputError: wrong type, dtype, shape or device; H or D outside the envelope above;
             config not an IndexerConfig.
     """
-    _check_inputs(q, k, weights, limit, out, config)
-    return _launch(q, k, weights, limit, out, config or default_config(*q.shape[-3:], q.element_size()))
+    kept = per_signature(_KEPT, lambda: (
+        described(q), described(k), described(weights), described(limit), described(out), config.__class__, config,
+        PRESPLIT_MIN_QUERIES),
+        lambda: _check_inputs(q, k, weights, limit, out, config)
+        or Kept(config or default_config(*q.shape[-3:], q.element_size())))
+    if out is None:
+        out = torch.empty((*q.shape[:-2], k.shape[-2]), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    if kept.args is None:
+        kept.args = _launch_args(q, k, weights, limit, out, kept.value)
+    grid, keys_split, integers, constexprs = kept.args
+    k_hi, k_lo = split_bf16_parts(k) if keys_split else (k, k)
+    launch(_indexer_scores_kernel, grid, (q, k_hi, k_lo, weights, weights if limit is None else limit, out, *integers),
+           constexprs, kept.compiled)
+    return out
 
 
 # Order-preserving int32 image of the fp32 score -inf (see _order_keys).
@@ -234,17 +245,27 @@ _NEG_INF_ORDERED = -2139095041
 def _order_keys(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """int64 keys whose descending order is (value descending, key index ascending), unique for
     distinct indices: the order-preserving int32 image of the fp32 value in the high half, the bitwise
-    complement of the (int64, < 2^32) index in the low half."""
+    complement of the (int32 or int64, < 2^31) index in the low half."""
+    # The two int32 halves of each key, written in place (little-endian: the low half first).
+    halves = torch.empty((*values.shape, 2), dtype=torch.int32, device=values.device)
     # + 0.0 turns -0.0 into +0.0: a stable sort ties them, their bit images would not.
     bits = (values + 0.0).view(torch.int32)
     # Negative floats order backwards as ints: flip their magnitude bits.
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered.to(torch.int64) << 32) | (indices ^ 0xFFFFFFFF)
+    torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits, out=halves[..., 1])
+    if indices.dtype == torch.int64:   # (its low halves: the indices as int32, without a conversion op)
+        indices = indices.view(torch.int32)[..., 0::2]
+    torch.bitwise_not(indices, out=halves[..., 0])
+    return halves.view(torch.int64).view(values.shape)
 
 
 def _key_indices(keys: torch.Tensor) -> torch.Tensor:
-    """The index half of _order_keys keys."""
-    return (keys & 0xFFFFFFFF) ^ 0xFFFFFFFF
+    """The index half of _order_keys keys (unit last stride), as int32."""
+    return torch.bitwise_not(keys.view(torch.int32)[..., 0::2])
+
+
+def _key_values(keys: torch.Tensor) -> torch.Tensor:
+    """The value half of _order_keys keys (unit last stride): a view, int32."""
+    return keys.view(torch.int32)[..., 1::2]
 
 
 # Selection entries per step of the tie kernel.
@@ -316,22 +337,26 @@ def _boundary_ties_kernel(scores_ptr, values_ptr, indices_ptr, n_rows, n_keys, s
         n_seen += tl.sum(tied.to(tl.int32), 1)
 
 
-def _resolve_boundary_ties(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
+def _resolve_boundary_ties(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, kept: Kept) -> None:
     """Make a torch.topk selection of topk + 1 entries per row exact under the tie rule, in place, on
     the device: rows whose two smallest selected values are equal (and finite) get the lowest key
-    indices of that value. One launch, no host synchronisation; untied rows return at once."""
-    n_keys, n_selected = scores.shape[-1], values.shape[-1]
-    rows = scores.reshape(-1, n_keys)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    values2, indices2 = values.view(-1, n_selected), indices.view(-1, n_selected)
-    n_rows = rows.shape[0]
-    block_r = min(triton.next_power_of_2(n_rows), _TIE_INTERPRETED_ROWS) if INTERPRET else 1
-    _boundary_ties_kernel[(triton.cdiv(n_rows, block_r),)](
-        rows, values2, indices2, n_rows, n_keys, rows.stride(0), values2.stride(0), indices2.stride(0),
-        N_SELECTED=n_selected, CHUNK=min(triton.next_power_of_2(n_selected), _TIE_CHUNK),
-        ROW_BLOCK=_TIE_ROW_BLOCK, BLOCK_R=block_r, INTERPRETED=INTERPRET,
-        INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8)
+    indices of that value. One launch, no host synchronisation; untied rows return at once. kept: the
+    Kept of scores' signature and the selection's width (args: whether the rows are copied, the launch)."""
+    if kept.args is None:
+        n_keys, n_selected = scores.shape[-1], values.shape[-1]
+        rows = scores.reshape(-1, n_keys)
+        copy = rows.stride(1) != 1 or rows.data_ptr() != scores.data_ptr()   # (not a view of scores as rows)
+        n_rows = rows.shape[0]
+        block_r = min(triton.next_power_of_2(n_rows), _TIE_INTERPRETED_ROWS) if INTERPRET else 1
+        # (The selection, torch.topk's contiguous output, is [n_rows, n_selected] rows.)
+        kept.args = (copy, (cdiv(n_rows, block_r),), (
+            n_rows, n_keys, n_keys if copy else rows.stride(0), n_selected, n_selected), dict(
+            N_SELECTED=n_selected, CHUNK=min(triton.next_power_of_2(n_selected), _TIE_CHUNK),
+            ROW_BLOCK=_TIE_ROW_BLOCK, BLOCK_R=block_r, INTERPRETED=INTERPRET,
+            INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8))
+    copy, grid, integers, constexprs = kept.args
+    rows = scores.reshape(-1, scores.shape[-1]).contiguous() if copy else scores
+    launch(_boundary_ties_kernel, grid, (rows, values, indices, *integers), constexprs, kept.compiled)
 
 
 # Candidate pre-selection (indexer_topk of many wide rows: prefill chunks). The maximum of each group of
@@ -531,12 +556,12 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
             the kernel cannot run on.
     """
-    check_topk_inputs(scores, topk)
+    kept = per_signature(_TOPK_KEPT, lambda: (described(scores), topk.__class__, topk),
+                         lambda: check_topk_inputs(scores, topk) or Kept())
     n_keys = scores.shape[-1]
     k = min(topk, n_keys)
-    result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or scores.numel() == 0:
-        return result
+        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     n_rows = scores.numel() // n_keys
     candidates = None
     if n_rows >= _PRESELECT_MIN_ROWS and n_keys >= _PRESELECT_MIN_GROUPS_PER_SELECTED * _GROUP * k:
@@ -544,17 +569,30 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         candidates, candidate_keys = _preselect(rows if rows.stride(1) == 1 else rows.contiguous(), k)
         # The candidates in key order stand for the row: ties resolve to the lowest candidate slot.
         scores = candidates.view(*scores.shape[:-1], -1)
+        # (The tie launch over them: the pre-selection's constants decide their width, not the signature.)
+        kept = per_signature(_CANDIDATES_KEPT, lambda: (described(scores), topk), Kept)
     n_selected = min(topk + 1, scores.shape[-1])
     values, indices = torch.topk(scores, n_selected, dim=-1, sorted=False)
     if n_selected > k:
-        _resolve_boundary_ties(scores, values, indices)
+        _resolve_boundary_ties(scores, values, indices, kept)
     if candidates is not None:
-        indices = candidate_keys.view(*scores.shape[:-1], -1).gather(-1, indices).long()
+        indices = candidate_keys.view(*scores.shape[:-1], -1).gather(-1, indices)
     keys = _order_keys(values, indices)
     if n_selected > k:
         # Drop the (k+1)-th (the unique smallest key) by moving the last key into its slot: sorting
         # exactly k = 2048 keys stays on torch's in-shared-memory sort, 2049 would not.
         keys = keys.scatter_(-1, keys.argmin(-1, keepdim=True), keys[..., -1:].clone())[..., :k]
     keys = torch.sort(keys, dim=-1, descending=True).values
-    result[..., :k] = _key_indices(keys).to(torch.int32).masked_fill_((keys >> 32) == _NEG_INF_ORDERED, -1)
+    selected = _key_indices(keys).masked_fill_(_key_values(keys) == _NEG_INF_ORDERED, -1)
+    if k == topk:
+        return selected
+    result = torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
+    result[..., :k] = selected
     return result
+
+
+# Call signature (scores' class, dtype, shape, strides, device and alignment; topk) -> its Kept (the tie
+# launch's, _resolve_boundary_ties): a signature seen before passed the checks.
+_TOPK_KEPT: dict = {}
+# The candidates' signature and topk -> the Kept of the tie launch over them.
+_CANDIDATES_KEPT: dict = {}

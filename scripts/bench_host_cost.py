@@ -32,10 +32,11 @@ import torch
 from triton import knobs
 
 from minirt.kernels import _launch
-from minirt.kernels import (fp8_gemm, indexer_topk, lightning_indexer_scores, mla_decode_fp8, mla_query_absorb,
-                            mla_value_proj_fp8, new_index_cache, new_kv_cache, new_model1_cache, paged_indexer_scores,
-                            positions_to_slots, quantize_act_fp8, sparse_mla_decode_fp8, sparse_mla_prefill,
-                            sparse_mla_prefill_two_sources, write_index_keys, write_kv_fp8, write_kv_model1)
+from minirt.kernels import (decode_topk, fp8_gemm, indexer_topk, lightning_indexer_scores, mla_decode_fp8,
+                            mla_query_absorb, mla_value_proj_fp8, new_index_cache, new_kv_cache, new_model1_cache,
+                            paged_indexer_scores, positions_to_slots, quantize_act_fp8, sparse_mla_decode_fp8,
+                            sparse_mla_prefill, sparse_mla_prefill_two_sources, write_index_keys, write_kv_fp8,
+                            write_kv_model1)
 
 DEVICE = "cuda"
 
@@ -98,6 +99,7 @@ def indexer_cases():
     yield "lightning_indexer_scores", "T 4, S 256, H 64", lambda: lightning_indexer_scores(q, k, w, limit)
     scores = torch.randn(4, 4096, device=DEVICE)
     yield "indexer_topk", "4 rows of 4096, top-k 2048", lambda: indexer_topk(scores, 2048)
+    yield "decode_topk", "4 rows of 4096, top-k 2048", lambda: decode_topk(scores, 2048)
     cache = new_index_cache(8, 64, DEVICE)
     qf = torch.randn(2, 1, 64, 128, device=DEVICE).to(torch.float8_e4m3fn)
     wf = torch.rand(2, 1, 64, device=DEVICE)

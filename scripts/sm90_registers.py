@@ -34,10 +34,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from minirt.kernels import indexer_cache  # noqa: E402
+from minirt.kernels import indexer_cache, lightning_indexer  # noqa: E402
 from minirt.kernels._launch import Kept  # noqa: E402
 from minirt.kernels.decode_topk import decode_topk  # noqa: E402
-from minirt.kernels.lightning_indexer import indexer_topk  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
 from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
@@ -141,7 +140,7 @@ def recorded_indexer_launch(fp8: bool, n_queries: int, n_batch: int = 1):
     kernel, recorder = indexer_cache._paged_scores_kernel, Recorder()
     indexer_cache._paged_scores_kernel = recorder
     try:
-        indexer_cache._launch_paged(q, weights, cache, table, limit, out, fp8, geometry, config)
+        indexer_cache._launch_paged(q, weights, cache, table, limit, out, Kept((fp8, geometry, config, n_keys)))
     finally:
         indexer_cache._paged_scores_kernel = kernel
     return (kernel, *recorder.calls[0])
@@ -153,15 +152,15 @@ def recorded_topk_launches():
     names = ("_histogram_kernel", "_gather_kernel", "_sort_kernel")
     kernels = {name: getattr(module, name) for name in names}
     recorders = {name: Recorder() for name in names}
-    checks = sys.modules[indexer_topk.__module__]   # decode_topk's input checks live beside indexer_topk
-    check_device = checks.check_device
-    checks.check_device = lambda tensors: None
+    # (Its input checks, lightning_indexer.check_topk_inputs, refuse CPU tensors outside the interpreter.)
+    check_device = lightning_indexer.check_device
+    lightning_indexer.check_device = lambda tensors: None
     for name in names:
         setattr(module, name, recorders[name])
     try:
         decode_topk(torch.empty((16, 163840)), 2048)
     finally:
-        checks.check_device = check_device
+        lightning_indexer.check_device = check_device
         for name in names:
             setattr(module, name, kernels[name])
     return [(f"{name} {i + 1}", kernels[name], *call) for name in names for i, call in enumerate(recorders[name].calls)]

@@ -2,8 +2,9 @@
 integers derived once) must give every later call with that signature its own results, and must not let
 through an input that the checks refuse; the ordering kernel ranks sequences by both lists' used entries;
 launch (kernels/_launch.py) passes a compiled kernel's launcher every parameter in order; on a GPU later
-calls launch the compiled kernels directly, with the JIT path's results bit for bit. The head projections'
-kept plans likewise (the other launchers' are tested beside them: positions_to_slots in test_kv_cache_fp8).
+calls launch the compiled kernels directly, with the JIT path's results bit for bit. The head projections',
+the indexers', the top-k selections', the index-key writer's, the activation quantiser's and the fp8 GEMM's
+kept plans likewise (positions_to_slots' is tested beside it, in test_kv_cache_fp8).
 """
 import importlib
 import math
@@ -16,11 +17,19 @@ from triton.runtime.jit import JITFunction
 
 from conftest import DEVICE
 from minirt.errors import InputError
-from minirt.kernels import _launch, mla_query_absorb, mla_value_proj_fp8
+from minirt.formats import quantize_groups
+from minirt.kernels import (_launch, decode_topk, fp8_gemm, indexer_topk, lightning_indexer_scores, mla_query_absorb,
+                            mla_value_proj_fp8, new_index_cache, paged_indexer_scores, quantize_act_fp8,
+                            write_index_keys)
+from minirt.kernels import indexer_cache, lightning_indexer
 from minirt.kernels.sparse_mla_decode import longest_first, sparse_mla_decode_fp8
 from test_sparse_mla_decode import SM_SCALE, check, decode, make_cache, random_indices, random_q, reference
+import test_indexer_cache
+import test_lightning_indexer
+from test_fp8_gemm import random_activations, random_weight
 
 decode_module = importlib.import_module("minirt.kernels.sparse_mla_decode")
+fp8_gemm_module = importlib.import_module("minirt.kernels.fp8_gemm")   # (the package's fp8_gemm is the function)
 
 
 @pytest.mark.parametrize("with_main_lengths", [True, False])
@@ -105,6 +114,96 @@ def test_head_projections_keep_a_plan_per_signature_and_still_refuse_bad_input()
         mla_query_absorb(q_nope, w, scales, nope, v_dim, out=torch.empty(3, heads, latent, device=DEVICE))
     with pytest.raises(InputError, match="out must be"):
         mla_value_proj_fp8(o_lat.to(DEVICE), w, scales, nope, v_dim, out=(codes, o_scales[:, :1]))
+
+
+@pytest.mark.parametrize("dtype, lead", [(torch.bfloat16, (5,)), (torch.float32, (2, 16))],
+                         ids=["bf16-unbatched", "fp32-batched-presplit"])
+def test_lightning_indexer_keeps_a_plan_per_signature_and_still_refuses_bad_input(dtype, lead):
+    """lightning_indexer_scores: the second call of a signature (new data, strided inputs and out) takes the
+    first one's plan and scores its own data; a bad limit or weights after it still raises."""
+    kept = []
+    for seed in (1, 2):
+        gen = torch.Generator(DEVICE).manual_seed(seed)
+        q, k, weights = test_lightning_indexer.random_inputs(gen, lead, 70, 4, 32, dtype)
+        limit = torch.randint(-2, 80, lead, generator=gen, device=DEVICE)
+        test_lightning_indexer.run_case(q, k, weights, limit, strided=True, strided_out=True)
+        kept.append(len(lightning_indexer._KEPT))
+    assert kept[1] == kept[0]
+    with pytest.raises(InputError, match="limit"):
+        lightning_indexer_scores(q, k, weights, limit.float())
+    with pytest.raises(InputError, match="weights"):
+        lightning_indexer_scores(q, k, weights[..., :2], limit)
+
+
+@pytest.mark.parametrize("select", [indexer_topk, decode_topk], ids=["indexer_topk", "decode_topk"])
+def test_topk_selections_keep_a_plan_per_signature_and_still_refuse_bad_input(select):
+    """indexer_topk / decode_topk on strided rows (copied before the tie or histogram launches) and on fewer
+    scores than topk (padded): each second call of a signature selects its own data's top-k."""
+    for seed in (1, 2):
+        gen = torch.Generator(DEVICE).manual_seed(seed)
+        scores = test_lightning_indexer.tied_scores(gen, (300, 3)).t()
+        assert scores.stride(-1) != 1
+        for topk in (40, 400):
+            assert torch.equal(select(scores, topk), test_lightning_indexer.stable_topk_reference(scores, topk))
+    with pytest.raises(InputError, match="topk"):   # True == 1 as a dict key: the type is in the signature
+        select(scores, True)
+    with pytest.raises(InputError, match="float32"):
+        select(scores.double(), 40)
+
+
+@pytest.mark.parametrize("fmt, presplit", [("fp8", None), ("exact", True)], ids=["fp8", "exact-presplit"])
+def test_paged_indexer_keeps_a_plan_per_signature_and_still_refuses_bad_input(monkeypatch, fmt, presplit):
+    """paged_indexer_scores over one cache and a strided block table (copied before every launch): the second
+    call of a signature scores its own q and weights; a bad out after it still raises. write_index_keys: the
+    second call of a signature writes its own keys."""
+    test_indexer_cache.use_presplit(monkeypatch, presplit)
+    gen = torch.Generator(DEVICE).manual_seed(7)
+    limit = torch.tensor([[40, 3], [17, 60]], device=DEVICE)
+    q, weights, cache, table, limit = test_indexer_cache.make_case(gen, fmt, limit, block_size=8, max_blocks=10,
+                                                                   n_heads=4)
+    table = test_lightning_indexer.strided_copy(table)
+    assert table.stride(1) != 1
+    for seed in (1, 2):
+        gen = torch.Generator(DEVICE).manual_seed(seed)
+        q = torch.randn(q.shape, generator=gen, device=DEVICE).to(q.dtype)
+        weights = torch.randn(weights.shape, generator=gen, device=DEVICE)
+        test_indexer_cache.run_case(q, weights, cache, table, limit, fmt)
+    with pytest.raises(InputError, match="preallocated out"):
+        paged_indexer_scores(q, weights, cache, table, limit, out=torch.empty(2, 2, 79, device=DEVICE))
+
+    index_cache = new_index_cache(4, 8, DEVICE)
+    slots = torch.tensor([[30, -1, 3], [9, 17, 0]], device=DEVICE)
+    for seed in (1, 2):
+        keys = test_indexer_cache.random_keys(torch.Generator(DEVICE).manual_seed(seed), 6).view(2, 3, -1)
+        expected = index_cache.clone()
+        test_indexer_cache.reference_write(expected, keys.view(6, -1), slots.view(6))
+        write_index_keys(index_cache, keys, slots)
+        assert torch.equal(index_cache, expected)
+    with pytest.raises(InputError, match="slots"):
+        write_index_keys(index_cache, keys, slots.float())
+
+
+def test_quantiser_and_stream_gemm_keep_a_plan_per_signature_and_still_refuse_bad_input(monkeypatch):
+    """quantize_act_fp8 of strided activations (copied first) and fp8_gemm's stream path with split-K on an
+    activation whose rows are not 16-byte aligned (copied first): each second call of a signature gives its own
+    data's results, those of a fresh plan bit for bit; a bad out after it still raises."""
+    w, w_scales = random_weight(torch.Generator(DEVICE).manual_seed(3), 256, 1024, rescale=True)
+    for seed in (1, 2):
+        gen = torch.Generator(DEVICE).manual_seed(seed)
+        x = torch.randn((1024, 3), generator=gen, device=DEVICE).to(torch.bfloat16).t()
+        codes, scales = quantize_act_fp8(x)
+        want_codes, want_scales = quantize_groups(x)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+        a, a_scales = random_activations(gen, 3, 1024)
+        unaligned = torch.cat([a.view(torch.uint8), a[:, :8].view(torch.uint8)], 1)[:, :1024].view(a.dtype)
+        assert unaligned.stride(0) % 16
+        got = fp8_gemm(unaligned, a_scales, w, w_scales)
+        with monkeypatch.context() as fresh:
+            fresh.setattr(fp8_gemm_module, "_GEMMS", {})
+            assert torch.equal(got, fp8_gemm(a, a_scales, w, w_scales))
+    assert fp8_gemm_module._GEMMS[next(reversed(fp8_gemm_module._GEMMS))].args[0][1] > 1, "split-K"
+    with pytest.raises(InputError, match="out must be"):
+        fp8_gemm(unaligned, a_scales, w, w_scales, out=torch.empty(3, 256, device=DEVICE))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels (and their direct launches) need a GPU")

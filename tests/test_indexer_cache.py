@@ -18,6 +18,7 @@ from minirt.errors import InputError
 from minirt.formats import E4M3_MAX, FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels import indexer_cache as ic
 from minirt.kernels import _indexer_tiles
+from minirt.kernels._launch import Kept
 from minirt.kernels import lightning_indexer as li
 from minirt.kernels.indexer_cache import (dequantize_index_cache, index_cache_parts, new_index_cache,
                                           paged_indexer_scores, quantize_index_keys, write_index_keys)
@@ -371,7 +372,7 @@ def test_launch_shapes(monkeypatch, programs, config, fmt):
     q, weights, cache, table, limit = make_case(gen, fmt, limit, block_size=16, max_blocks=20, n_heads=16)
     out = torch.full((1, 6, 320), math.nan, device=DEVICE)
     fp8, geometry, _ = ic._check_scores_inputs(q, weights, cache, table, limit, None, out)
-    assert ic._launch_paged(q, weights, cache, table, limit, out, fp8, geometry, config) is out
+    assert ic._launch_paged(q, weights, cache, table, limit, out, Kept((fp8, geometry, config, 320))) is out
     check(out, q, weights, cache, table, limit, fmt)
 
 

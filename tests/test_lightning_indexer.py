@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.kernels import _indexer_tiles
+from minirt.kernels._launch import Kept
 from minirt.kernels import lightning_indexer as li
 from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk, lightning_indexer_scores
 
@@ -202,6 +203,7 @@ def test_launch_shapes(monkeypatch, programs, config):
     """Every launch shape the benchmark tries, with the keys split into one chunk per query tile or one
     tile per chunk: chunks whose tiles are partly computed, partly -inf-filled, or all filled."""
     monkeypatch.setattr(_indexer_tiles, "num_programs_target", lambda device: programs)
+    monkeypatch.setattr(li, "_KEPT", {})   # (the launch shape is kept per call signature)
     gen = torch.Generator(DEVICE).manual_seed(23)
     n_queries, n_keys = 6, 333
     q, k, weights = random_inputs(gen, (n_queries,), n_keys, 64, 128, torch.bfloat16)
@@ -456,7 +458,7 @@ def test_topk_tie_kernel_repairs_any_selection(monkeypatch, rows_per_program):
     scores[5] = 7.5
     order = torch.sort(li._order_keys(scores, torch.arange(n_keys, device=DEVICE).expand_as(scores)),
                        descending=True).values
-    best = li._key_indices(order)[:, :topk + 1]
+    best = li._key_indices(order)[:, :topk + 1].long()
     values = scores.gather(-1, best)
     # Swap the selected tied keys for the highest-indexed keys of the same value.
     worst = best.clone()
@@ -466,7 +468,7 @@ def test_topk_tie_kernel_repairs_any_selection(monkeypatch, rows_per_program):
         chosen = values[row] == boundary
         worst[row, chosen] = tied[-int(chosen.sum()):]
     selected_values, selected_indices = values.clone(), worst.clone()
-    li._resolve_boundary_ties(scores, selected_values, selected_indices)
+    li._resolve_boundary_ties(scores, selected_values, selected_indices, Kept())
     for row in range(n_rows):
         got = sorted(zip(selected_indices[row].tolist(), selected_values[row].tolist()))
         repaired = row in (0, 1, 2, 5)
