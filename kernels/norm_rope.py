@@ -20,10 +20,20 @@ from ._common import check_device, rows_per_program
 
 
 @triton.jit
+def _round_to_bf16(y):
+    """fp32 y rounded to the nearest bf16 value (ties to even), as fp32: by its bits, because the interpreter's
+    fp32 -> bf16 cast truncates (the GPU's rounds to nearest: the same values). NaN stays NaN."""
+    u = y.to(tl.uint32, bitcast=True)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(y == y, rounded, y)
+
+
+@triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, n_rows, heads, stride_xt, stride_xh,
                       stride_ot, stride_oh, stride_c, stride_s, eps,
                       DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr,
-                      INVERSE: tl.constexpr, WRITE_HEAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                      INVERSE: tl.constexpr, WRITE_HEAD: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     t, h = rows // heads, rows % heads
@@ -39,12 +49,16 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, n_rows, 
         y = x * scale[:, None]
         if WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=cols < DIM, other=0.0).to(tl.float32)[None, :]
+        if ROUND_BF16:
+            y = _round_to_bf16(y)
         tl.store(out_rows[:, None] + cols[None, :], y.to(dtype), mask=mask & (cols[None, :] < DIM - ROPE))
     elif WRITE_HEAD and DIM > ROPE:  # not in place: the dims before the rotated ones are copied
         cols = tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (cols[None, :] < DIM - ROPE)
-        tl.store(out_rows[:, None] + cols[None, :],
-                 tl.load(x_rows[:, None] + cols[None, :], mask=mask).to(dtype), mask=mask)
+        head = tl.load(x_rows[:, None] + cols[None, :], mask=mask)
+        if ROUND_BF16:
+            head = _round_to_bf16(head.to(tl.float32))
+        tl.store(out_rows[:, None] + cols[None, :], head.to(dtype), mask=mask)
     if ROPE > 0:  # the pairs as [rows, ROPE / 2, 2] tiles: contiguous (vector) loads and stores
         pair = tl.arange(0, ROPE // 2)
         tail = (DIM - ROPE + 2 * pair)[None, :, None] + tl.arange(0, 2)[None, None, :]
@@ -58,13 +72,17 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, n_rows, 
         if WEIGHT:
             x = x * tl.load(w_ptr + tail).to(tl.float32)
         a, b = tl.split(x)
-        tl.store(out_rows[:, None, None] + tail, tl.join(a * cos - b * sin, a * sin + b * cos).to(dtype), mask=mask)
+        y = tl.join(a * cos - b * sin, a * sin + b * cos)
+        if ROUND_BF16:
+            y = _round_to_bf16(y)
+        tl.store(out_rows[:, None, None] + tail, y.to(dtype), mask=mask)
 
 
 def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[torch.Tensor] = None,
               cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
               positions: Optional[torch.Tensor] = None, inverse: bool = False,
-              out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
+              round_to_bf16: bool = False) -> torch.Tensor:
     """
     Per row (each head of each token): an optional RMS norm over the whole row, then rope on its LAST
     ``2 · cos.shape[1]`` dims (interleaved pairs) at the token's position; all in fp32.
@@ -82,6 +100,9 @@ def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[
         out_dtype: the result's dtype (default x's); ignored when ``out`` is given.
         out: keyword-only, optional preallocated result of x's shape, unit stride along D, any dtype of
             the three; it may be x itself: then without a norm only the rotated dims are written.
+        round_to_bf16: keyword-only; the results rounded to the nearest bfloat16 (ties to even) before they
+            are stored in out's dtype: fp32 out holds bf16 values, which fp8 quantisers and fp32 GEMMs read
+            with no cast; bf16 out rounds interpreted as on the GPU (the interpreter's own cast truncates).
 
     Returns:
         ``out`` or a new contiguous tensor of x's shape: the norm's values rounded to its dtype, the
@@ -139,5 +160,5 @@ def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[
             float(eps) if eps is not None else 0.0, DIM=d, ROPE=rope, NORM=eps is not None,
             WEIGHT=weight is not None, INVERSE=inverse,
             WRITE_HEAD=not (out.data_ptr() == x.data_ptr() and out.stride() == x.stride()),
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=min(8, max(1, block_d // 256)))
+            ROUND_BF16=bool(round_to_bf16), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=min(8, max(1, block_d // 256)))
     return out

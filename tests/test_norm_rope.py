@@ -75,3 +75,20 @@ def test_norm_rope_refuses_bad_input():
         norm_rope(x, cos=table, sin=table, positions=torch.zeros(2, dtype=torch.int64, device=DEVICE))
     with pytest.raises(InputError, match="unit stride"):
         norm_rope(x.t(), eps=1e-6)
+
+
+@pytest.mark.parametrize("norm, roped", [(True, False), (True, True), (False, True)])
+def test_norm_rope_rounds_to_bf16_in_fp32(norm, roped):
+    """round_to_bf16 with an fp32 result: the fp32 result rounded to nearest bf16 (torch's cast), every element
+    written; interpreted too (whose own fp32 -> bf16 casts truncate)."""
+    gen = torch.Generator().manual_seed(11 + norm + 2 * roped)
+    x = (torch.randn(3, 2, 256, generator=gen) * 7).to(DEVICE)
+    weight = (1 + 0.5 * torch.randn(256, generator=gen)).to(DEVICE) if norm else None
+    angles = torch.rand(8, 32, generator=gen) * 6.3
+    rope = dict(cos=angles.cos().to(DEVICE), sin=angles.sin().to(DEVICE),
+                positions=torch.tensor([5, 0, 7], device=DEVICE)) if roped else {}
+    eps = 1e-6 if norm else None
+    out = torch.full(x.shape, float("nan"), device=DEVICE)
+    norm_rope(x, eps=eps, weight=weight, out=out, round_to_bf16=True, **rope)
+    fp32 = norm_rope(x, eps=eps, weight=weight, **rope)
+    assert torch.equal(out, fp32.bfloat16().float()) and not torch.equal(out, fp32)
