@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ...context import KVStash, PrefillTrace, Segment
 from ...errors import ConfigError
+from ...formats import FP8_DTYPE, FP8_GROUP
 from ...fp8_linear import Fp8Linear
 from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
                         sparse_mla_prefill_two_sources, write_kv_model1)
@@ -100,10 +101,18 @@ class V4Step:
         return self.shared[key]
 
 
-def rmsnorm_bf16(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``minirt.norms.rmsnorm`` of x [N, d] fp32 rounded to bf16, in one launch (``norm_rope``): [N, d] fp32
-    holding bf16 values, the sub-layers' input (their fp8 quantisers and fp32 GEMMs read it with no cast)."""
-    return norm_rope(x, eps=eps, weight=weight, round_to_bf16=True)
+def rmsnorm_bf16(x: Tensor, weight: Tensor, eps: float, fp8: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """``minirt.norms.rmsnorm`` of x [N, d] fp32 rounded to bf16, in one launch (``norm_rope``): ([N, d] fp32
+    holding bf16 values, the sub-layers' input: their fp8 quantisers and fp32 GEMMs read it with no cast;
+    with ``fp8`` also its quantisation (codes, scales) for an fp8 GEMM, else None)."""
+    fp8_out = quantized_like(x) if fp8 else None
+    return norm_rope(x, eps=eps, weight=weight, round_to_bf16=True, fp8_out=fp8_out), fp8_out
+
+
+def quantized_like(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Uninitialised (codes [N, d] e4m3, scales [N, d / 128] fp32) for norm_rope's ``fp8_out`` of x [N, d]."""
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, device=x.device))
 
 
 def fp8_linear(weight: Tensor, scale: Tensor) -> Fp8Linear:
@@ -300,14 +309,16 @@ class Attention(nn.Module):
                           (self.indexer, "weights_proj")]
             self.x_fp32, self.x_fp32_sizes = _stack_rows(parts)
 
-    def forward(self, x: Tensor, step: V4Step) -> Tensor:
+    def forward(self, x: Tensor, x_fp8: tuple[Tensor, Tensor] | None, step: V4Step) -> Tensor:
+        """x_fp8: x's quantisation for the fp8 projections (``rmsnorm_bf16``'s), or None (quantised here)."""
         cfg, N = self.cfg, x.shape[0]
         eps, H, hd = cfg.rms_norm_eps, self.heads, cfg.head_dim
         cos, sin = step.rope_table[self.rope]
         rope = dict(cos=cos, sin=sin, positions=step.positions)
-        q_a, kv = self.wq_a_wkv(x).split(self.x_sizes, dim=-1)
-        qr = norm_rope(q_a, eps=eps, weight=self.q_norm, out_dtype=torch.float32)
-        q_all = self.wq_b(qr)
+        q_a, kv = self.wq_a_wkv(x if x_fp8 is None else x_fp8).split(self.x_sizes, dim=-1)
+        qr_fp8 = quantized_like(q_a)  # qr only feeds wq_b: its norm writes the GEMM's fp8 operand too
+        norm_rope(q_a, eps=eps, weight=self.q_norm, out_dtype=torch.float32, fp8_out=qr_fp8)
+        q_all = self.wq_b(qr_fp8)
         q = norm_rope(q_all[:, : H * hd].view(N, H, hd), eps=eps, **rope)
         kv = norm_rope(kv, eps=eps, weight=self.kv_norm, **rope)
         state = step.cache.layers[self.index]
@@ -483,9 +494,10 @@ class V4Layer(nn.Module):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         mix = dict(eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
         collapsed, post, comb = mhc.hc_pre(X, *self.hc["attn"], **mix)
-        X = mhc.hc_post(self.attn(rmsnorm_bf16(collapsed, self.attn_norm, eps), step), X, post, comb)
+        X = mhc.hc_post(self.attn(*rmsnorm_bf16(collapsed, self.attn_norm, eps, fp8=True), step), X, post, comb)
         collapsed, post, comb = mhc.hc_pre(X, *self.hc["ffn"], **mix)
-        routed, shared = self.ffn.terms(rmsnorm_bf16(collapsed, self.ffn_norm, eps), step.tokens, step.shared_route)
+        x, _ = rmsnorm_bf16(collapsed, self.ffn_norm, eps)
+        routed, shared = self.ffn.terms(x, step.tokens, step.shared_route)
         X = mhc.hc_post(routed, X, post, comb, shared)
         if step.trace is not None:
             step.trace.record("hidden", self.index, X)
