@@ -3,7 +3,8 @@ decode step (the maths is :mod:`.reference`'s; the numbers differ by the kernels
 
 Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
 
-* mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32;
+* mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32; each sub-layer's input
+  norm one ``norm_rope`` launch writing bf16 values in fp32 (and, for the attention, their fp8 operand);
 * attention (:class:`Attention`): fp8 projections (``Fp8Linear`` on the stored e4m3 weights, the ue8m0
   scales as float32; those of one input stacked into one GEMM), each norm and rope one ``norm_rope``
   launch, kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
@@ -15,13 +16,14 @@ Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
   caches with ``sparse_mla_decode_fp8`` (window + extra cache in one softmax, the sink in the
   denominator). Then the inverse rope and the grouped output projection.
 * MoE (:class:`MoE`): ``route_hash`` / ``route_topk`` and ``moe_experts`` (fp4 routed experts; the shared
-  expert as a one-expert fp8 ``moe_experts`` call, every token weight 1).
+  expert as a one-expert fp8 ``moe_experts`` call, every token weight 1); ``hc_post`` adds the two outputs.
 
 Over a tensor-parallel group (``tp``, :mod:`.parallel`) a layer holds its rank's heads and output groups
 (``wo_b``'s partial sums all-reduced) and its routed experts (``expert_parallel_moe``).
 
-A decode step has static shapes and no host synchronisation (CUDA-graph capturable); prefill steps
-plan their segments on the host.
+A decode step has static shapes and no host synchronisation (CUDA-graph capturable); its index tensors
+come with it (one ``decode_step_indices`` launch, per-cache tables); prefill steps plan their segments on
+the host.
 """
 from __future__ import annotations
 
