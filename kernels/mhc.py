@@ -217,6 +217,17 @@ def _launch_hc_pre(X, fn, base, scale, collapsed, post, comb, eps: float, hc_eps
         HEAD=post is None)
 
 
+def _check_streams(X) -> tuple[int, int, int]:
+    """(N, hc, D) of a residual state X [N, hc, D] float32, contiguous, hc a power of two, or InputError."""
+    if not isinstance(X, torch.Tensor) or X.dim() != 3:
+        raise InputError(f"X must be a float32 tensor [N, hc, D], got {tuple(getattr(X, 'shape', ()))}")
+    N, hc, D = X.shape
+    if hc < 1 or hc & (hc - 1):
+        raise InputError(f"hc must be a power of two, got {hc}")
+    _check("X", X, (N, hc, D))
+    return N, hc, D
+
+
 def _check(name: str, t, shape: tuple, dtypes: tuple = (torch.float32,)) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_contiguous():
         raise InputError(f"{name} must be a contiguous {' or '.join(str(d)[6:] for d in dtypes)} tensor {list(shape)}, got "
@@ -282,12 +293,7 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     Raises:
         minirt.errors.InputError: wrong dtypes, shapes or devices.
     """
-    if not isinstance(X, torch.Tensor) or X.dim() != 3:
-        raise InputError(f"X must be a float32 tensor [N, hc, D], got {tuple(getattr(X, 'shape', ()))}")
-    N, hc, D = X.shape
-    if hc < 1 or hc & (hc - 1):
-        raise InputError(f"hc must be a power of two, got {hc}")
-    _check("X", X, (N, hc, D))
+    N, hc, D = _check_streams(X)
     _check("fn", fn, (hc, hc * D))
     _check("base", base, (hc,))
     _check("scale", scale, (1,))
@@ -320,15 +326,10 @@ def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     Raises:
         minirt.errors.InputError: wrong dtypes, shapes or devices.
     """
-    if not isinstance(X, torch.Tensor) or X.dim() != 3:
-        raise InputError(f"X must be a float32 tensor [N, hc, D], got {tuple(getattr(X, 'shape', ()))}")
-    N, hc, D = X.shape
-    if hc < 1 or hc & (hc - 1):
-        raise InputError(f"hc must be a power of two, got {hc}")
+    N, hc, D = _check_streams(X)
     for name, term in (("F", F), ("G", G)):
         if term is not None:
             _check(name, term, (N, D), (torch.float32, torch.bfloat16))
-    _check("X", X, (N, hc, D))
     _check("post", post, (N, hc))
     _check("comb", comb, (N, hc, hc))
     check_device({"F": F, "X": X, "post": post, "comb": comb, **({"G": G} if G is not None else {})})
