@@ -70,13 +70,14 @@ def _reduce_columns(x_rows, in_rows, fn_ptr, k_lo, M: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                           K_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr):
-    # part [N, SPLITS, (2 + HC)·HC + 1]: a row's sums of fn·x, then of x², over split program_id(1)'s columns.
+def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr, M: tl.constexpr,
+                           SPLITS: tl.constexpr, K_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                           DOT: tl.constexpr):
+    # part [N, SPLITS, M + 1]: a row's sums of fn·x (M = (2 + HC)·HC outputs, hc_head's HC), then of x², over
+    # split program_id(1)'s columns.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_rows = rows < n_rows
     split = tl.program_id(1)
-    M: tl.constexpr = (2 + HC) * HC
     m, sumsq = _reduce_columns(x_ptr + rows * (HC * D), in_rows, fn_ptr, split * K_SLICE, M, HC * D, K_SLICE, ROWS,
                                BLOCK, DOT)
     part_rows = part_ptr + (rows * SPLITS + split) * (M + 1)
@@ -88,38 +89,40 @@ def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n_rows, D: tl.constexpr, HC:
 @triton.jit
 def _hc_pre_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, n_rows, eps,
                           hc_eps, D: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                          D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                          D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr):
     # The splits' sums are added in one order by every program of a row; each recomputes the mixing weights
     # (25·SPLITS floats and a 4×4 Sinkhorn: cheaper than a third launch), the first stores post and comb, and
-    # program_id(1) collapses its slice [d_lo, d_lo + D_SLICE) ∩ [0, D).
+    # program_id(1) collapses its slice [d_lo, d_lo + D_SLICE) ∩ [0, D). HEAD (hc_head): pre only.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_rows = rows < n_rows
-    W: tl.constexpr = (2 + HC) * HC + 1
+    W: tl.constexpr = (HC if HEAD else (2 + HC) * HC) + 1
     part_rows = part_ptr + rows[:, None, None] * (SPLITS * W) + tl.arange(0, SPLITS)[None, :, None] * W
     in3 = in_rows[:, None, None]
     streams = tl.arange(0, HC)
     pairs = tl.arange(0, HC * HC)
     acc_pre = tl.sum(tl.load(part_rows + streams[None, None, :], mask=in3, other=0.0), axis=1)
-    acc_post = tl.sum(tl.load(part_rows + HC + streams[None, None, :], mask=in3, other=0.0), axis=1)
-    acc_comb = tl.sum(tl.load(part_rows + 2 * HC + pairs[None, None, :], mask=in3, other=0.0), axis=1)
     sumsq = tl.sum(tl.sum(tl.load(part_rows + W - 1, mask=in3, other=0.0), axis=2), axis=1)
     K: tl.constexpr = HC * D
     r = 1.0 / tl.sqrt(sumsq / K + eps)
-    s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(acc_pre * r[:, None] * s_pre + tl.load(base_ptr + streams)[None, :]) + hc_eps
-    post = 2.0 * tl.sigmoid(acc_post * r[:, None] * s_post + tl.load(base_ptr + HC + streams)[None, :])
-    logits = tl.reshape(acc_comb * r[:, None] * s_comb + tl.load(base_ptr + 2 * HC + pairs)[None, :], (ROWS, HC, HC))
-    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    for _ in range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    pre = tl.sigmoid(acc_pre * r[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + streams)[None, :]) + hc_eps
     d_split = tl.program_id(1)
-    mix_rows = in_rows & (d_split == 0)
-    tl.store(post_ptr + rows[:, None] * HC + streams[None, :], post, mask=mix_rows[:, None])
-    tl.store(comb_ptr + rows[:, None] * HC * HC + pairs[None, :], tl.reshape(comb, (ROWS, HC * HC)),
-             mask=mix_rows[:, None])
+    if not HEAD:
+        acc_post = tl.sum(tl.load(part_rows + HC + streams[None, None, :], mask=in3, other=0.0), axis=1)
+        acc_comb = tl.sum(tl.load(part_rows + 2 * HC + pairs[None, None, :], mask=in3, other=0.0), axis=1)
+        s_post, s_comb = tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+        post = 2.0 * tl.sigmoid(acc_post * r[:, None] * s_post + tl.load(base_ptr + HC + streams)[None, :])
+        logits = tl.reshape(acc_comb * r[:, None] * s_comb + tl.load(base_ptr + 2 * HC + pairs)[None, :],
+                            (ROWS, HC, HC))
+        e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+        comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        for _ in range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        mix_rows = in_rows & (d_split == 0)
+        tl.store(post_ptr + rows[:, None] * HC + streams[None, :], post, mask=mix_rows[:, None])
+        tl.store(comb_ptr + rows[:, None] * HC * HC + pairs[None, :], tl.reshape(comb, (ROWS, HC * HC)),
+                 mask=mix_rows[:, None])
     x_rows = x_ptr + rows * K
     for d0 in range(0, D_SLICE, BLOCK):
         cols = d_split * D_SLICE + d0 + tl.arange(0, BLOCK)
@@ -131,9 +134,10 @@ def _hc_pre_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, p
 
 
 @triton.jit
-def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr,
-                    D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # program_id(1): the slice of D, [d_lo, d_lo + D_SLICE) ∩ [0, D), this program writes.
+def _hc_post_kernel(f_ptr, g_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr,
+                    D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, TWO_TERMS: tl.constexpr):
+    # program_id(1): the slice of D, [d_lo, d_lo + D_SLICE) ∩ [0, D), this program writes. TWO_TERMS: the
+    # sub-layer output is f + g, added in fp32.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_rows = rows < n_rows
     streams = tl.arange(0, HC)
@@ -142,7 +146,11 @@ def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.con
     for d0 in range(0, D_SLICE, BLOCK):
         cols = d_lo + d0 + tl.arange(0, BLOCK)
         valid = cols < D
-        f = tl.load(f_ptr + rows[:, None] * D + cols[None, :], mask=in_rows[:, None] & valid[None, :], other=0.0)
+        f = tl.load(f_ptr + rows[:, None] * D + cols[None, :], mask=in_rows[:, None] & valid[None, :],
+                    other=0.0).to(tl.float32)
+        if TWO_TERMS:
+            f += tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=in_rows[:, None] & valid[None, :],
+                         other=0.0).to(tl.float32)
         mixed = post[:, :, None] * f[:, None, :]   # [ROWS, k, BLOCK], plus Σ_j comb[j, k] X[j]
         for j in tl.static_range(HC):
             comb_j = tl.load(comb_ptr + rows[:, None] * HC * HC + j * HC + streams[None, :], mask=in_rows[:, None],
@@ -194,22 +202,35 @@ def _launch_hc_pre(X, fn, base, scale, collapsed, post, comb, eps: float, hc_eps
                    block: int, dot: bool, splits: int) -> None:
     """hc_pre's two launches on checked inputs (N >= 1), the reduction in a given launch shape (rows a
     program, columns a step, tl.dot, column splits: benchmarks time each); the finish takes one row a
-    program compiled, rows_per_program's interpreted."""
+    program compiled, rows_per_program's interpreted. post None: hc_head's (fn [hc, hc·D], pre only)."""
     N, hc, D = X.shape
     k_slice = triton.cdiv(triton.cdiv(hc * D, splits), block) * block
-    part = X.new_empty(N, splits, (2 + hc) * hc + 1)
-    _hc_pre_partial_kernel[(triton.cdiv(N, rows), splits)](X, fn, part, N, D=D, HC=hc, SPLITS=splits, K_SLICE=k_slice,
-                                                           ROWS=rows, BLOCK=block, DOT=dot)
+    m = fn.shape[0]
+    part = X.new_empty(N, splits, m + 1)
+    _hc_pre_partial_kernel[(triton.cdiv(N, rows), splits)](X, fn, part, N, D=D, HC=hc, M=m, SPLITS=splits,
+                                                           K_SLICE=k_slice, ROWS=rows, BLOCK=block, DOT=dot)
     finish_rows = rows_per_program(N, hc * _BLOCK * splits)
     d_slice = _d_slice(D, triton.cdiv(N, finish_rows), X.device)
     _hc_pre_finish_kernel[(triton.cdiv(N, finish_rows), triton.cdiv(D, d_slice))](
-        X, part, base, scale, collapsed, post, comb, N, eps, hc_eps, D=D, ITERS=iters, HC=hc, SPLITS=splits,
-        D_SLICE=d_slice, ROWS=finish_rows, BLOCK=_BLOCK)
+        X, part, base, scale, collapsed, collapsed if post is None else post, collapsed if comb is None else comb, N,
+        eps, hc_eps, D=D, ITERS=iters, HC=hc, SPLITS=splits, D_SLICE=d_slice, ROWS=finish_rows, BLOCK=_BLOCK,
+        HEAD=post is None)
 
 
-def _check(name: str, t, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
-        raise InputError(f"{name} must be a contiguous float32 tensor {list(shape)}, got "
+def _check_streams(X) -> tuple[int, int, int]:
+    """(N, hc, D) of a residual state X [N, hc, D] float32, contiguous, hc a power of two, or InputError."""
+    if not isinstance(X, torch.Tensor) or X.dim() != 3:
+        raise InputError(f"X must be a float32 tensor [N, hc, D], got {tuple(getattr(X, 'shape', ()))}")
+    N, hc, D = X.shape
+    if hc < 1 or hc & (hc - 1):
+        raise InputError(f"hc must be a power of two, got {hc}")
+    _check("X", X, (N, hc, D))
+    return N, hc, D
+
+
+def _check(name: str, t, shape: tuple, dtypes: tuple = (torch.float32,)) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_contiguous():
+        raise InputError(f"{name} must be a contiguous {' or '.join(str(d)[6:] for d in dtypes)} tensor {list(shape)}, got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', ()))}")
 
 
@@ -255,14 +276,49 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return collapsed, post, comb
 
 
-def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
+            hc_eps: float) -> torch.Tensor:
+    """
+    mHC's final collapse before the model's norm and head: ``Σ_j pre[j]·X[j]`` with
+    ``pre = σ((fn · flat X)·rsqrt(mean(flat X²) + eps)·scale + base) + hc_eps`` (``reference.hc_head``), in
+    hc_pre's two launches (its reduction with hc outputs, the finish without post and comb).
+
+    Args:
+        X: [N, hc, D] float32, contiguous (hc a power of two); fn: [hc, hc·D], base: [hc], scale: [1],
+            float32 (``hc_head_*``). eps: rms_norm_eps; hc_eps: mHC's.
+
+    Returns:
+        [N, D] float32, every element written. Sync-free.
+
+    Raises:
+        minirt.errors.InputError: wrong dtypes, shapes or devices.
+    """
+    N, hc, D = _check_streams(X)
+    _check("fn", fn, (hc, hc * D))
+    _check("base", base, (hc,))
+    _check("scale", scale, (1,))
+    check_device({"X": X, "fn": fn, "base": base, "scale": scale})
+    collapsed = X.new_empty(N, D)
+    if N:
+        rows, block, dot = _pre_tile(N, hc)
+        if dot:  # tl.dot needs 16 outputs, the head has hc: one row a program (the logits' few rows)
+            rows, block, dot = 1, _BLOCK, False
+        _launch_hc_pre(X, fn, base, scale, collapsed, None, None, float(eps), float(hc_eps), 1, rows, block, dot,
+                       hc_pre_splits(N, rows, hc, D, X.device))
+    return collapsed
+
+
+def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            G: torch.Tensor | None = None) -> torch.Tensor:
     """
     mHC's new residual state ``X'[k] = post[k]·F + Σ_j comb[j, k]·X[j]`` (combᵀ · X), in one launch (D split
     across programs when the tokens alone do not fill the GPU).
 
     Args:
-        F: [N, D] float32, the sub-layer's output; X: [N, hc, D] float32; post: [N, hc] and comb [N, hc, hc]
-            float32 (hc_pre's). All contiguous.
+        F: [N, D] float32 or bfloat16, the sub-layer's output (read as fp32); X: [N, hc, D] float32;
+            post: [N, hc] and comb [N, hc, hc] float32 (hc_pre's). All contiguous.
+        G: optional [N, D] float32 or bfloat16, contiguous: a second term of the output, F + G added in fp32
+            (the MoE's routed and shared experts, with no sum written in between).
 
     Returns:
         [N, hc, D] float32, a new tensor, every element written.
@@ -270,25 +326,23 @@ def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     Raises:
         minirt.errors.InputError: wrong dtypes, shapes or devices.
     """
-    if not isinstance(X, torch.Tensor) or X.dim() != 3:
-        raise InputError(f"X must be a float32 tensor [N, hc, D], got {tuple(getattr(X, 'shape', ()))}")
-    N, hc, D = X.shape
-    if hc < 1 or hc & (hc - 1):
-        raise InputError(f"hc must be a power of two, got {hc}")
-    _check("F", F, (N, D))
-    _check("X", X, (N, hc, D))
+    N, hc, D = _check_streams(X)
+    for name, term in (("F", F), ("G", G)):
+        if term is not None:
+            _check(name, term, (N, D), (torch.float32, torch.bfloat16))
     _check("post", post, (N, hc))
     _check("comb", comb, (N, hc, hc))
-    check_device({"F": F, "X": X, "post": post, "comb": comb})
+    check_device({"F": F, "X": X, "post": post, "comb": comb, **({"G": G} if G is not None else {})})
     out = torch.empty_like(X)
     if N:
         rows = rows_per_program(N, hc * _BLOCK)
-        _launch_hc_post(F, X, post, comb, out, rows, _d_slice(D, triton.cdiv(N, rows), X.device))
+        _launch_hc_post(F, X, post, comb, out, rows, _d_slice(D, triton.cdiv(N, rows), X.device), G)
     return out
 
 
-def _launch_hc_post(F, X, post, comb, out, rows: int, d_slice: int) -> None:
+def _launch_hc_post(F, X, post, comb, out, rows: int, d_slice: int, G=None) -> None:
     """hc_post's kernel on checked inputs (N >= 1), d_slice columns of D a program (benchmarks time each)."""
     N, hc, D = X.shape
-    _hc_post_kernel[(triton.cdiv(N, rows), triton.cdiv(D, d_slice))](F, X, post, comb, out, N, D=D, HC=hc,
-                                                                     D_SLICE=d_slice, ROWS=rows, BLOCK=_BLOCK)
+    _hc_post_kernel[(triton.cdiv(N, rows), triton.cdiv(D, d_slice))](
+        F, F if G is None else G, X, post, comb, out, N, D=D, HC=hc, D_SLICE=d_slice, ROWS=rows, BLOCK=_BLOCK,
+        TWO_TERMS=G is not None)

@@ -66,7 +66,7 @@ for stage in "$@"; do
                     tests/test_kv_cache_fp8.py tests/test_lightning_indexer.py tests/test_indexer_cache.py \
                     tests/test_fp8_gemm.py tests/test_moe_kernels.py tests/test_sparse_mla_prefill_two_sources.py \
                     tests/test_decode_launch.py tests/test_rms_norm.py tests/test_rope_kernel.py tests/test_decode_topk.py \
-                    tests/test_norm_rope.py tests/test_compressor_decode.py ;;
+                    tests/test_norm_rope.py tests/test_compressor_decode.py tests/test_v4_step_indices.py ;;
     v4-decode)
       run v4-decode-tests python3 -m pytest -q tests/test_model1_cache.py tests/test_sparse_mla_decode_model1.py \
                             tests/test_sparse_mla_decode_model1_sm90.py

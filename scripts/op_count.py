@@ -5,8 +5,9 @@ step's small launches come from (each such op is at least one kernel launch on a
     python3 scripts/op_count.py /tmp/v4t                 # CPU (kernels interpreted), batch 1
     python3 scripts/op_count.py /tmp/v4t --batch 4 --device cuda
 
-Prints the total, the count per op and per source line (the innermost minirt frame), and the ops the
-kernels' Python wrappers dispatch (allocations, views' copies) per wrapper line. Views and allocations
+Prints the total, the count per op and per source line (the innermost minirt frame), the Triton / Gluon
+kernel launches by kernel, and the ops the kernels' Python wrappers dispatch (allocations, views' copies;
+interpreted, also the interpreter's own) per wrapper line. Views and allocations
 that launch nothing are not counted.
 """
 from __future__ import annotations
@@ -25,6 +26,31 @@ NO_LAUNCH = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.vie
              "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default", "aten.expand.default",
              "aten.split.Tensor", "aten.split_with_sizes.default", "aten.transpose.int", "aten.squeeze.dim",
              "aten.permute.default", "aten.unbind.int", "aten.reshape.default", "aten.lift_fresh.default"}
+
+
+class TritonLaunches:
+    """Counts Triton (and Gluon) kernel launches by kernel name while active, compiled or interpreted."""
+
+    def __init__(self):
+        self.by_kernel = collections.Counter()
+        self._patched = []
+
+    def __enter__(self):
+        import triton.runtime.interpreter as interpreter
+        import triton.runtime.jit as jit
+        for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+            run = cls.run
+
+            def counted(fn, *args, _run=run, **kwargs):
+                self.by_kernel[getattr(fn, "__name__", None) or fn.fn.__name__] += 1
+                return _run(fn, *args, **kwargs)
+            cls.run = counted
+            self._patched.append((cls, run))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, run in self._patched:
+            cls.run = run
 
 
 class OpCount(TorchDispatchMode):
@@ -58,7 +84,7 @@ def main() -> None:
     engine.prefill([[1 + i, 2, 3, 4, 5, 6, 7][: 5 + i % 3] for i in range(args.batch)])
     tokens = torch.arange(args.batch, device=args.device) + 3
     engine.decode(tokens)  # warm: kernels compiled, caches sized
-    with torch.inference_mode(), OpCount() as count:
+    with torch.inference_mode(), TritonLaunches() as launches, OpCount() as count:
         engine._decode_step(tokens)
     by_op = collections.Counter()
     for (_, op, _), n in count.by_line.items():
@@ -69,6 +95,9 @@ def main() -> None:
     print("--- by source line")
     for (where, op, line), n in sorted(count.by_line.items()):
         print(f"{n:5d}  {where:42s} {op:32s} {line}")
+    print(f"--- Triton / Gluon kernel launches: {sum(launches.by_kernel.values())}")
+    for name, n in launches.by_kernel.most_common():
+        print(f"{n:5d}  {name}")
     print(f"--- dispatched inside the kernels' wrappers: {sum(count.in_kernels.values())}")
     for where, n in count.in_kernels.most_common(20):
         print(f"{n:5d}  {where}")

@@ -87,3 +87,25 @@ def test_bad_inputs_name_the_tensor():
     with pytest.raises(InputError, match="splits must be"):
         hc_pre(X, torch.zeros(24, 512, device=DEVICE), torch.zeros(24, device=DEVICE), torch.zeros(3, device=DEVICE),
                eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, splits=3)
+
+
+@pytest.mark.parametrize("N, D", [(1, 256), (5, 320)])
+def test_hc_head_matches_the_reference(N, D):
+    cfg = preset_config("v4-tiny")
+    gen = torch.Generator().manual_seed(N + D)
+    hc = cfg.hc_mult
+    X = torch.randn(N, hc, D, generator=gen).to(DEVICE)
+    fn = (torch.randn(hc, hc * D, generator=gen) * 0.05).to(DEVICE)
+    base, scale = torch.randn(hc, generator=gen).to(DEVICE), torch.rand(1, generator=gen).to(DEVICE) + 0.5
+    got = mhc.hc_head(X, fn, base, scale, eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+    assert torch.isfinite(got).all() and rel(got, reference.hc_head(X, fn, base, scale, cfg)) < 1e-5
+
+
+def test_hc_post_adds_two_bf16_terms_in_fp32():
+    """F and G (the MoE's routed and shared experts) as bf16: the output of their fp32 sum, bit for bit."""
+    cfg, X, fn, base, scale, F = mhc_inputs(3, 320, 9)
+    _, post, comb = reference.hc_pre(X, fn, base, scale, cfg)
+    F, G = F.bfloat16(), (torch.randn(3, 320, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE, torch.bfloat16)
+    out = hc_post(F, X, post, comb, G)
+    assert torch.equal(out, hc_post(F.float() + G.float(), X, post, comb))
+    assert rel(out, reference.hc_post(F.float() + G.float(), X, post, comb)) < 1e-6

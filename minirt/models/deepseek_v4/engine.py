@@ -14,12 +14,14 @@ from ...backend import check_prompts
 from ...context import KVStash, PrefillTrace, Segment
 from ...runtime import DEFAULT_PREFILL_CHUNK, KernelRuntime, check_prefill_chunk, plan_chunks
 from ...errors import ConfigError, InputError, NumericalError
-from ...norms import rmsnorm
 from ...parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead
 from .cache import V4Cache
 from .config import DeepseekV4Config, LayerKind
-from .layers import V4Layer, V4Step
-from .reference import hc_head, rope_cos_sin
+from ...kernels import mhc
+from ...kernels.norm_rope import norm_rope
+from ...kernels.v4_step_indices import decode_step_indices
+from .layers import V4Layer, V4Step, shared_route
+from .reference import rope_cos_sin
 
 
 class EngineV4(KernelRuntime):
@@ -66,13 +68,27 @@ class EngineV4(KernelRuntime):
         positions = torch.arange(max_seq_len, device=self.device)
         self._rope = {family: rope_cos_sin(self.cfg, kind, positions, torch.float32)
                       for family, kind in (("main", LayerKind.SWA), ("compress", LayerKind.CSA))}
+        # What steps slice rather than compute: the shared expert's routing, and a decode step's rows
+        # (sequences 0 .. b−1), their first compressed-cache row per kind and HCA's entry ids.
+        self._shared_route = shared_route(max(max_batch, self.prefill_chunk), self.device)
+        rows = torch.arange(max_batch, device=self.device)
+        self._decode_rows = {"seq": rows}
+        for kind in {k for k in self.cfg.layer_kinds[: self.num_layers] if k != LayerKind.SWA}:
+            per_seq = self.cache.entries_per_seq(kind)
+            self._decode_rows[("first", kind)] = (rows * per_seq).to(torch.int32)
+            if kind == LayerKind.HCA:
+                self._decode_rows["hca_ids"] = torch.arange(max_batch * per_seq, dtype=torch.int32,
+                                                            device=self.device).view(max_batch, per_seq)
         self._lens: list[int] = []
         self._graphs = {}
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
-        """Next-token logits [N, vocab] fp32 of residual states X [N, hc, D]."""
-        y = rmsnorm(hc_head(X, *self.hc_head, self.cfg), self.norm, self.cfg.rms_norm_eps)
-        return self.head(y.to(torch.bfloat16)).float()
+        """Next-token logits [N, vocab] fp32 of residual states X [N, hc, D] (hc_head's collapse, then the norm
+        to bf16, then the head)."""
+        eps = self.cfg.rms_norm_eps
+        y = mhc.hc_head(X.contiguous(), *self.hc_head, eps=eps, hc_eps=self.cfg.hc_eps)
+        return self.head(norm_rope(y, eps=eps, weight=self.norm, out_dtype=torch.bfloat16,
+                                         round_to_bf16=True)).float()
 
     def _run(self, step: V4Step) -> torch.Tensor:
         X = torch.empty(step.tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size, device=self.device)
@@ -82,7 +98,8 @@ class EngineV4(KernelRuntime):
         return X
 
     def _step(self, tokens, positions, seq, window_slots, **prefill) -> V4Step:
-        return V4Step(tokens, positions, seq, self._rope, self.cache, window_slots, **prefill)
+        return V4Step(tokens, positions, seq, self._rope, self.cache, window_slots, shared_route=self._shared_route,
+                      **prefill)
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,
@@ -148,13 +165,19 @@ class EngineV4(KernelRuntime):
         ``expert_override`` (V3.2's routing override) is not offered by V4's MoE layers."""
         if expert_override is not None:
             raise InputError("expert_override is not supported by the DeepSeek-V4 runtime")
-        b, W = tokens.shape[0], self.cfg.sliding_window
-        positions = self.cache.seq_lens[:b].clone()
-        seq = torch.arange(b, device=self.device)
-        step = self._step(tokens, positions, seq, seq * W + positions % W, topk_override=topk_override)
-        X = self._run(step)
-        self.cache.seq_lens[:b] += 1
-        return self.logits(X)
+        b, kinds = tokens.shape[0], set(self.cfg.layer_kinds[: self.num_layers])
+        index = decode_step_indices(self.cache.seq_lens, b, self.cfg.sliding_window,  # seq_lens advanced too
+                                    LayerKind.CSA.ratio if LayerKind.CSA in kinds else 0,
+                                    LayerKind.HCA.ratio if LayerKind.HCA in kinds else 0)
+        rows = {key: t[:b] for key, t in self._decode_rows.items()}
+        shared = {"window": index["window"], **{key: t for key, t in rows.items() if isinstance(key, tuple)}}
+        if "last_visible" in index:
+            shared["last_visible"] = index["last_visible"]
+        if "hca_ids" in rows:
+            shared[("entries", LayerKind.HCA)] = (rows["hca_ids"], index["hca_lengths"])
+        step = self._step(tokens, index["positions"], rows["seq"], index["window_slots"], topk_override=topk_override,
+                          shared=shared)
+        return self.logits(self._run(step))
 
 
 def build_engine_v4(cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,

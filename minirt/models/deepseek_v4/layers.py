@@ -3,7 +3,8 @@ decode step (the maths is :mod:`.reference`'s; the numbers differ by the kernels
 
 Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
 
-* mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32;
+* mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32; each sub-layer's input
+  norm one ``norm_rope`` launch writing bf16 values in fp32 (and, for the attention, their fp8 operand);
 * attention (:class:`Attention`): fp8 projections (``Fp8Linear`` on the stored e4m3 weights, the ue8m0
   scales as float32; those of one input stacked into one GEMM), each norm and rope one ``norm_rope``
   launch, kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
@@ -15,13 +16,14 @@ Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
   caches with ``sparse_mla_decode_fp8`` (window + extra cache in one softmax, the sink in the
   denominator). Then the inverse rope and the grouped output projection.
 * MoE (:class:`MoE`): ``route_hash`` / ``route_topk`` and ``moe_experts`` (fp4 routed experts; the shared
-  expert as a one-expert fp8 ``moe_experts`` call, every token weight 1).
+  expert as a one-expert fp8 ``moe_experts`` call, every token weight 1); ``hc_post`` adds the two outputs.
 
 Over a tensor-parallel group (``tp``, :mod:`.parallel`) a layer holds its rank's heads and output groups
 (``wo_b``'s partial sums all-reduced) and its routed experts (``expert_parallel_moe``).
 
-A decode step has static shapes and no host synchronisation (CUDA-graph capturable); prefill steps
-plan their segments on the host.
+A decode step has static shapes and no host synchronisation (CUDA-graph capturable); its index tensors
+come with it (one ``decode_step_indices`` launch, per-cache tables); prefill steps plan their segments on
+the host.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 
 from ...context import KVStash, PrefillTrace, Segment
 from ...errors import ConfigError
+from ...formats import FP8_DTYPE, FP8_GROUP
 from ...fp8_linear import Fp8Linear
 from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
                         sparse_mla_prefill_two_sources, write_kv_model1)
@@ -43,6 +46,7 @@ from ...kernels.fp8_gemm import fp8_gemm, quantize_act_fp8
 from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
 from ...kernels.moe_routing import route_hash, route_topk
 from ...kernels.norm_rope import norm_rope
+from ...kernels.v4_step_indices import offset_entry_ids
 from ...parallel import SINGLE, TensorParallel, expert_parallel_moe
 from .cache import CompressorState, LayerState, V4Cache
 from .checkpoint import scale_name
@@ -65,8 +69,10 @@ class V4Step:
     segment takes the slot). Prefill only: segments (host), stash (the prefill's bf16 kv rows), window_rows
     [N] (stash rows), entry_stash / entry_base (per ratio: the prefill's bf16 compressed entries and each
     token's sequence's first row). topk_override: per layer None or [N, k] entry ids replacing the
-    indexer's choice. trace: per-layer intermediates of a prefill. shared: what every layer (of a kind)
-    derives from the step alike (:meth:`once`).
+    indexer's choice. trace: per-layer intermediates of a prefill. shared_route: ``shared_route``'s
+    tensors for at least N tokens (made once per cache, sliced). shared: what every layer (of a kind)
+    derives from the step alike (:meth:`once`); a decode step's come with it from the engine ("window",
+    ("first", kind), ("entries", HCA), "last_visible": ``decode_step_indices`` and per-cache tables).
     """
 
     tokens: Tensor
@@ -82,6 +88,7 @@ class V4Step:
     entry_base: dict[int, Tensor] | None = None
     topk_override: list[Tensor | None] | None = None
     trace: PrefillTrace | None = None
+    shared_route: tuple[Tensor, Tensor] | None = None
     shared: dict = field(default_factory=dict)
 
     @property
@@ -96,9 +103,18 @@ class V4Step:
         return self.shared[key]
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``minirt.norms.rmsnorm`` of x [N, d] fp32 in one launch (``norm_rope``): [N, d] fp32."""
-    return norm_rope(x, eps=eps, weight=weight)
+def rmsnorm_bf16(x: Tensor, weight: Tensor, eps: float, fp8: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """``minirt.norms.rmsnorm`` of x [N, d] fp32 rounded to bf16, in one launch (``norm_rope``): ([N, d] fp32
+    holding bf16 values, the sub-layers' input: their fp8 quantisers and fp32 GEMMs read it with no cast;
+    with ``fp8`` also its quantisation (codes, scales) for an fp8 GEMM, else None)."""
+    fp8_out = quantized_like(x) if fp8 else None
+    return norm_rope(x, eps=eps, weight=weight, round_to_bf16=True, fp8_out=fp8_out), fp8_out
+
+
+def quantized_like(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Uninitialised (codes [N, d] e4m3, scales [N, d / 128] fp32) for norm_rope's ``fp8_out`` of x [N, d]."""
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, device=x.device))
 
 
 def fp8_linear(weight: Tensor, scale: Tensor) -> Fp8Linear:
@@ -262,7 +278,7 @@ def _stacked_fp8(w: Mapping[str, Tensor], names: list[str]) -> tuple[Fp8Linear, 
 
 
 class Attention(nn.Module):
-    """One layer's attention of ``kind`` on x [N, D] bf16 (attn_norm applied): [N, D] fp32. ``tp``: ``w``
+    """One layer's attention of ``kind`` on x [N, D] fp32 holding bf16 values (attn_norm applied): [N, D] fp32. ``tp``: ``w``
     holds this rank's heads and output groups; the output is summed over the ranks.
 
     Its projections of one input run as one GEMM each: ``wq_a`` and ``wkv`` of x (fp8), ``wq_b`` and the
@@ -295,21 +311,23 @@ class Attention(nn.Module):
                           (self.indexer, "weights_proj")]
             self.x_fp32, self.x_fp32_sizes = _stack_rows(parts)
 
-    def forward(self, x: Tensor, step: V4Step) -> Tensor:
+    def forward(self, x: Tensor, x_fp8: tuple[Tensor, Tensor] | None, step: V4Step) -> Tensor:
+        """x_fp8: x's quantisation for the fp8 projections (``rmsnorm_bf16``'s), or None (quantised here)."""
         cfg, N = self.cfg, x.shape[0]
         eps, H, hd = cfg.rms_norm_eps, self.heads, cfg.head_dim
         cos, sin = step.rope_table[self.rope]
         rope = dict(cos=cos, sin=sin, positions=step.positions)
-        q_a, kv = self.wq_a_wkv(x).split(self.x_sizes, dim=-1)
-        qr = norm_rope(q_a, eps=eps, weight=self.q_norm, out_dtype=torch.float32)
-        q_all = self.wq_b(qr)
+        q_a, kv = self.wq_a_wkv(x if x_fp8 is None else x_fp8).split(self.x_sizes, dim=-1)
+        qr_fp8 = quantized_like(q_a)  # qr only feeds wq_b: its norm writes the GEMM's fp8 operand too
+        norm_rope(q_a, eps=eps, weight=self.q_norm, out_dtype=torch.float32, fp8_out=qr_fp8)
+        q_all = self.wq_b(qr_fp8)
         q = norm_rope(q_all[:, : H * hd].view(N, H, hd), eps=eps, **rope)
         kv = norm_rope(kv, eps=eps, weight=self.kv_norm, **rope)
         state = step.cache.layers[self.index]
         write_kv_model1(state.window, kv, step.window_slots)
         topk = None
         if self.compressor is not None:
-            rows = F.linear(x.float(), self.x_fp32).split(self.x_fp32_sizes, dim=-1)
+            rows = F.linear(x, self.x_fp32).split(self.x_fp32_sizes, dim=-1)
             self._write_entries(rows[0], rows[1], step, state)
         if self.kind == LayerKind.CSA:
             topk = self._topk(rows[2:], q_all[:, H * hd:], step, state)
@@ -363,9 +381,9 @@ class Attention(nn.Module):
     def _extra(self, step: V4Step, topk: Tensor | None, first: Tensor, width: int) -> tuple[Tensor, Tensor | None]:
         """(extra indices [N, k] int32 = first + entry id, lengths [N] int32 or None) of the compressed entries
         each token attends: CSA its top-k, HCA every visible entry (``width`` columns, lengths (t+1) // 128;
-        the same in every HCA layer of the step). first [N] int32."""
+        the same in every HCA layer of the step: a decode step's come with it). first [N] int32."""
         if self.kind == LayerKind.CSA:
-            return torch.where(topk >= 0, topk + first[:, None], -1), None
+            return offset_entry_ids(topk, first), None
         return step.once(("entries", self.kind), lambda: (
             first[:, None] + torch.arange(width, dtype=torch.int32, device=first.device),
             ((step.positions + 1) // self.kind.ratio).to(torch.int32)))
@@ -387,15 +405,10 @@ class Attention(nn.Module):
                                               self.sink, None, lengths)[0]
 
     def _decode_attention(self, q: Tensor, step: V4Step, state: LayerState, topk: Tensor | None) -> Tensor:
-        W, pos, seq = self.cfg.sliding_window, step.positions, step.seq
-        window = step.once("window", lambda: torch.where(
-            pos[:, None] >= torch.arange(W, device=q.device),
-            seq[:, None] * W + (pos[:, None] - torch.arange(W, device=q.device)) % W, -1).to(torch.int32)[:, None])
+        window = step.shared["window"]  # the decode step's indices: made by the engine (decode_step_indices)
         extra = {}
         if self.kind != LayerKind.SWA:
-            per_seq = step.cache.entries_per_seq(self.kind)
-            first = step.once(("first", self.kind), lambda: (seq * per_seq).to(torch.int32))
-            ids, lengths = self._extra(step, topk, first, per_seq)
+            ids, lengths = self._extra(step, topk, step.shared[("first", self.kind)], 0)
             extra = dict(extra_kv_cache=state.compressed, extra_indices=ids[:, None], extra_topk_length=lengths)
         o, _ = sparse_mla_decode_fp8(q[:, None], state.window, window, self.cfg.sm_scale, self.cfg.head_dim,
                                      attn_sink=self.sink, **extra)
@@ -407,9 +420,10 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """The MoE FFN on x [N, D] bf16 (ffn_norm applied): [N, D] fp32 = routed experts + shared expert.
-    ``tp``: ``w`` holds this rank's routed experts (``expert_range``); every rank routes every token and
-    ``expert_parallel_moe`` dispatches them (its sum of the ranks' partials is rounded to bf16)."""
+    """The MoE FFN on x [N, D] (ffn_norm applied; fp32 holding bf16 values, or bf16): [N, D] fp32 = routed
+    experts + shared expert. ``tp``: ``w`` holds this rank's routed experts (``expert_range``); every rank
+    routes every token and ``expert_parallel_moe`` dispatches them (its sum of the ranks' partials is
+    rounded to bf16)."""
 
     def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -428,27 +442,39 @@ class MoE(nn.Module):
                                          [shared[2]], [shared_scales[2]])
 
     def forward(self, x: Tensor, tokens: Tensor) -> Tensor:
+        routed, shared = self.terms(x, tokens)
+        return routed.float() if shared is None else routed.float().add_(shared)
+
+    def terms(self, x: Tensor, tokens: Tensor, shared_route: tuple[Tensor, Tensor] | None = None
+              ) -> tuple[Tensor, Tensor | None]:
+        """The output's two terms, [N, D] bf16 each, for ``hc_post`` to add in fp32: (routed experts, shared
+        expert), or over ``tp`` (routed + shared, None). shared_route: ``V4Step.shared_route`` (or made here)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.gate)
+        logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.gate)
         route = dict(scoring=cfg.scoring_func, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
         if self.hash:
             weights, ids = route_hash(logits, self.tid2eid, tokens, **route)
         else:
             weights, ids = route_topk(logits, self.bias, top_k=cfg.num_experts_per_tok, **route)
-        if self.tp.world > 1:
-            return expert_parallel_moe(x, None, self._routed, self._shared, (weights, ids), cfg.n_routed_experts,
-                                       self.tp).float()
-        return self._routed(x, ids, weights).float().add_(self._shared(x))
+        if self.tp.world > 1:  # dispatched in bf16, as the ranks' partials are summed
+            return expert_parallel_moe(x.to(torch.bfloat16), None, self._routed, self._shared, (weights, ids),
+                                       cfg.n_routed_experts, self.tp), None
+        return self._routed(x, ids, weights), self._shared(x, shared_route)
 
     def _routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """[T, D] bf16: this rank's experts' weighted sum (slots of other experts: id -1, skipped)."""
         return moe_experts(x, ids, weights, self.experts, swiglu_limit=self.cfg.swiglu_limit)
 
-    def _shared(self, x: Tensor) -> Tensor:
-        """[T, D] bf16: the shared expert, every token weight 1."""
-        one = torch.ones(x.shape[0], 1, device=x.device)
-        return moe_experts(x, torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device), one, self.shared,
-                           swiglu_limit=self.cfg.swiglu_limit)
+    def _shared(self, x: Tensor, route: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """[T, D] bf16: the shared expert, every token weight 1 (route: ids [≥ T, 1] zeros, weights ones)."""
+        ids, one = route if route is not None else shared_route(x.shape[0], x.device)
+        return moe_experts(x, ids[: x.shape[0]], one[: x.shape[0]], self.shared, swiglu_limit=self.cfg.swiglu_limit)
+
+
+def shared_route(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The shared expert's routing for up to ``rows`` tokens: (expert ids [rows, 1] int32 zeros, weights
+    [rows, 1] fp32 ones)."""
+    return torch.zeros(rows, 1, dtype=torch.int32, device=device), torch.ones(rows, 1, device=device)
 
 
 class V4Layer(nn.Module):
@@ -470,9 +496,11 @@ class V4Layer(nn.Module):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         mix = dict(eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
         collapsed, post, comb = mhc.hc_pre(X, *self.hc["attn"], **mix)
-        X = mhc.hc_post(self.attn(rmsnorm(collapsed, self.attn_norm, eps).to(torch.bfloat16), step), X, post, comb)
+        X = mhc.hc_post(self.attn(*rmsnorm_bf16(collapsed, self.attn_norm, eps, fp8=True), step), X, post, comb)
         collapsed, post, comb = mhc.hc_pre(X, *self.hc["ffn"], **mix)
-        X = mhc.hc_post(self.ffn(rmsnorm(collapsed, self.ffn_norm, eps).to(torch.bfloat16), step.tokens), X, post, comb)
+        x, _ = rmsnorm_bf16(collapsed, self.ffn_norm, eps)
+        routed, shared = self.ffn.terms(x, step.tokens, step.shared_route)
+        X = mhc.hc_post(routed, X, post, comb, shared)
         if step.trace is not None:
             step.trace.record("hidden", self.index, X)
         return X
