@@ -96,6 +96,16 @@ def flat_of(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def bf16_nearest(x):
+    """The bfloat16 nearest to each finite float32 x (ties to even), as a float32: the bits rounded
+    at bit 16. The hardware's cvt.rn.bf16 in integer operations, which the interpreter evaluates
+    exactly (its own float32 -> bfloat16 cast does not round to nearest)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def writable_slot(slot_ptr, row, num_slots):
     """(slot, valid) of a cache writer's row ``row``: its slot id int64, 0 where it is outside
     [0, num_slots) (valid False: the row's stores are masked off, never out of bounds)."""

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET
+from ._common import INTERPRET, bf16_nearest
 
 
 def num_programs_target(device: torch.device) -> int:
@@ -119,16 +119,6 @@ def fill_uncomputed(out_rows, stride_os, t_mask, chunk_start, chunk_end, n_compu
 # float32 accumulation, q_lo k_hi + q_hi k_lo + q_hi k_hi. Each bf16 product is exact in float32;
 # what is dropped (q_lo k_lo and the split residuals) is at most about 3 * 2^-16 of |q_d k_d| per
 # term, at random signs (tf32x3 would drop about 2^-21, at half the bf16 tensor cores' rate).
-
-@triton.jit
-def bf16_nearest(x):
-    """The bfloat16 nearest to each finite float32 x (ties to even), as a float32: the bits rounded
-    at bit 16. The hardware's cvt.rn.bf16 in integer operations, which the interpreter evaluates
-    exactly (its own float32 -> bfloat16 cast does not round to nearest)."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return rounded.to(tl.float32, bitcast=True)
-
 
 @triton.jit
 def split_bf16(x, INTERPRETED: tl.constexpr):

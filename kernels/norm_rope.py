@@ -18,17 +18,14 @@ from minirt.errors import InputError
 
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import check_device, rows_per_program
+from ._common import bf16_nearest, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 
 
 @triton.jit
 def _round_to_bf16(y):
-    """fp32 y rounded to the nearest bf16 value (ties to even), as fp32: by its bits, because the interpreter's
-    fp32 -> bf16 cast truncates (the GPU's rounds to nearest: the same values). NaN stays NaN."""
-    u = y.to(tl.uint32, bitcast=True)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return tl.where(y == y, rounded, y)
+    """fp32 y rounded to the nearest bf16 value (ties to even), as fp32 (``bf16_nearest``); NaN stays NaN."""
+    return tl.where(y == y, bf16_nearest(y), y)
 
 
 @triton.jit
