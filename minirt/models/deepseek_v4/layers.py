@@ -349,8 +349,9 @@ class Attention(nn.Module):
         g, r = len(self.wo_a), self.wo_a[0].weight.shape[0]
         cols = o.shape[1] // g
         z = torch.empty(o.shape[0], g * r, dtype=torch.bfloat16, device=o.device)
+        blocks = cols // FP8_GROUP
         for k, proj in enumerate(self.wo_a):
-            fp8_gemm(o_fp8[:, k * cols:(k + 1) * cols], scales[:, k * cols // 128:(k + 1) * cols // 128], proj.weight,
+            fp8_gemm(o_fp8[:, k * cols:(k + 1) * cols], scales[:, k * blocks:(k + 1) * blocks], proj.weight,
                      proj.weight_scale_inv, out=z[:, k * r:(k + 1) * r])
         return z
 
@@ -392,9 +393,7 @@ class Attention(nn.Module):
         cfg, W = self.cfg, self.cfg.sliding_window
         keys = step.stash.layer(self.index, cfg.head_dim)
         keys[step.window_rows, 0] = kv
-        window = step.once("window", lambda: torch.where(
-            step.positions[:, None] >= torch.arange(W, device=q.device),
-            step.window_rows[:, None] - torch.arange(W, device=q.device), -1).to(torch.int32)[:, None])
+        window = step.once("window", lambda: self._prefill_window(step, W))
         if self.kind == LayerKind.SWA:
             return sparse_mla_prefill(q, keys, window, cfg.sm_scale, cfg.head_dim, self.sink)[0]
         width = max(1, max(seg.end // self.kind.ratio for seg in step.segments))
@@ -403,6 +402,13 @@ class Attention(nn.Module):
         entries = step.entry_stash[self.kind.ratio].layer(self.index, cfg.head_dim)
         return sparse_mla_prefill_two_sources(q, keys, window, entries, extra[:, None], cfg.sm_scale, cfg.head_dim,
                                               self.sink, None, lengths)[0]
+
+    @staticmethod
+    def _prefill_window(step: V4Step, W: int) -> Tensor:
+        """[N, 1, W] int32: the stash rows of each token's last W positions (−1 before its sequence's start)."""
+        back = torch.arange(W, device=step.positions.device)
+        window = torch.where(step.positions[:, None] >= back, step.window_rows[:, None] - back, -1)
+        return window.to(torch.int32)[:, None]
 
     def _decode_attention(self, q: Tensor, step: V4Step, state: LayerState, topk: Tensor | None) -> Tensor:
         window = step.shared["window"]  # the decode step's indices: made by the engine (decode_step_indices)
