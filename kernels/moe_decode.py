@@ -32,7 +32,7 @@ import triton.language as tl
 
 from minirt.formats import FP8_GROUP
 
-from ._common import INTERPRET
+from ._common import INTERPRET, flat_of
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows, pow2_scale
 
 _BLOCK_K = tl.constexpr(FP8_GROUP)
@@ -248,7 +248,7 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
     n_slots = n_tokens * top_k
     d, i, n_experts = experts.hidden_size, experts.intermediate_size, experts.n_experts
     fp4 = experts.format == "fp4"
-    ids = expert_ids.reshape(-1).contiguous()
+    ids = flat_of(expert_ids)
 
     def step(k):    # k blocks a step: the largest power of two up to STEP_BLOCKS that divides them
         return max(kb for kb in (1, 2, 4, 8, 16) if kb <= STEP_BLOCKS and (k // FP8_GROUP) % kb == 0)
