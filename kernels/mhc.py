@@ -253,16 +253,12 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     Raises:
         minirt.errors.InputError: wrong dtypes, shapes, devices or splits.
     """
-    if not isinstance(X, torch.Tensor) or X.dim() != 3:
-        raise InputError(f"X must be a float32 tensor [N, hc, D], got {tuple(getattr(X, 'shape', ()))}")
-    N, hc, D = X.shape
-    if hc < 1 or hc & (hc - 1) or isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) \
-            or sinkhorn_iters < 1:
-        raise InputError(f"hc must be a power of two and sinkhorn_iters >= 1, got {hc}, {sinkhorn_iters!r}")
+    N, hc, D = _check_streams(X)
+    if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+        raise InputError(f"sinkhorn_iters must be an int >= 1, got {sinkhorn_iters!r}")
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1
                                or splits & (splits - 1)):
         raise InputError(f"splits must be a power of two or None, got {splits!r}")
-    _check("X", X, (N, hc, D))
     _check("fn", fn, ((2 + hc) * hc, hc * D))
     _check("base", base, ((2 + hc) * hc,))
     _check("scale", scale, (3,))
