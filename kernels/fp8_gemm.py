@@ -377,8 +377,7 @@ def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, devi
     return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 
-# Cached: the search would cost every decode GEMM tens of microseconds of host time.
-@functools.lru_cache(maxsize=None)
+# (Searched once per call signature: _stream keeps the result in the signature's Kept.)
 def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int, device: torch.device) -> int:
     """k blocks per stream program: config.split_k splits, or (None) the split that minimises the
     estimated time, rounds x (k blocks per program + _STREAM_PROGRAM_OVERHEAD), where rounds =

@@ -241,11 +241,7 @@ def test_stream_auto_split_fills_whole_waves(monkeypatch, n, k, splits):
     """Automatic split-K on an H200 (132 SMs) for V3.2's decode GEMMs at M = 1: the split whose waves
     of resident programs (2 per SM) are estimated to finish first."""
     monkeypatch.setattr(fp8_gemm_module, "_num_sms", lambda device: 132)
-    fp8_gemm_module._stream_k_blocks_per_split.cache_clear()
-    try:
-        per_split = fp8_gemm_module._stream_k_blocks_per_split(StreamConfig(), 1, k, -(-n // 128), torch.device("cuda"))
-    finally:
-        fp8_gemm_module._stream_k_blocks_per_split.cache_clear()
+    per_split = fp8_gemm_module._stream_k_blocks_per_split(StreamConfig(), 1, k, -(-n // 128), torch.device("cuda"))
     assert -(-(k // 128) // per_split) == splits
 
 
