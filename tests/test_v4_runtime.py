@@ -63,23 +63,23 @@ def test_compressor_state_across_chunks_and_decode(v4_tiny, prefix, layer):
     cfg, w = load_checkpoint(v4_tiny, 3)
     kind = cfg.layer_kinds[layer]
     dim = cfg.index_head_dim if "indexer" in prefix else cfg.head_dim
-    lw = {n[len(f"layers.{layer}."):]: t for n, t in w.items() if n.startswith(f"layers.{layer}.")}
+    lw = {n[len(f"layers.{layer}."):]: t.to(DEVICE) for n, t in w.items() if n.startswith(f"layers.{layer}.")}
     comp = Compressor(lw, prefix, kind.ratio, dim, kind == LayerKind.CSA, cfg.rms_norm_eps)
     T, decoded = 300, 40
-    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    table = rope_cos_sin(cfg, kind, torch.arange(T), torch.float32)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    table = rope_cos_sin(cfg, kind, torch.arange(T, device=DEVICE), torch.float32)
     expect = compress(x, lw, prefix, kind.ratio, dim, cfg, table[0][:: kind.ratio][: T // kind.ratio],
                       table[1][:: kind.ratio][: T // kind.ratio])
-    state = CompressorState(2, kind.ratio, comp.wkv.shape[0], kind == LayerKind.CSA, "cpu")
+    state = CompressorState(2, kind.ratio, comp.wkv.shape[0], kind == LayerKind.CSA, DEVICE)
     got = {}
     for start, end in ((0, 50), (50, 177), (177, T - decoded)):  # seq 1 of 2, chunks not window-aligned
-        step = SimpleNamespace(positions=torch.arange(start, end), segments=[Segment(1, start, end - start, 0)])
+        step = SimpleNamespace(positions=torch.arange(start, end, device=DEVICE), segments=[Segment(1, start, end - start, 0)])
         rows = F.linear(x[start:end], comp.wkv), F.linear(x[start:end], comp.wgate)
         for _, lo, entries in comp.prefill(*rows, step, state, table):
             got.update({lo + i: e for i, e in enumerate(entries)})
     for t in range(T - decoded, T):
-        step = SimpleNamespace(positions=torch.tensor([t]), seq=torch.tensor([1]))
-        entry = torch.full((1, dim), float("nan"))
+        step = SimpleNamespace(positions=torch.tensor([t], device=DEVICE), seq=torch.tensor([1], device=DEVICE))
+        entry = torch.full((1, dim), float("nan"), device=DEVICE)
         window = comp.decode(F.linear(x[t: t + 1], comp.wkv), F.linear(x[t: t + 1], comp.wgate), step, state, table,
                              entry, slots_per_seq=0)  # slot = window id, or -1
         assert (int(window) >= 0) == ((t + 1) % kind.ratio == 0)
