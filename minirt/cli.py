@@ -449,6 +449,21 @@ def escape_controls(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+@contextlib.contextmanager
+def _sigint_deferred():
+    """SIGINT held back for the block (main thread, where the signal module can mask it): its
+    KeyboardInterrupt comes after the block, not inside it."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class _TextOut:
     """Generated text on stdout as it arrives: on a terminal with control characters escaped (and the
     prompt dimmed), elsewhere the exact text."""
@@ -588,12 +603,12 @@ def generate(
     streaming = batch == 1  # a batch's sequences are printed one per line once done
 
     def stream(seq: int, token: int) -> None:
-        produced[seq].append(token)
-        if seq != 0:
-            return
-        if streaming:
-            out.write(detok.push(token) if as_text else f"{' ' if len(produced[0]) > 1 else ''}{token}")
-        note(len(produced[0]), interrupting_text=streaming and out.terminal and console.is_terminal)
+        with _sigint_deferred():  # a Ctrl-C between the two would count a token it never printed
+            produced[seq].append(token)
+            if seq == 0 and streaming:
+                out.write(detok.push(token) if as_text else f"{' ' if len(produced[0]) > 1 else ''}{token}")
+        if seq == 0:
+            note(len(produced[0]), interrupting_text=streaming and out.terminal and console.is_terminal)
 
     def show_sequences() -> None:
         if streaming:
