@@ -450,18 +450,14 @@ def escape_controls(text: str) -> str:
 
 
 @contextlib.contextmanager
-def _sigint_deferred():
-    """SIGINT held back for the block (main thread, where the signal module can mask it): its
-    KeyboardInterrupt comes after the block, not inside it."""
-    mask = getattr(signal, "pthread_sigmask", None)
-    if mask is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    mask(signal.SIG_BLOCK, {signal.SIGINT})
+def _interrupts_deferred():
+    """Ctrl-C and SIGTERM (both raised as KeyboardInterrupt, see Terminated) held back for the block:
+    the interrupt comes after it, not inside it."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:
-        mask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class _TextOut:
@@ -603,9 +599,11 @@ def generate(
     streaming = batch == 1  # a batch's sequences are printed one per line once done
 
     def stream(seq: int, token: int) -> None:
-        with _sigint_deferred():  # a Ctrl-C between the two would count a token it never printed
+        printed = seq == 0 and streaming
+        # An interrupt between the append and the write would count a token never printed.
+        with _interrupts_deferred() if printed else contextlib.nullcontext():
             produced[seq].append(token)
-            if seq == 0 and streaming:
+            if printed:
                 out.write(detok.push(token) if as_text else f"{' ' if len(produced[0]) > 1 else ''}{token}")
         if seq == 0:
             note(len(produced[0]), interrupting_text=streaming and out.terminal and console.is_terminal)
