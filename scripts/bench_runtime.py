@@ -12,7 +12,9 @@ step when steps are queued back to back (``engine.decode_queued``, as ``minirt g
 them), one eager step and the sum of its kernels (torch.profiler: every kernel's device time added
 up, i.e. the step with no launch gaps). A warm-up prefill and decode compile every kernel first.
 ``--split`` profiles one prefill of the longest b 1 context and splits its kernel time into indexer /
-attention / linear / other.
+attention / linear / other; ``--top N`` lists, beside it, the N kernels that take most of that prefill and
+of one b 1 decode step. "replay ms" is the CUDA graph's replay alone, waited for: the graph step less
+it is ``decode``'s host work around the replay (token checks, copies, the finite check).
 
 Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
 (every weight it uses, with its block scales: linear layers, norms, lm_head, the batch's embedding
@@ -146,6 +148,7 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device=engine.device)
     engine.decode(tokens)  # the first step of a batch size captures the graph
     step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
+    replay_s = statistics.median(timed(engine._graphs[batch][0].replay) for _ in range(steps))
     queued_s = queued_step_seconds(engine, tokens, steps)
     tp = engine.tp
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=engine.device)
@@ -158,12 +161,24 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     engine.use_cuda_graph = True
     row = {"batch": batch, "context": context, "prefill_ms": prefill_s * 1e3,
            "prefill_tok_s": batch * context / prefill_s, "peak_gib": peak.item() / GIB, "step_ms": step_s * 1e3,
-           "queued_ms": queued_s * 1e3, "eager_ms": eager_s * 1e3, "kernels_ms": kernels_s * 1e3,
+           "replay_ms": replay_s * 1e3, "queued_ms": queued_s * 1e3, "eager_ms": eager_s * 1e3,
+           "kernels_ms": kernels_s * 1e3,
            "graph_over_kernels": step_s / kernels_s, "queued_over_kernels": queued_s / kernels_s}
     if tp.world > 1:
         row["step_collectives_ms"] = collective_seconds(step_kernels) * 1e3
         row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
+    row["step_kernels"] = step_kernels
     return row
+
+
+def top_kernels(times: dict[str, float], n: int, what: str) -> list[str]:
+    """A markdown table of the ``n`` kernels that take most of ``times`` (device seconds by kernel name)."""
+    total = sum(times.values())
+    lines = ["", f"The {n} largest kernels of {what} ({total * 1e3:,.2f} ms of kernels):", "",
+             "| kernel | ms | share |", "|---|---:|---:|"]
+    for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:n]:
+        lines.append(f"| `{name[:90]}` | {t * 1e3:,.3f} | {t / total:.1%} |")
+    return lines
 
 
 def warm_up(engine) -> None:
@@ -187,6 +202,8 @@ def main() -> None:
                     help="weights/indexer_precision pairs to load")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per row")
     ap.add_argument("--split", action="store_true", help="profile the longest b 1 prefill: indexer/attention/linear")
+    ap.add_argument("--top", type=int, default=0, help="with --split: the N largest kernels of that prefill "
+                    "and of a b 1 decode step")
     ap.add_argument("--out", default="-", help="markdown report file (- for stdout)")
     ap.add_argument("--tp", type=int, default=1, help="GPUs (tensor + expert parallelism; run under torchrun "
                     "--nproc-per-node N), each row beside one GPU's")
@@ -219,9 +236,10 @@ def main() -> None:
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
                   "| batch | context | prefill ms | prefill tok/s | prefill floor ms | prefill / floor | peak GiB "
-                  "| graph step ms | queued step ms | eager step ms | kernel sum ms | graph / kernels "
+                  "| graph step ms | replay ms | queued step ms | eager step ms | kernel sum ms | graph / kernels "
                   "| queued / kernels | decode floor ms (weights + cache) | queued / floor |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        step_kernels = None
         for batch in batches:
             for i, context in enumerate(contexts):
                 if batch * context > args.max_tokens:
@@ -245,18 +263,28 @@ def main() -> None:
                     decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
                 lines.append(f"| {batch} | {context:,} | {r['prefill_ms']:,.1f} | {r['prefill_tok_s']:,.0f} | "
                              f"{prefill_floor} | {prefill_ratio} | {r['peak_gib']:.1f} | {r['step_ms']:.2f} | "
+                             f"{r['replay_ms']:.2f} | "
                              f"{r['queued_ms']:.2f} | {r['eager_ms']:.2f} | {r['kernels_ms']:.2f} | "
                              f"{r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {decode_floor} | "
                              f"{decode_ratio} |")
                 print(lines[-1], flush=True)
+                if batch == 1 and step_kernels is None:
+                    step_kernels = (context, r["step_kernels"])
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)
             prompts = random_prompts(engine, 1, context, seed=7)
             engine.setup_cache(1, context + 8)
-            parts = split_by_part(kernel_times(lambda: engine.prefill(prompts)))
+            times = kernel_times(lambda: engine.prefill(prompts))
+            parts = split_by_part(times)
             total = sum(parts.values())
             lines += ["", f"Kernel time of one b 1 prefill of {context:,} tokens: {total * 1e3:,.0f} ms; "
                       + ", ".join(f"{p} {s * 1e3:,.0f} ms ({s / total:.0%})" for p, s in parts.items())]
+            if args.top:
+                lines += top_kernels(times, args.top, f"one b 1 prefill of {context:,} tokens")
+                if step_kernels is not None:
+                    context, step = step_kernels
+                    lines += top_kernels(step, args.top, f"one b 1 decode step at {context:,} tokens")
+            print("\n".join(lines[-2 * args.top - 12:]), flush=True)
         lines.append("")
         del engine
     write_report("\n".join(lines) + "\n", args.out)
