@@ -202,6 +202,8 @@ def main() -> None:
                     help="weights/indexer_precision pairs to load")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per row")
     ap.add_argument("--split", action="store_true", help="profile the longest b 1 prefill: indexer/attention/linear")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step (default: "
+                    "the engine's)")
     ap.add_argument("--top", type=int, default=0, help="with --split: the N largest kernels of that prefill "
                     "and of a b 1 decode step")
     ap.add_argument("--out", default="-", help="markdown report file (- for stdout)")
@@ -224,7 +226,8 @@ def main() -> None:
         weights, precision = mode.split("/")
         torch.cuda.empty_cache()
         try:
-            engine = minirt.load(args.weights_dir, device="cuda", weights=weights, indexer_precision=precision)
+            engine = minirt.load(args.weights_dir, device="cuda", weights=weights, indexer_precision=precision,
+                                 prefill_chunk=args.prefill_chunk)
         except InputError as e:  # a mode this checkpoint's family does not offer
             print(f"skipping {mode}: {e}", flush=True)
             continue

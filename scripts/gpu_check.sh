@@ -114,6 +114,8 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda
       run profile-v4-flash python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --split --top 30 \
         --steps 10 --out "$OUT/profile_v4.md"
+      run profile-v4-flash-chunk8k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --split --top 30 \
+        --steps 10 --prefill-chunk 8192 --out "$OUT/profile_v4_chunk8k.md"
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda
       run profile-v32 python3 scripts/bench_runtime.py $V32 --modes fp8/exact,fp8/fp8 --context 1024,163840 --batch 1 \
