@@ -100,3 +100,23 @@ def test_a_cache_past_free_memory_is_refused_before_allocating(v4_tiny):
     engine = minirt.load(v4_tiny, device=DEVICE)
     with pytest.raises(DeviceError, match=r"a cache for 100000 x 10,000,000 tokens needs .* is free"):
         engine.setup_cache(100_000, 10_000_000)
+
+
+def test_indexer_scores_in_row_blocks_select_as_one_block(v4_tiny, monkeypatch):
+    """A prefill step's indexer scores its tokens in blocks of SCORE_ROWS rows (each over the keys visible to
+    the block's last token), so a long chunk's score block stays bounded: blocks of 24 rows, not aligned to
+    the chunk or the 4-token windows, select the same entries and give the same logits as one block."""
+    from minirt.context import PrefillTrace
+    from minirt.models.deepseek_v4 import layers
+
+    engine = minirt.load(v4_tiny, layers=2, device=DEVICE, prefill_chunk=64)  # SWA, CSA
+    prompt = [torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(3)).tolist()]
+    runs = []
+    for rows in (layers.SCORE_ROWS, 24):
+        monkeypatch.setattr(layers, "SCORE_ROWS", rows)
+        trace = PrefillTrace()
+        runs.append((engine.prefill(prompt, all_logits=True, trace=trace), *trace.topk))  # CSA alone
+    (logits, topk), (blocked_logits, blocked_topk) = runs
+    assert topk.shape == (100, 16) and (topk[-1] >= 0).all()  # the last rows choose 16 of 25 entries
+    assert torch.equal(blocked_topk, topk)
+    assert torch.equal(blocked_logits, logits) and torch.isfinite(logits).all()

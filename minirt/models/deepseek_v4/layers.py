@@ -54,6 +54,11 @@ from .config import DeepseekV4Config, LayerKind
 from .parallel import expert_range
 
 
+# Prefill tokens per block of indexer scores: bounds the [rows, context / 4] fp32 score block (2 GiB at
+# V4's 1,048,576 tokens) whatever the prefill chunk.
+SCORE_ROWS = 2048
+
+
 def rope_family(kind: LayerKind) -> str:
     """Which rope a layer of ``kind`` uses: "main" (SWA) or "compress" (CSA / HCA)."""
     return "main" if kind == LayerKind.SWA else "compress"
@@ -256,11 +261,13 @@ class Indexer(nn.Module):
                                               last_visible[:, None])
             return indexer_topk(scores, self.topk)[:, 0]
         picks = []
-        for seg in step.segments:
-            rows = slice(seg.offset, seg.offset + seg.length)
-            keys = state.index_keys[seg.seq, : max(1, seg.end // LayerKind.CSA.ratio)]
-            scores = lightning_indexer_scores(q[rows], keys, head_weights[rows], last_visible[rows])
-            picks.append(indexer_topk(scores, self.topk))
+        for seg in step.segments:  # in blocks of SCORE_ROWS tokens, each over the keys visible to its last
+            for lo in range(0, seg.length, SCORE_ROWS):
+                hi = min(lo + SCORE_ROWS, seg.length)
+                rows = slice(seg.offset + lo, seg.offset + hi)
+                keys = state.index_keys[seg.seq, : max(1, (seg.start + hi) // LayerKind.CSA.ratio)]
+                scores = lightning_indexer_scores(q[rows], keys, head_weights[rows], last_visible[rows])
+                picks.append(indexer_topk(scores, self.topk))
         return torch.cat(picks)
 
 
