@@ -64,8 +64,8 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     dtype: weights/activations of the triton backend; default bf16 on cuda, fp32 on cpu.
     indexer_precision: "exact" (fp32 scores, default: what the reference computes, so verify can
     compare top-k sets) or "fp8" (the official Hadamard + fp8 path; near-ties may flip).
-    prefill_chunk: prompt tokens per prefill step of the triton backend (default
-    ``minirt.runtime.DEFAULT_PREFILL_CHUNK``); it bounds prefill's transient memory, not the results.
+    prefill_chunk: prompt tokens per prefill step of the triton backend (default: the family's, 2048 for
+    DeepSeek-V3 / V3.2, 8192 for DeepSeek-V4); it bounds prefill's transient memory, not the results.
     weights: "fp8" keeps the checkpoint's block-fp8 linear weights as stored and computes with fp8
     GEMMs (activations quantised per token and 128 values), "bf16" dequantises them at load (to
     ``dtype``). Default: "fp8" for an fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else
@@ -85,12 +85,12 @@ def load(path: str | Path | None = None, layers: int | None = None, device: str 
     from .files import as_path
     from .models import family_of
     from .parallel import TensorParallel, local_device
-    from .runtime import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
+    from .runtime import check_prefill_chunk
 
     if backend not in ("triton", "reference"):
         raise InputError(f"backend must be 'triton' or 'reference', got {backend!r}")
-    if backend == "triton":
-        prefill_chunk = check_prefill_chunk(DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+    if backend == "triton" and prefill_chunk is not None:
+        prefill_chunk = check_prefill_chunk(prefill_chunk)
     if weights not in (None, "fp8", "bf16"):
         raise InputError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
     group = TensorParallel.current(1 if tp is None else tp)

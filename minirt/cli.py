@@ -140,7 +140,8 @@ WeightsOpt = Annotated[Optional[str], typer.Option(
     "fp8 checkpoint on a GPU with fp8 tensor cores (sm_90+), else bf16.")]
 PrefillChunkOpt = Annotated[Optional[str], typer.Option(
     "--prefill-chunk", metavar="N", show_default=False,
-    help="Prompt tokens per prefill step (default 2048): bounds prefill's memory, not its results.")]
+    help="Prompt tokens per prefill step (default 2048; 8192 for DeepSeek-V4): bounds prefill's memory, not its "
+    "results.")]
 TpOpt = Annotated[Optional[int], typer.Option(
     "--tp", metavar="N", show_default=False,
     help="Tensor + expert parallelism over N processes: run under `torchrun --nproc-per-node N -m minirt ...` "

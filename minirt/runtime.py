@@ -15,7 +15,6 @@ from .errors import DeviceError, InputError
 from .parallel import SINGLE, TensorParallel
 
 DECODE_HEADROOM = 256        # decode steps a cache the engine sizes itself leaves room for
-DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill step: bounds the [chunk, context] indexer scores
 
 
 def check_prefill_chunk(chunk) -> int:

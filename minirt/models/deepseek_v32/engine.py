@@ -16,8 +16,10 @@ from ...errors import ConfigError, InputError, NumericalError
 from ...formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
 from .layers import Transformer
 from ...rope import rope_cos_sin
-from ...runtime import DEFAULT_PREFILL_CHUNK, KernelRuntime, check_prefill_chunk, plan_chunks
+from ...runtime import KernelRuntime, check_prefill_chunk, plan_chunks
 from ...parallel import SINGLE, TensorParallel
+
+PREFILL_CHUNK = 2048  # prompt tokens per prefill step by default: bounds the [chunk, context] indexer scores
 
 
 class Engine(KernelRuntime):
@@ -35,7 +37,7 @@ class Engine(KernelRuntime):
     backend = "triton"
 
     def __init__(self, cfg: ModelConfig, model: Transformer, device: torch.device, dtype: torch.dtype,
-                 indexer_precision: str = "exact", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 indexer_precision: str = "exact", prefill_chunk: int = PREFILL_CHUNK,
                  tp: TensorParallel = SINGLE):
         self.cfg, self.model, self.device, self.dtype, self.tp = cfg, model, device, dtype, tp
         self.indexer_precision = indexer_precision
@@ -161,7 +163,7 @@ class Engine(KernelRuntime):
 
 
 def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
-                 dtype: torch.dtype, indexer_precision: str = "exact", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 dtype: torch.dtype, indexer_precision: str = "exact", prefill_chunk: int = PREFILL_CHUNK,
                  fp8_weights: bool = False, tp: TensorParallel = SINGLE) -> Engine:
     """An Engine from a config and HF-named weights already on ``device``: dequantised, or with
     ``fp8_weights`` the block-fp8 linear weights as stored with their ``_scale_inv`` partners

@@ -14,7 +14,7 @@ from ...parallel import SINGLE, TensorParallel
 from .parallel import check_tensor_parallel
 from .cache import cache_bytes_per_token
 from .checkpoint import expert_bytes, load_checkpoint, plan_load
-from .engine import Engine, build_engine
+from .engine import PREFILL_CHUNK, Engine, build_engine
 from .reference import ReferenceModel
 
 
@@ -41,8 +41,8 @@ def load(path: Path, layers: int | None, device: torch.device, backend: str, pro
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg, tensors = load_checkpoint(path, layers, device=device, dtype=dtype, progress=progress,
                                    fp8_as_stored=weights == "fp8", tp=tp)
-    return build_engine(cfg, tensors, layers or cfg.num_hidden_layers, device, dtype, indexer_precision, prefill_chunk,
-                        fp8_weights=weights == "fp8", tp=tp)
+    return build_engine(cfg, tensors, layers or cfg.num_hidden_layers, device, dtype, indexer_precision,
+                        PREFILL_CHUNK if prefill_chunk is None else prefill_chunk, fp8_weights=weights == "fp8", tp=tp)
 
 
 def info_rows(path: Path, cfg: ModelConfig, layers: int | None) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ import torch
 
 from ...backend import check_prompts
 from ...context import KVStash, PrefillTrace, Segment
-from ...runtime import DEFAULT_PREFILL_CHUNK, KernelRuntime, check_prefill_chunk, plan_chunks
+from ...runtime import KernelRuntime, check_prefill_chunk, plan_chunks
 from ...errors import ConfigError, InputError, NumericalError
 from ...parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead
 from .cache import V4Cache
@@ -22,6 +22,12 @@ from ...kernels.norm_rope import norm_rope
 from ...kernels.v4_step_indices import decode_step_indices
 from .layers import V4Layer, V4Step, shared_route
 from .reference import rope_cos_sin
+
+# Prompt tokens per prefill step by default. Larger than V3.2's 2048: the fp4 experts' prefill GEMMs decode
+# an expert's weights once per tile of 128 of its tokens, so at 2048 tokens (48 a tile on average, top 6 of
+# 256) a step pays a whole tile's decode for under half a tile of tokens; the indexer's score block is
+# bounded by its own row blocks (.layers.SCORE_ROWS), not by the chunk.
+PREFILL_CHUNK = 8192
 
 
 class EngineV4(KernelRuntime):
@@ -42,7 +48,7 @@ class EngineV4(KernelRuntime):
     weights = "fp8"
 
     def __init__(self, cfg: DeepseekV4Config, layers: torch.nn.ModuleList, top: dict[str, torch.Tensor],
-                 device: torch.device, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tp: TensorParallel = SINGLE):
+                 device: torch.device, prefill_chunk: int = PREFILL_CHUNK, tp: TensorParallel = SINGLE):
         self.cfg, self.layers, self.device, self.dtype, self.tp = cfg, layers, device, torch.bfloat16, tp
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp)
@@ -181,7 +187,7 @@ class EngineV4(KernelRuntime):
 
 
 def build_engine_v4(cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], num_layers: int, device: torch.device,
-                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tp: TensorParallel = SINGLE) -> EngineV4:
+                    prefill_chunk: int = PREFILL_CHUNK, tp: TensorParallel = SINGLE) -> EngineV4:
     """An EngineV4 from a config and DeepSeek-named tensors on ``device`` as stored
     (``load_checkpoint(..., as_stored=True)``: fp8 / fp4 weights with their ``.scale`` entries); with
     ``tp``, this rank's parts of them (``load_checkpoint(..., as_stored=True, tp=tp)``)."""

@@ -7,14 +7,13 @@ from pathlib import Path
 import torch
 from rich.filesize import decimal
 
-from ...runtime import DEFAULT_PREFILL_CHUNK
 from ...backend import ReferenceEngine
 from ...errors import InputError
 from ...parallel import SINGLE, TensorParallel
 from .cache import cache_bytes_per_token, fixed_bytes_per_seq
 from .checkpoint import load_checkpoint, plan_load
 from .config import DeepseekV4Config
-from .engine import EngineV4, build_engine_v4
+from .engine import PREFILL_CHUNK, EngineV4, build_engine_v4
 from .parallel import check_tensor_parallel
 from .reference import ReferenceModelV4
 
@@ -24,7 +23,7 @@ def load(path: str | Path, layers: int | None, device: torch.device, backend: st
          weights: str | None = None, tp: TensorParallel = SINGLE) -> EngineV4 | ReferenceEngine:
     """The first ``layers`` layers (None: all) of the V4 checkpoint at ``path`` as a Backend: backend "triton"
     the kernel runtime :class:`EngineV4` (fp8 / fp4 weights as stored, prefill steps of ``prefill_chunk``
-    tokens, default DEFAULT_PREFILL_CHUNK), "reference" the eager fp32 :class:`ReferenceModelV4` behind
+    tokens, default :data:`.engine.PREFILL_CHUNK`), "reference" the eager fp32 :class:`ReferenceModelV4` behind
     ``minirt.backend.ReferenceEngine``. InputError for V3.2's options: a ``dtype``, ``indexer_precision``
     other than "exact", ``weights`` "bf16". ``tp``: this process's place in the tensor-parallel group
     (``minirt.parallel``; :func:`check_tensor_parallel`), which the kernel runtime loads its shards for
@@ -41,7 +40,7 @@ def load(path: str | Path, layers: int | None, device: torch.device, backend: st
     cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.bfloat16, progress=progress, as_stored=True,
                                    tp=tp)
     return build_engine_v4(cfg, weights, layers or cfg.num_hidden_layers, device,
-                           DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk, tp)
+                           PREFILL_CHUNK if prefill_chunk is None else prefill_chunk, tp)
 
 
 def info_rows(path: Path, cfg: DeepseekV4Config, layers: int | None) -> list[tuple[str, str]]:
