@@ -12,8 +12,8 @@ step when steps are queued back to back (``engine.decode_queued``, as ``minirt g
 them), one eager step and the sum of its kernels (torch.profiler: every kernel's device time added
 up, i.e. the step with no launch gaps). A warm-up prefill and decode compile every kernel first.
 ``--split`` profiles one prefill of the longest b 1 context and splits its kernel time into indexer /
-attention / linear / other; ``--top N`` lists, beside it, the N kernels that take most of that prefill and
-of one b 1 decode step. "replay ms" is the CUDA graph's replay alone, waited for: the graph step less
+attention / linear / other; ``--top N`` lists the N kernels that take most of one b 1 decode step (and,
+with ``--split``, of that prefill). "replay ms" is the CUDA graph's replay alone, waited for: the graph step less
 it is ``decode``'s host work around the replay (token checks, copies, the finite check).
 
 Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
@@ -204,8 +204,8 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="profile the longest b 1 prefill: indexer/attention/linear")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step (default: "
                     "the engine's)")
-    ap.add_argument("--top", type=int, default=0, help="with --split: the N largest kernels of that prefill "
-                    "and of a b 1 decode step")
+    ap.add_argument("--top", type=int, default=0, help="the N largest kernels of a b 1 decode step (and, with "
+                    "--split, of that prefill)")
     ap.add_argument("--out", default="-", help="markdown report file (- for stdout)")
     ap.add_argument("--tp", type=int, default=1, help="GPUs (tensor + expert parallelism; run under torchrun "
                     "--nproc-per-node N), each row beside one GPU's")
@@ -284,10 +284,10 @@ def main() -> None:
                       + ", ".join(f"{p} {s * 1e3:,.0f} ms ({s / total:.0%})" for p, s in parts.items())]
             if args.top:
                 lines += top_kernels(times, args.top, f"one b 1 prefill of {context:,} tokens")
-                if step_kernels is not None:
-                    context, step = step_kernels
-                    lines += top_kernels(step, args.top, f"one b 1 decode step at {context:,} tokens")
-            print("\n".join(lines[-2 * args.top - 12:]), flush=True)
+        if args.top and step_kernels is not None:
+            context, step = step_kernels
+            lines += top_kernels(step, args.top, f"one b 1 decode step at {context:,} tokens")
+        print("\n".join(lines[-2 * args.top - 12:]), flush=True)
         lines.append("")
         del engine
     write_report("\n".join(lines) + "\n", args.out)

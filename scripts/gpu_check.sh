@@ -29,8 +29,8 @@
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
 # profile:      where the time goes: bench_runtime.py --split --top 30 on the v4-flash preset (1,024 and 131,072
-#               tokens at b 1; 131,072 again in prefill chunks of 2048 and 16384; 1,048,576 at b 1), then on the
-#               v32 preset (1,024 and 163,840, both indexer modes)
+#               tokens at b 1; then 1,024 and 1,048,576; 131,072 again in prefill chunks of 2048), the V4 runtime's
+#               chunking tests, then the v32 preset (1,024 and 163,840, both indexer modes)
 # tp:           (2 GPUs) the v32-moe checkpoint (3 dense + 2 MoE layers), `minirt
 #               verify` on 1 GPU and at --tp 2 under torchrun (NCCL), v4-tiny's verify at --tp 2, then
 #               bench_runtime.py --tp 2 beside 1 GPU
@@ -115,12 +115,11 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda
       run profile-v4-flash python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --split --top 30 \
         --steps 10 --out "$OUT/profile_v4.md"
+      run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
+        --steps 10 --out "$OUT/v4_1m.md"
       run v4-flash-chunk2k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --steps 10 \
         --prefill-chunk 2048 --out "$OUT/v4_chunk2k.md"
-      run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1048576 --batch 1 --max-tokens 1048576 \
-        --steps 10 --out "$OUT/v4_1m.md"
-      run v4-flash-chunk16k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --steps 10 \
-        --prefill-chunk 16384 --out "$OUT/v4_chunk16k.md"
+      run v4-runtime-tests python3 -m pytest -q tests/test_v4_runtime.py -k "row_blocks or compressor_state"
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda
       run profile-v32 python3 scripts/bench_runtime.py $V32 --modes fp8/exact,fp8/fp8 --context 1024,163840 --batch 1 \
