@@ -14,7 +14,8 @@ up, i.e. the step with no launch gaps). A warm-up prefill and decode compile eve
 ``--split`` profiles one prefill of the longest b 1 context and splits its kernel time into indexer /
 attention / linear / other; ``--top N`` lists the N kernels that take most of one b 1 decode step (and,
 with ``--split``, of that prefill). "replay ms" is the CUDA graph's replay alone, waited for: the graph step less
-it is ``decode``'s host work around the replay (token checks, copies, the finite check).
+it is ``decode``'s host work around the replay (token checks, copies, the finite check); "(launch)" the
+host's part of it, until ``replay()`` returns.
 
 Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
 (every weight it uses, with its block scales: linear layers, norms, lm_head, the batch's embedding
@@ -73,6 +74,16 @@ def timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def launch_seconds(fn) -> float:
+    """Host seconds fn takes to return, the device idle before it (a graph replay's launch, not its run)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds
 
 
 def kernel_times(fn) -> dict[str, float]:
@@ -148,7 +159,9 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device=engine.device)
     engine.decode(tokens)  # the first step of a batch size captures the graph
     step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
-    replay_s = statistics.median(timed(engine._graphs[batch][0].replay) for _ in range(steps))
+    graph = engine._graphs[batch][0]
+    replay_s = statistics.median(timed(graph.replay) for _ in range(steps))
+    launch_s = statistics.median(launch_seconds(graph.replay) for _ in range(steps))
     queued_s = queued_step_seconds(engine, tokens, steps)
     tp = engine.tp
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=engine.device)
@@ -161,7 +174,7 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     engine.use_cuda_graph = True
     row = {"batch": batch, "context": context, "prefill_ms": prefill_s * 1e3,
            "prefill_tok_s": batch * context / prefill_s, "peak_gib": peak.item() / GIB, "step_ms": step_s * 1e3,
-           "replay_ms": replay_s * 1e3, "queued_ms": queued_s * 1e3, "eager_ms": eager_s * 1e3,
+           "replay_ms": replay_s * 1e3, "launch_ms": launch_s * 1e3, "queued_ms": queued_s * 1e3, "eager_ms": eager_s * 1e3,
            "kernels_ms": kernels_s * 1e3,
            "graph_over_kernels": step_s / kernels_s, "queued_over_kernels": queued_s / kernels_s}
     if tp.world > 1:
@@ -239,7 +252,7 @@ def main() -> None:
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
                   "| batch | context | prefill ms | prefill tok/s | prefill floor ms | prefill / floor | peak GiB "
-                  "| graph step ms | replay ms | queued step ms | eager step ms | kernel sum ms | graph / kernels "
+                  "| graph step ms | replay ms (launch) | queued step ms | eager step ms | kernel sum ms | graph / kernels "
                   "| queued / kernels | decode floor ms (weights + cache) | queued / floor |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         step_kernels = None
@@ -266,7 +279,7 @@ def main() -> None:
                     decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
                 lines.append(f"| {batch} | {context:,} | {r['prefill_ms']:,.1f} | {r['prefill_tok_s']:,.0f} | "
                              f"{prefill_floor} | {prefill_ratio} | {r['peak_gib']:.1f} | {r['step_ms']:.2f} | "
-                             f"{r['replay_ms']:.2f} | "
+                             f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}) | "
                              f"{r['queued_ms']:.2f} | {r['eager_ms']:.2f} | {r['kernels_ms']:.2f} | "
                              f"{r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {decode_floor} | "
                              f"{decode_ratio} |")
