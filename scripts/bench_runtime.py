@@ -251,9 +251,9 @@ def main() -> None:
         lines += [f"### {label}: {engine.num_layers} layers (hidden {cfg.hidden_size}, "
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
-                  "| batch | context | prefill ms | prefill tok/s | prefill floor ms | prefill / floor | peak GiB "
-                  "| graph step ms | replay ms (launch) | queued step ms | eager step ms | kernel sum ms | graph / kernels "
-                  "| queued / kernels | decode floor ms (weights + cache) | queued / floor |",
+                  "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "
+                  "| kernel sum ms | replay ms (launch) | queued step ms | graph / kernels | queued / kernels "
+                  "| prefill floor ms | prefill / floor | decode floor ms (weights + cache) | queued / floor |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         step_kernels = None
         for batch in batches:
@@ -277,12 +277,9 @@ def main() -> None:
                     floor_ms = (weight_bytes + cache_bytes) / (copy_gbps * 1e9) * 1e3
                     decode_floor = (f"{floor_ms:.3f} ({weight_bytes / 1e9:.2f} + {cache_bytes / 1e9:.3f} GB)")
                     decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
-                lines.append(f"| {batch} | {context:,} | {r['prefill_ms']:,.1f} | {r['prefill_tok_s']:,.0f} | "
-                             f"{prefill_floor} | {prefill_ratio} | {r['peak_gib']:.1f} | {r['step_ms']:.2f} | "
-                             f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}) | "
-                             f"{r['queued_ms']:.2f} | {r['eager_ms']:.2f} | {r['kernels_ms']:.2f} | "
-                             f"{r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {decode_floor} | "
-                             f"{decode_ratio} |")
+                lines.append(row_line(r) + f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}) | {r['queued_ms']:.2f} | "
+                             f"{r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {prefill_floor} | "
+                             f"{prefill_ratio} | {decode_floor} | {decode_ratio} |")
                 print(lines[-1], flush=True)
                 if batch == 1 and step_kernels is None:
                     step_kernels = (context, r["step_kernels"])
