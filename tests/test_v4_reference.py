@@ -52,7 +52,9 @@ def test_matches_transformers_deepseek_v4(v4, loaded, ours, tmp_path, transforme
     raw.pop("quantization_config")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
-    hf, info = DeepseekV4ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, output_loading_info=True)
+    # use_kernels=False: transformers' own torch code (5.25 defaults to Hub kernels, which need the network).
+    hf, info = DeepseekV4ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, output_loading_info=True,
+                                                     use_kernels=False)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert hf.config.layer_types == ["sliding_attention", "compressed_sparse_attention",
                                      "heavily_compressed_attention", "compressed_sparse_attention"]
