@@ -215,10 +215,10 @@ _STREAM_PROGRAM_OVERHEAD = 2
 SCALED_MM_ROWS = 16
 
 
-@triton.jit(do_not_specialize=["M", "N", "n_k_blocks", "k_blocks_per_split"])
+@triton.jit(do_not_specialize=["M", "N", "n_k_blocks", "k_blocks_per_split", "group_rows"])
 def _fp8_stream_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partial_ptr, arrivals_ptr,
-    M, N, K, n_k_blocks, k_blocks_per_split,
+    M, N, K, n_k_blocks, k_blocks_per_split, group_rows,
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
     INTERPRETED: tl.constexpr, INTERPRETED_ITERS: tl.constexpr, INTERPRETED_SPLITS: tl.constexpr,
@@ -226,16 +226,18 @@ def _fp8_stream_kernel(
     # Program (tile_n, split) of a (tiles, splits) grid: weight rows [tile_n * BLOCK_N, +BLOCK_N) (one 128-row scale block), k
     # blocks [split * k_blocks_per_split, ...), all M (<= BLOCK_M) tokens. K is specialised (a multiple
     # of 16), so the k masks are constant over 16 bytes and the weight loads stay 16-byte vectors.
+    # Grouped (fp8_gemm's groups): the rows of group g = row // group_rows read a's columns [g K, g K + K).
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
+    group = tile_n * BLOCK_N // group_rows
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    a_rows = a_ptr + offs_m[:, None] * stride_am
+    a_rows = a_ptr + group * K + offs_m[:, None] * stride_am
     b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
-    a_scale_rows = a_scale_ptr + offs_m * stride_sam
+    a_scale_rows = a_scale_ptr + group * n_k_blocks * stride_sak + offs_m * stride_sam
     b_scale_row = b_scale_ptr + (tile_n * BLOCK_N // BLOCK) * stride_sbn
 
     kb_start = split * k_blocks_per_split
@@ -412,17 +414,18 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, kept: Kept) -> None:
-    """out = the product by the stream kernel; a [M <= STREAM_MAX_M, K] and b with unit stride along K;
-    kept: the call signature's Kept (args: the launch, derived at its first call)."""
+def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, kept: Kept, groups: int = 1) -> None:
+    """out = the product by the stream kernel; a [M <= STREAM_MAX_M, groups * K] and b [N, K] with unit
+    stride along K (groups: fp8_gemm's); kept: the call signature's Kept (args: the launch, derived at
+    its first call)."""
     if kept.args is None:
-        (m, k), n = a.shape, b.shape[0]
+        m, (n, k) = a.shape[0], b.shape
         tiles = cdiv(n, config.block_n)
         per_split = _stream_k_blocks_per_split(config, m, k, tiles, a.device)
         n_k_blocks = cdiv(k, BLOCK_K)
         splits = cdiv(n_k_blocks, per_split)
         kept.args = ((tiles, splits), (splits, tiles * config.block_n, m) if splits > 1 else None, tiles, (
-            m, n, k, n_k_blocks, per_split,
+            m, n, k, n_k_blocks, per_split, n // groups,
             a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
             b_scales.stride(1), out.stride(0), out.stride(1)), dict(
             BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
@@ -549,6 +552,7 @@ def fp8_gemm(
     *,
     config: Optional[Union[Fp8GemmConfig, StreamConfig]] = None,
     out: Optional[torch.Tensor] = None,
+    groups: int = 1,
 ) -> torch.Tensor:
     """
     Block-scaled fp8 matrix product a . b^T with the weight as checkpoints store it:
@@ -581,6 +585,10 @@ def fp8_gemm(
             decode_config(M), default_config(M)) with that launch shape.
         out: keyword-only, optional preallocated [M, N] tensor of out_dtype (any strides); every
             element is overwritten.
+        groups: keyword-only, G >= 1: a block-diagonal product (DeepSeek-V4's grouped wo_a): a is
+            [M, G * K] with a_scales [M, G * K / 128], b [N, K] holds G groups of N / G rows, and
+            out[:, gR:(g+1)R] = a[:, gK:(g+1)K] . b[gR:(g+1)R]^T (R = N / G). Needs K and R multiples
+            of 128. The stream kernel runs every group in one launch; the other paths one per group.
 
     a and b need unit stride along K and 16-byte aligned rows; otherwise they are copied first.
     Split-K: the stream kernel splits K when its row blocks are fewer than the SMs want (the last
@@ -600,8 +608,8 @@ def fp8_gemm(
     """
     kept = per_signature(_GEMMS, lambda: (
         described(a), described(a_scales), described(b), described(b_scales), described(out), out_dtype,
-        config.__class__, config), lambda: _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out)
-        or Kept(_gemm_plan(a, b, out_dtype, config)))
+        config.__class__, config, groups), lambda: _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out, groups)
+        or Kept(_gemm_plan(a, b, out_dtype, config, groups)))
     (m, k), n = a.shape, b.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -616,7 +624,13 @@ def fp8_gemm(
     if copies[1]:
         b = b.contiguous()
     if isinstance(config, StreamConfig):
-        _stream(a, a_scales, b, b_scales, out, config, kept)
+        _stream(a, a_scales, b, b_scales, out, config, kept, groups)
+    elif groups > 1:  # the tile kernel and _scaled_mm take no grouped operands: one product per group
+        (r, k), kb = (n // groups, b.shape[1]), b.shape[1] // BLOCK_K
+        for g in range(groups):
+            fp8_gemm(a[:, g * k:(g + 1) * k], a_scales[:, g * kb:(g + 1) * kb], b[g * r:(g + 1) * r],
+                     b_scales[g * r // BLOCK_K:(g + 1) * r // BLOCK_K], out_dtype, config=config,
+                     out=out[:, g * r:(g + 1) * r])
     elif isinstance(config, Fp8GemmConfig):
         _tiles(a, a_scales, b, b_scales, out, config)
     else:
@@ -627,12 +641,13 @@ def fp8_gemm(
     return out
 
 
-def _gemm_plan(a, b, out_dtype, config) -> tuple:
+def _gemm_plan(a, b, out_dtype, config, groups: int = 1) -> tuple:
     """What fp8_gemm keeps for a checked call signature: (the implementation's config: a StreamConfig, an
-    Fp8GemmConfig, or None for scaled_mm (default_path); whether a and b are copied first (_copied))."""
-    (m, k), n = a.shape, b.shape[0]
+    Fp8GemmConfig, or None for scaled_mm (default_path, of one group's product); whether a and b are
+    copied first (_copied))."""
+    m, (n, k) = a.shape[0], b.shape
     if config is None:
-        path = default_path(m, n, k, a.device, out_dtype)
+        path = default_path(m, n // groups, k, a.device, out_dtype)
         config = STREAM_CONFIG if path == "stream" else default_config(m) if path == "tiles" else None
     return config, (_copied(a), _copied(b))
 
@@ -642,17 +657,22 @@ def _gemm_plan(a, b, out_dtype, config) -> tuple:
 _GEMMS: dict = {}
 
 
-def _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out) -> None:
+def _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out, groups: int = 1) -> None:
     """fp8_gemm's input checks (InputError)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 2 or b.dim() != 2:
         raise InputError("a and b must be 2-D tensors [M, K] and [N, K]")
-    (m, k), (n, k_b) = a.shape, b.shape
-    if k != k_b:
-        raise InputError(f"a is [M, K] = {list(a.shape)} but b is [N, K] = {list(b.shape)}: K differs")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise InputError(f"groups must be a positive int, got {groups!r}")
+    (m, k_a), (n, k) = a.shape, b.shape
+    if k_a != groups * k:
+        raise InputError(f"a is [M, K] = {list(a.shape)} but b is [N, K] = {list(b.shape)}: K differs" if groups == 1
+                         else f"a is {list(a.shape)}: {groups} groups of b's K = {k} need {groups * k} columns")
     if k % 16:
         raise InputError(f"K = {k} must be a multiple of 16 (the fp8 rows must be 16-byte aligned)")
+    if groups > 1 and (k % BLOCK_K or n % (groups * BLOCK_K)):
+        raise InputError(f"{groups} groups need K ({k}) and N / groups (N = {n}) multiples of {BLOCK_K}")
     n_k_blocks = cdiv(k, BLOCK_K)
-    _check_operand("a", a, a_scales, (m, n_k_blocks))
+    _check_operand("a", a, a_scales, (m, groups * n_k_blocks))
     _check_operand("b", b, b_scales, block_scale_shape(b.shape))
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")

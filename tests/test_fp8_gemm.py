@@ -214,6 +214,41 @@ def test_stream_matches_dequantised_product(m, n, k, config):
     check_gemm(got, *gemm_reference(a_fp8, a_scales, w_fp8, w_scales))
 
 
+@pytest.mark.parametrize("m, groups, r, k, config", [
+    (1, 4, 256, 384, None),                         # decode: the stream kernel, every group in one launch
+    (3, 2, 128, 1024, StreamConfig(split_k=3)),     # split-K inside each group's k blocks
+    (2, 3, 128, 256, StreamConfig(block_n=64, split_k=1)),
+    (20, 2, 128, 512, None),                        # past the stream kernel: one product per group
+])
+def test_grouped_product_is_block_diagonal(m, groups, r, k, config):
+    """groups = G (V4's wo_a): out[:, gR:(g+1)R] = a[:, gK:(g+1)K] . b[gR:(g+1)R]^T, against the fp64
+    product of each group's slices; the output poisoned first."""
+    gen = generator(m * 31 + groups + r + k)
+    a_fp8, a_scales = random_activations(gen, m, groups * k)
+    w_fp8, w_scales = random_weight(gen, groups * r, k, rescale=True)
+    got = fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, torch.float32, config=config, groups=groups,
+                   out=poisoned((m, groups * r), torch.float32))
+    kb = k // FP8_GROUP
+    parts = [gemm_reference(a_fp8[:, g * k:(g + 1) * k], a_scales[:, g * kb:(g + 1) * kb], w_fp8[g * r:(g + 1) * r],
+                            w_scales[g * r // FP8_GROUP:(g + 1) * r // FP8_GROUP]) for g in range(groups)]
+    check_gemm(got, torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1))
+    # Not the plain product of a's first K columns: each group reads its own.
+    plain = fp8_gemm(a_fp8[:, :k].contiguous(), a_scales[:, :kb].contiguous(), w_fp8, w_scales, torch.float32)
+    assert not torch.allclose(got[:, r:], plain[:, r:])
+
+
+def test_grouped_product_rejects_bad_groups():
+    gen = generator(5)
+    a_fp8, a_scales = random_activations(gen, 1, 512)
+    w_fp8, w_scales = random_weight(gen, 256, 256)
+    for groups, match in ((3, "3 groups of b's K = 256 need 768 columns"), (0, "groups must be a positive int")):
+        with pytest.raises(InputError, match=match):
+            fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, groups=groups)
+    w_odd, w_odd_scales = random_weight(gen, 192, 256)  # 2 groups of 96 rows: not whole 128-row blocks
+    with pytest.raises(InputError, match="multiples of 128"):
+        fp8_gemm(a_fp8, a_scales, w_odd, w_odd_scales, groups=2)
+
+
 def test_stream_split_k_is_deterministic():
     """Split-K partials are summed in split order by whichever program finishes last: repeated calls
     agree bit for bit (the arrival counters are back at zero after each launch), and the sum is the

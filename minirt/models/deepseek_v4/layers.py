@@ -301,11 +301,8 @@ class Attention(nn.Module):
         self.wq_b, _ = _stacked_fp8(w, ["attn.wq_b.weight"] + (["attn.indexer.wq_b.weight"] if kind == LayerKind.CSA
                                                                 else []))
         self.q_norm, self.kv_norm = w["attn.q_norm.weight"].float(), w["attn.kv_norm.weight"].float()
-        g = cfg.o_groups // tp.world
-        wo_a, wo_a_scale = w["attn.wo_a.weight"], w[scale_name("attn.wo_a.weight")]
-        rows, scale_rows = wo_a.shape[0] // g, wo_a_scale.shape[0] // g
-        self.wo_a = nn.ModuleList(fp8_linear(wo_a[k * rows:(k + 1) * rows], wo_a_scale[k * scale_rows:(k + 1) * scale_rows])
-                                  for k in range(g))
+        self.o_groups = cfg.o_groups // tp.world
+        self.wo_a = _linear(w, "attn.wo_a.weight")  # the groups' rows stacked: [groups · o_lora_rank, H · hd / groups]
         self.wo_b = _linear(w, "attn.wo_b.weight")
         self.sink = w["attn.attn_sink"].float()
         self.compressor = (Compressor(w, "attn.compressor.", kind.ratio, cfg.head_dim, kind == LayerKind.CSA,
@@ -350,17 +347,11 @@ class Attention(nn.Module):
         return out
 
     def _wo_a(self, o: Tensor) -> Tensor:
-        """The grouped projection of o [N, H · hd] bf16: [N, groups · o_lora_rank] bf16, o quantised once
-        (its 128-value blocks do not cross the groups) and each group's product written in place."""
+        """The grouped projection of o [N, H · hd] bf16: [N, groups · o_lora_rank] bf16, group g's rows of
+        the output from group g's columns of o (fp8_gemm's ``groups``: one launch at decode), o quantised
+        once (its 128-value blocks do not cross the groups)."""
         o_fp8, scales = quantize_act_fp8(o)
-        g, r = len(self.wo_a), self.wo_a[0].weight.shape[0]
-        cols = o.shape[1] // g
-        z = torch.empty(o.shape[0], g * r, dtype=torch.bfloat16, device=o.device)
-        blocks = cols // FP8_GROUP
-        for k, proj in enumerate(self.wo_a):
-            fp8_gemm(o_fp8[:, k * cols:(k + 1) * cols], scales[:, k * blocks:(k + 1) * blocks], proj.weight,
-                     proj.weight_scale_inv, out=z[:, k * r:(k + 1) * r])
-        return z
+        return fp8_gemm(o_fp8, scales, self.wo_a.weight, self.wo_a.weight_scale_inv, groups=self.o_groups)
 
     def _topk(self, rows, q, step: V4Step, state: LayerState) -> Tensor:
         """[N, index_topk] int32 entry ids: the indexer's (its keys written either way), or the override."""
