@@ -29,8 +29,8 @@
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
 # v4-step:      the v4-flash preset's step in one call with few logs (the device returns 8 files): the fp8 GEMM
-#               and V4 runtime tests, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
-#               kernels), `minirt verify`, 1,048,576 tokens, and 131,072 again in prefill chunks of 2048
+#               stream and grouped tests, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
+#               kernels), 1,048,576 tokens, `minirt verify`, and 131,072 again in prefill chunks of 2048
 # profile:      where the time goes: bench_runtime.py --split --top 30 on the v4-flash preset (1,024 and 131,072
 #               tokens at b 1; then 1,024 and 1,048,576; 131,072 again in prefill chunks of 2048), the V4 runtime's
 #               chunking tests, then the v32 preset (1,024 and 163,840, both indexer modes)
@@ -116,11 +116,11 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
     v4-step)
       V4F=/tmp/minirt-v4-flash
       [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda
-      run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py tests/test_v4_runtime.py -k "not verify"
+      run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py -k "grouped or stream or dequantised"
       run v4-step-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --top 20 --steps 10
-      run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
       run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
         --steps 10
+      run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
       run v4-flash-chunk2k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --steps 10 \
         --prefill-chunk 2048 ;;
     profile)
