@@ -626,7 +626,8 @@ def fp8_gemm(
     if isinstance(config, StreamConfig):
         _stream(a, a_scales, b, b_scales, out, config, kept, groups)
     elif groups > 1:  # the tile kernel and _scaled_mm take no grouped operands: one product per group
-        (r, k), kb = (n // groups, b.shape[1]), b.shape[1] // BLOCK_K
+        r, k = n // groups, b.shape[1]
+        kb = k // BLOCK_K
         for g in range(groups):
             fp8_gemm(a[:, g * k:(g + 1) * k], a_scales[:, g * kb:(g + 1) * kb], b[g * r:(g + 1) * r],
                      b_scales[g * r // BLOCK_K:(g + 1) * r // BLOCK_K], out_dtype, config=config,

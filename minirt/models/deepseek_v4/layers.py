@@ -302,7 +302,7 @@ class Attention(nn.Module):
                                                                 else []))
         self.q_norm, self.kv_norm = w["attn.q_norm.weight"].float(), w["attn.kv_norm.weight"].float()
         self.o_groups = cfg.o_groups // tp.world
-        self.wo_a = _linear(w, "attn.wo_a.weight")  # the groups' rows stacked: [groups · o_lora_rank, H · hd / groups]
+        self.wo_a = _linear(w, "attn.wo_a.weight")  # the groups' rows stacked: [groups · r, H · hd / groups]
         self.wo_b = _linear(w, "attn.wo_b.weight")
         self.sink = w["attn.attn_sink"].float()
         self.compressor = (Compressor(w, "attn.compressor.", kind.ratio, cfg.head_dim, kind == LayerKind.CSA,
