@@ -28,7 +28,7 @@
 # v4-flash:     the v4-flash preset (V4-Flash's first 4 layers, ~16 GB in /tmp/minirt-v4-flash), `minirt verify`
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
-# v4-step:      the v4-flash preset's step in one call with few logs (the device returns 8 files): the fp8 GEMM
+# v4-step:      what V4-Flash's prefill chunk and grouped wo_a need checked, in one call: the fp8 GEMM
 #               stream and grouped tests, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
 #               kernels), 1,048,576 tokens, `minirt verify`, and 131,072 again in prefill chunks of 2048
 # profile:      where the time goes: bench_runtime.py --split --top 30 on the v4-flash preset (1,024 and 131,072
@@ -38,7 +38,8 @@
 #               verify` on 1 GPU and at --tp 2 under torchrun (NCCL), v4-tiny's verify at --tp 2, then
 #               bench_runtime.py --tp 2 beside 1 GPU
 # Tables and plots go to $OUT (default /tmp/minirt-out), each step's output to $OUT/<step>.log, its exit
-# status and time to $OUT/summary.txt; the script exits 1 if any step failed. A step still running
+# status and time to $OUT/summary.txt; the script exits 1 if any step failed. PACK=1 packs everything under $OUT
+# into $OUT/run.tar.gz at the end (summary.txt stays beside it), for a runner that returns only a few files. A step still running
 # DEADLINE seconds after the start (default 570) is stopped and later ones are skipped, so a job with a
 # time limit still ends with its logs.
 set -uo pipefail
@@ -46,6 +47,11 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minirt-out}
 mkdir -p "$OUT"
 status=0
+pack() {
+  tar -czf /tmp/minirt-run.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
+    && mv /tmp/minirt-run.tar.gz "$OUT/run.tar.gz"
+}
+[ "${PACK:-0}" = 1 ] && trap pack EXIT
 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
