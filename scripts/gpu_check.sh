@@ -38,10 +38,10 @@
 #               verify` on 1 GPU and at --tp 2 under torchrun (NCCL), v4-tiny's verify at --tp 2, then
 #               bench_runtime.py --tp 2 beside 1 GPU
 # Tables and plots go to $OUT (default /tmp/minirt-out), each step's output to $OUT/<step>.log, its exit
-# status and time to $OUT/summary.txt; the script exits 1 if any step failed. PACK=1 packs everything under $OUT
-# into $OUT/run.tar.gz at the end (summary.txt stays beside it), for a runner that returns only a few files. A step still running
+# status and time to $OUT/summary.txt; the script exits 1 if any step failed. A step still running
 # DEADLINE seconds after the start (default 570) is stopped and later ones are skipped, so a job with a
-# time limit still ends with its logs.
+# time limit still ends with its logs. PACK=1 packs everything under $OUT into $OUT/run.tar.gz at the end
+# (summary.txt stays beside it), for a runner that returns only a few files.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minirt-out}
