@@ -263,7 +263,7 @@ def main() -> None:
                 try:
                     r = bench_row(engine, batch, context, args.steps, seed=i)
                 except torch.cuda.OutOfMemoryError as e:
-                    lines.append(f"| {batch} | {context:,} | out of memory: {str(e).splitlines()[0][:80]} |||||||||||||")
+                    lines.append(f"| {batch} | {context:,} | out of memory: {str(e).splitlines()[0][:80]} ||||||||||||||")
                     engine.cache = None
                     torch.cuda.empty_cache()
                     continue
