@@ -29,11 +29,10 @@
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
 # v4-step:      what V4-Flash's prefill chunk and grouped wo_a need checked, in one call: the fp8 GEMM
-#               stream and grouped tests, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
+#               stream and grouped tests and the V4 indexer's row blocks, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
 #               kernels), 1,048,576 tokens, `minirt verify`, and 131,072 again in prefill chunks of 2048
 # profile:      where the time goes: bench_runtime.py --split --top 30 on the v4-flash preset (1,024 and 131,072
-#               tokens at b 1; then 1,024 and 1,048,576; 131,072 again in prefill chunks of 2048), the V4 runtime's
-#               chunking tests, then the v32 preset (1,024 and 163,840, both indexer modes)
+#               tokens at b 1), then on the v32 preset (1,024 and 163,840, both indexer modes)
 # tp:           (2 GPUs) the v32-moe checkpoint (3 dense + 2 MoE layers), `minirt
 #               verify` on 1 GPU and at --tp 2 under torchrun (NCCL), v4-tiny's verify at --tp 2, then
 #               bench_runtime.py --tp 2 beside 1 GPU
@@ -96,7 +95,7 @@ for stage in "$@"; do
       run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md"
       run bench-mhc python3 scripts/bench_mhc.py ;;
     gemm-bench) run bench-gemm python3 scripts/bench_gemm.py --out "$OUT/gemm.md" ;;
-    v32|v32-generate|runtime-bench)
+    v32|v32-generate|runtime-bench|profile)
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda ;;&
     runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --split --out "$OUT/runtime.md" ${RUNTIME_BENCH_ARGS:-} ;;
@@ -113,16 +112,16 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       V32M=/tmp/minirt-v32-moe
       [ -f $V32M/config.json ] || run v32-moe-init minirt init $V32M --preset v32 --layers 5 --device cuda
       run v32-moe-verify minirt verify $V32M --json --prefill-chunk 1024 ;;
-    v4-flash)
+    v4-flash|v4-step|profile)
       V4F=/tmp/minirt-v4-flash
-      [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda
+      [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda ;;&
+    v4-flash)
       run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
       run v4-flash-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072,1048576 --batch 1,64 --max-tokens 1048576 \
         --out "$OUT/runtime_v4.md" ${V4_BENCH_ARGS:-} ;;
     v4-step)
-      V4F=/tmp/minirt-v4-flash
-      [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda
-      run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py -k "grouped or stream or dequantised"
+      run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py tests/test_v4_runtime.py \
+        -k "grouped or stream or dequantised or row_blocks or compressor_state"
       run v4-step-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --top 20 --steps 10
       run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
         --steps 10
@@ -130,17 +129,8 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       run v4-flash-chunk2k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --steps 10 \
         --prefill-chunk 2048 ;;
     profile)
-      V4F=/tmp/minirt-v4-flash
-      [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda
       run profile-v4-flash python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --split --top 30 \
         --steps 10 --out "$OUT/profile_v4.md"
-      run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
-        --steps 10 --out "$OUT/v4_1m.md"
-      run v4-flash-chunk2k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --steps 10 \
-        --prefill-chunk 2048 --out "$OUT/v4_chunk2k.md"
-      run v4-runtime-tests python3 -m pytest -q tests/test_v4_runtime.py -k "row_blocks or compressor_state"
-      V32=/tmp/minirt-v32
-      [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda
       run profile-v32 python3 scripts/bench_runtime.py $V32 --modes fp8/exact,fp8/fp8 --context 1024,163840 --batch 1 \
         --split --top 30 --steps 10 --out "$OUT/profile_v32.md" ;;
     tp)
