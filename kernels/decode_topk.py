@@ -1,6 +1,6 @@
 """Top-k selection for a few long rows of indexer scores (decode: one query row per sequence, up to
 163,840 keys), spread over many programs per row: a two-pass radix select on the order-preserving
-int32 image of the scores, then one program per row sorts the selected keys.
+int32 image of the scores, then the selected keys are placed in order by their ranks.
 
 Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R rows of S scores:
 
@@ -13,9 +13,13 @@ Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R 
    scores in that bin: together the k-th largest score T and how many exceed it;
 4. gather, same grid: the scores above T, and those equal to T when all of them are taken, go to
    slots of the row's selection buffer (a per-row atomic counter) as (value, ~index) int64 keys;
-5. sort, one program per row: when more scores equal T than are taken, the lowest key indices of
-   them are found by a scan of the row in order (rare: exact float ties at the boundary); then a
-   descending sort of the int64 keys gives value descending, index ascending.
+5. rank, grid (R, next_pow2(topk) / 128): each gathered key's output position is the number of the
+   row's gathered keys above it (int64 keys are unique, and their descending order is value
+   descending, index ascending): a program compares its 128 keys with all of them. When more scores
+   equal T than are taken, the gather took only those above T, and the row's first program takes the
+   lowest key indices scoring T, after them, by a scan of the row in order (rare: exact float ties at
+   the boundary). A one-program bitonic tl.sort of 2048 keys took ~41 µs on an H100: the comparisons
+   spread over 16 programs a row.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from .lightning_indexer import check_topk_inputs, indexer_topk
 
 # Scores per program of the histogram and gather passes: 163,840 keys give 80 programs per row.
 TILE = 2048
-# The sort program holds next_pow2(topk) int64 keys; larger topk go to indexer_topk.
+# A row's selection buffer holds next_pow2(topk) int64 keys, each compared with all of them for its rank;
+# larger topk go to indexer_topk.
 MAX_TOPK = 4096
 _COARSE = tl.constexpr(256)         # bins of a digit's top 8 bits
 _FINE = tl.constexpr(65536)         # bins of a 16-bit digit
@@ -42,6 +47,9 @@ _NEG_INF_ORDERED = tl.constexpr(-2139095041)
 _EMPTY_SLOT = tl.constexpr(-2139095041 * 2**32)
 # Scores per step of a tied row's scan.
 _TIE_ROW_BLOCK = 1024
+# Keys a rank program places, and keys it compares them with per step.
+_RANK_BLOCK = 128
+_RANK_CHUNK = 32
 
 
 @triton.jit
@@ -135,39 +143,47 @@ def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
 
 
 @triton.jit(do_not_specialize=["n_keys", "stride_row", "stride_out", "topk"])
-def _sort_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, stride_out, topk,
-                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                 INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
-    # Program row: completes the row's selection (boundary ties), sorts it and writes the indices.
+def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, stride_out, topk,
+                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+    # Program (row, block): BLOCK of the row's gathered keys, each written to the output position given
+    # by its rank (how many gathered keys exceed it: keys are unique); the padding -1 of its positions;
+    # block 0 also the boundary ties.
     row = tl.program_id(0)
+    block = tl.program_id(1)
     hist_row = hist_ptr + row.to(tl.int64) * ROW_WORDS
     row_keys = keys_ptr + row.to(tl.int64) * SLOTS
+    row_out = out_ptr + row.to(tl.int64) * stride_out
     take_all, n_valid, h, ah, threshold, n_above, n_equal = _threshold(hist_row, topk, 2)
     n_selected = tl.where(take_all, n_valid, topk)
     tied = (take_all == 0) & (n_above + n_equal != topk)
-    # Tied: the topk - n_above lowest key indices scoring T fill the slots from n_above on, in one scan
-    # of the row in order. The interpreter cannot loop to a runtime bound: it scans every row, masked.
+    # Tied: the gather took only the n_above keys above T; the topk - n_above lowest key indices scoring T
+    # follow them in key order, so they take positions n_above on in one scan of the row in order.
+    n_gathered = tl.where(tied, n_above, n_selected)
+    mine = block * BLOCK + tl.arange(0, BLOCK)
+    keys = tl.load(row_keys + mine, mask=mine < n_gathered, other=_EMPTY_SLOT)
+    # Pairwise comparisons, summed once after the loop. The interpreter cannot loop to a runtime bound.
+    greater = tl.zeros((BLOCK, CHUNK), dtype=tl.int32)
+    for start in range(0, SLOTS if INTERPRETED else n_gathered, CHUNK):
+        others = start + tl.arange(0, CHUNK)
+        other_keys = tl.load(row_keys + others, mask=others < n_gathered, other=_EMPTY_SLOT)
+        greater += (other_keys[None, :] > keys[:, None]).to(tl.int32)
+    rank = tl.sum(greater, 1)
+    indices = ((keys & 0xFFFFFFFF) ^ 0xFFFFFFFF).to(tl.int32)
+    tl.store(row_out + rank, indices, mask=mine < n_gathered)
+    tl.store(row_out + mine, tl.full((BLOCK,), -1, tl.int32), mask=(mine >= n_selected) & (mine < topk))
     n_needed = topk - n_above
     n_seen = n_needed * 0
+    scan = tied & (block == 0)
     offs = tl.arange(0, ROW_BLOCK)
     row_scores = scores_ptr + row.to(tl.int64) * stride_row
-    for start in range(0, INTERPRETED_KEYS if INTERPRETED else tl.where(tied, n_keys, 0), ROW_BLOCK):
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else tl.where(scan, n_keys, 0), ROW_BLOCK):
         cols = start + offs
-        x = tl.load(row_scores + cols, mask=tied & (cols < n_keys), other=float("-inf"))
-        key = _ordered(x)
-        equal = tied & (cols < n_keys) & (key == threshold)
+        x = tl.load(row_scores + cols, mask=scan & (cols < n_keys), other=float("-inf"))
+        equal = scan & (cols < n_keys) & (_ordered(x) == threshold)
         position = n_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
-        take = equal & (position < n_needed)
-        tl.store(row_keys + n_above + position, (key.to(tl.int64) << 32) | (cols.to(tl.int64) ^ 0xFFFFFFFF),
-                 mask=take)
+        tl.store(row_out + n_above + position, cols, mask=equal & (position < n_needed))
         n_seen += tl.sum(equal.to(tl.int32), 0)
-    tl.debug_barrier()
-    slots = tl.arange(0, SLOTS)
-    keys = tl.load(row_keys + slots, mask=slots < n_selected, other=_EMPTY_SLOT)
-    keys = tl.sort(keys, descending=True)
-    indices = ((keys & 0xFFFFFFFF) ^ 0xFFFFFFFF).to(tl.int32)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + slots, tl.where(slots < n_selected, indices, -1),
-             mask=slots < topk)
 
 
 def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -206,9 +222,10 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         row_stride = n_keys if copy else rows.stride(0)
         kept.args = (n_rows, copy, slots, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk), dict(
             TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4), (n_keys, row_stride, topk, topk), dict(
-            ROW_WORDS=_ROW_WORDS, SLOTS=slots, ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET,
-            INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=8))
-    n_rows, copy, slots, grid, integers, pass_constexprs, sort_integers, sort_constexprs = kept.args
+            ROW_WORDS=_ROW_WORDS, SLOTS=slots, BLOCK=min(slots, _RANK_BLOCK), CHUNK=min(slots, _RANK_CHUNK),
+            ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
+            num_warps=4))
+    n_rows, copy, slots, grid, integers, pass_constexprs, rank_integers, rank_constexprs = kept.args
     # (out [..., topk] contiguous: the sort kernel's rows of stride topk.)
     out = torch.empty((*scores.shape[:-1], topk), dtype=torch.int32, device=scores.device)
     if n_rows == 0 or n_keys == 0:
@@ -220,7 +237,8 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     for pass_, compiled in ((1, kept.compiled), (2, kept.value)):
         launch(_histogram_kernel, grid, (rows, hist, *integers), dict(PASS=pass_, **pass_constexprs), compiled)
     launch(_gather_kernel, grid, (rows, hist, keys, *integers), dict(SLOTS=slots, **pass_constexprs), kept.compiled)
-    launch(_sort_kernel, (n_rows,), (rows, hist, keys, out, *sort_integers), sort_constexprs, kept.compiled)
+    launch(_rank_kernel, (n_rows, slots // rank_constexprs["BLOCK"]), (rows, hist, keys, out, *rank_integers),
+           rank_constexprs, kept.compiled)
     return out
 
 

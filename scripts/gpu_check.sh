@@ -28,8 +28,9 @@
 # v4-flash:     the v4-flash preset (V4-Flash's first 4 layers, ~16 GB in /tmp/minirt-v4-flash), `minirt verify`
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
-# v4-step:      what V4-Flash's prefill chunk and grouped wo_a need checked, in one call: the fp8 GEMM
-#               stream and grouped tests and the V4 indexer's row blocks, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
+# v4-step:      what V4-Flash's prefill chunk, grouped wo_a and decode_topk's rank kernel need checked, in one
+#               call: the fp8 GEMM stream and grouped tests, the V4 indexer's row blocks, decode_topk's tests
+#               and bench_indexer_paged.py --decode-only, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
 #               kernels), 1,048,576 tokens, `minirt verify`, and 131,072 again in prefill chunks of 2048
 # profile:      where the time goes: bench_runtime.py --split --top 30 on the v4-flash preset (1,024 and 131,072
 #               tokens at b 1), then on the v32 preset (1,024 and 163,840, both indexer modes)
@@ -120,8 +121,9 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       run v4-flash-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072,1048576 --batch 1,64 --max-tokens 1048576 \
         --out "$OUT/runtime_v4.md" ${V4_BENCH_ARGS:-} ;;
     v4-step)
-      run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py tests/test_v4_runtime.py \
-        -k "grouped or stream or dequantised or row_blocks or compressor_state"
+      run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py tests/test_v4_runtime.py tests/test_decode_topk.py \
+        -k "grouped or stream or dequantised or row_blocks or compressor_state or topk"
+      run topk-bench python3 scripts/bench_indexer_paged.py --decode-only
       run v4-step-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --top 20 --steps 10
       run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
         --steps 10

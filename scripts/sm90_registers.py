@@ -149,7 +149,7 @@ def recorded_indexer_launch(fp8: bool, n_queries: int, n_batch: int = 1):
 def recorded_topk_launches():
     """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of 163840 scores, top 2048."""
     module = sys.modules[decode_topk.__module__]
-    names = ("_histogram_kernel", "_gather_kernel", "_sort_kernel")
+    names = ("_histogram_kernel", "_gather_kernel", "_rank_kernel")
     kernels = {name: getattr(module, name) for name in names}
     recorders = {name: Recorder() for name in names}
     # (Its input checks, lightning_indexer.check_topk_inputs, refuse CPU tensors outside the interpreter.)

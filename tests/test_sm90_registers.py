@@ -21,7 +21,7 @@ def test_warp_specialised_kernels_compile_for_sm90_without_spills_or_2_byte_acce
     # (none for the decode's split merge, a Triton kernel checked at h_q 128 and 32 for its 2-byte
     # accesses only); the indexer's scores (Triton, no partitions either) over exact keys for a prefill chunk
     # and a decode batch, and over fp8 keys for a prefill chunk; decode_topk's two histogram passes, gather
-    # and sort (Triton).
+    # and rank (Triton).
     lines = result.stdout.splitlines()
     clean = "spill instructions 0, 2-byte global accesses 0"
     assert len(lines) == 24 and all(line.endswith(clean) for line in lines), result.stdout
