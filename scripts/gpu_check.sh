@@ -20,6 +20,8 @@
 #               /tmp/minirt-v32), then `minirt verify` (default fp8 weights; bf16 weights; a prompt
 #               longer than one prefill chunk)
 # v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
+# v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, exact indexer, with the
+#               step's 20 largest kernels
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
 #               both weight and indexer modes, peak memory, the split of one long prefill;
 #               RUNTIME_BENCH_ARGS: more flags)
@@ -96,9 +98,11 @@ for stage in "$@"; do
       run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md"
       run bench-mhc python3 scripts/bench_mhc.py ;;
     gemm-bench) run bench-gemm python3 scripts/bench_gemm.py --out "$OUT/gemm.md" ;;
-    v32|v32-generate|runtime-bench|profile)
+    v32|v32-generate|v32-step|runtime-bench|profile)
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda ;;&
+    v32-step) run v32-step-bench python3 scripts/bench_runtime.py $V32 --modes fp8/exact --context 1024,163840 \
+                --batch 1 --top 20 --steps 10 ;;
     runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --split --out "$OUT/runtime.md" ${RUNTIME_BENCH_ARGS:-} ;;
     v32)
       run v32-verify minirt verify $V32 --json
