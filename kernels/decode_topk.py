@@ -132,7 +132,7 @@ def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
     row, cols, key, hist_row = _row_tile(scores_ptr, hist_ptr, n_keys, stride_row, TILE, ROW_WORDS)
     take_all, n_valid, h, ah, threshold, n_above, n_equal = _threshold(hist_row, topk, 2)
     valid = key > _NEG_INF_ORDERED
-    # Scores equal to T are taken here only when all of them are; else the sort program picks them.
+    # Scores equal to T are taken here only when all of them are; else the first rank program scans for them.
     chosen = valid & ((key > threshold) | ((key == threshold) & (n_above + n_equal == topk)) | take_all)
     n_chosen = tl.sum(chosen.to(tl.int32), 0)
     first = tl.atomic_add(hist_row + 2 * _PASS_WORDS, n_chosen, sem="relaxed")

@@ -36,7 +36,7 @@ def test_matches_stable_sort_on_ties(shape, topk):
 
 def test_boundary_ties_across_tiles():
     """The k-th score is held by many keys in several tiles: the lowest indices of it are taken
-    (the sort program's scan). Row 0: every score equal; row 1: distinct scores above a tied level
+    (the first rank program's scan). Row 0: every score equal; row 1: distinct scores above a tied level
     that spans all tiles; row 2: the tied level taken whole (exactly topk - above keys hold it)."""
     n_keys, topk = 2 * dt.TILE + 300, 700
     gen = torch.Generator(DEVICE).manual_seed(5)
