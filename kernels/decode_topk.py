@@ -13,13 +13,13 @@ Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R 
    scores in that bin: together the k-th largest score T and how many exceed it;
 4. gather, same grid: the scores above T, and those equal to T when all of them are taken, go to
    slots of the row's selection buffer (a per-row atomic counter) as (value, ~index) int64 keys;
-5. rank, grid (R, next_pow2(topk) / 128): each gathered key's output position is the number of the
+5. rank, grid (R, next_pow2(topk) / 16): each gathered key's output position is the number of the
    row's gathered keys above it (int64 keys are unique, and their descending order is value
-   descending, index ascending): a program compares its 128 keys with all of them. When more scores
-   equal T than are taken, the gather took only those above T, and the row's first program takes the
+   descending, index ascending): a program compares its 16 keys with all of them at once. When more
+   scores equal T than are taken, the gather took only those above T, and the row's first program takes the
    lowest key indices scoring T, after them, by a scan of the row in order (rare: exact float ties at
    the boundary). A one-program bitonic tl.sort of 2048 keys took ~41 µs on an H100: the comparisons
-   spread over 16 programs a row.
+   spread over 128 programs a row.
 """
 from __future__ import annotations
 
@@ -47,9 +47,8 @@ _NEG_INF_ORDERED = tl.constexpr(-2139095041)
 _EMPTY_SLOT = tl.constexpr(-2139095041 * 2**32)
 # Scores per step of a tied row's scan.
 _TIE_ROW_BLOCK = 1024
-# Keys a rank program places, and keys it compares them with per step.
-_RANK_BLOCK = 128
-_RANK_CHUNK = 32
+# Keys a rank program places (each compared with all of the row's).
+_RANK_BLOCK = 16
 
 
 @triton.jit
@@ -144,8 +143,7 @@ def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
 
 @triton.jit(do_not_specialize=["n_keys", "stride_row", "stride_out", "topk"])
 def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, stride_out, topk,
-                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                 ROW_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
     # Program (row, block): BLOCK of the row's gathered keys, each written to the output position given
     # by its rank (how many gathered keys exceed it: keys are unique); the padding -1 of its positions;
     # block 0 also the boundary ties.
@@ -162,13 +160,11 @@ def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, st
     n_gathered = tl.where(tied, n_above, n_selected)
     mine = block * BLOCK + tl.arange(0, BLOCK)
     keys = tl.load(row_keys + mine, mask=mine < n_gathered, other=_EMPTY_SLOT)
-    # Pairwise comparisons, summed once after the loop. The interpreter cannot loop to a runtime bound.
-    greater = tl.zeros((BLOCK, CHUNK), dtype=tl.int32)
-    for start in range(0, SLOTS if INTERPRETED else n_gathered, CHUNK):
-        others = start + tl.arange(0, CHUNK)
-        other_keys = tl.load(row_keys + others, mask=others < n_gathered, other=_EMPTY_SLOT)
-        greater += (other_keys[None, :] > keys[:, None]).to(tl.int32)
-    rank = tl.sum(greater, 1)
+    # Every pairwise comparison at once, [BLOCK, SLOTS], with no loop: a loop over 32-key chunks, 128 keys a
+    # program, took ~20 µs a row at top-k 2048 on an H100 (likely its loads' latency, one per iteration).
+    others = tl.arange(0, SLOTS)
+    other_keys = tl.load(row_keys + others, mask=others < n_gathered, other=_EMPTY_SLOT)
+    rank = tl.sum((other_keys[None, :] > keys[:, None]).to(tl.int32), 1)
     indices = ((keys & 0xFFFFFFFF) ^ 0xFFFFFFFF).to(tl.int32)
     tl.store(row_out + rank, indices, mask=mine < n_gathered)
     tl.store(row_out + mine, tl.full((BLOCK,), -1, tl.int32), mask=(mine >= n_selected) & (mine < topk))
@@ -222,7 +218,7 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         row_stride = n_keys if copy else rows.stride(0)
         kept.args = (n_rows, copy, slots, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk), dict(
             TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4), (n_keys, row_stride, topk, topk), dict(
-            ROW_WORDS=_ROW_WORDS, SLOTS=slots, BLOCK=min(slots, _RANK_BLOCK), CHUNK=min(slots, _RANK_CHUNK),
+            ROW_WORDS=_ROW_WORDS, SLOTS=slots, BLOCK=min(slots, _RANK_BLOCK),
             ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
             num_warps=4))
     n_rows, copy, slots, grid, integers, pass_constexprs, rank_integers, rank_constexprs = kept.args

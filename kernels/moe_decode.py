@@ -45,7 +45,9 @@ _ACT_MIN_EXPONENT = tl.constexpr(ACT_MIN_EXPONENT)
 # the grouped GEMMs read V3.2's fp8 experts at ~4.2 TB/s from 16 tokens (128 assignments of 256
 # experts) on, below that few programs leave them at 1.2 TB/s and less. fp4 (V4-Flash on an H200):
 # this path took 0.34 ms at T 16 and 1.25 ms at T 64 (1.5 assignments per expert), the grouped
-# GEMMs' decode shape 0.84 and 2.06 ms.
+# GEMMs' decode shape 0.84 and 2.06 ms. A single assignment always takes it: it reads its expert once, as
+# the grouped GEMMs would, over many more programs (V4's shared expert, one fp8 expert of 25 MB a layer,
+# took 0.080 ms for its four layers' at b 1 in the grouped GEMMs on an H100: 1.26 TB/s).
 MAX_PER_EXPERT = {"fp8": 0.25, "fp4": 1.5}
 # Launch shape: W1 rows (and as many W3 rows) per program, W2 rows per program, and k blocks a step
 # (or the largest power of two below that dividing K / 128). fp8 on the GPU: thousands of programs of
@@ -62,8 +64,8 @@ NUM_WARPS = 4
 
 def uses_per_assignment(n_assignments: int, n_experts: int, fmt: str) -> bool:
     """Whether moe_experts (config None) takes this path for experts of format fmt ("fp8" or "fp4"):
-    T * top_k <= MAX_PER_EXPERT[fmt] * E (fp8 E / 4, fp4 1.5 E)."""
-    return n_assignments <= MAX_PER_EXPERT[fmt] * n_experts
+    T * top_k <= MAX_PER_EXPERT[fmt] * E (fp8 E / 4, fp4 1.5 E), or a single assignment."""
+    return n_assignments <= max(1.0, MAX_PER_EXPERT[fmt] * n_experts)
 
 
 @triton.jit

@@ -804,8 +804,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         experts: ExpertWeights (fp8 or fp4) with hidden size D.
         swiglu_limit: keyword-only, V4's clamp L (10.0), or None.
         config: keyword-only launch shape of the grouped GEMMs; None: moe_decode's per-assignment
-            products while T * top_k <= E / 4 (fp8) or 1.5 E (fp4) (moe_decode.uses_per_assignment), else default_config
-            (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
+            products while T * top_k <= E / 4 (fp8) or 1.5 E (fp4), or is 1 (moe_decode.uses_per_assignment),
+            else default_config (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
             or PREFILL_CONFIG_FP4 for fp4 experts).
 
     Returns:

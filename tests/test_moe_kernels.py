@@ -324,6 +324,24 @@ def test_moe_experts_per_assignment(poisoned, monkeypatch, fmt, limit, d, i):
     assert ((out.float() - grouped).abs() <= 4 * ulp).all()
 
 
+def test_single_assignment_takes_the_per_assignment_path(poisoned, monkeypatch):
+    """One fp8 expert (V4's shared expert shape) and one token: moe_decode's products, against the oracle; two
+    tokens of it: the grouped GEMMs (each would read the expert once more)."""
+    gen = generator(11)
+    experts, dense = make_experts("fp8", gen, 1, 256, 256)
+    calls = []
+    per_assignment = moe_decode.expert_rows_per_assignment
+    monkeypatch.setattr(sys.modules["minirt.kernels.moe_experts"], "expert_rows_per_assignment",
+                        lambda *args: calls.append(1) or per_assignment(*args))
+    for n_tokens, expect_calls in ((1, 1), (2, 1)):
+        x = torch.randn(n_tokens, 256, generator=gen, device=DEVICE).bfloat16()
+        ids = torch.zeros(n_tokens, 1, dtype=torch.int32, device=DEVICE)
+        ones = torch.ones(n_tokens, 1, device=DEVICE)
+        out = moe_experts(x, ids, ones, experts, swiglu_limit=10.0)
+        assert len(calls) == expect_calls and torch.isfinite(out).all()
+        assert rel_error(out, ref_moe(x, ids, ones, dense, 10.0)) < EXPERTS_TOL
+
+
 @triton.jit
 def _e2m1_pairs_kernel(packed_ptr, low_ptr, high_ptr, N: tl.constexpr, INTERPRETED: tl.constexpr):
     offsets = tl.arange(0, N)

@@ -11,7 +11,7 @@ Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
   each completed window into a compressed entry inside the step (its fp32 partial-window state carried
   across chunks and steps; at decode one ``compressor_decode`` launch), written to the MODEL1 compressed
   cache; CSA: the :class:`Indexer`'s keys
-  (fp32, exact) and top-k by ``lightning_indexer_scores`` / ``indexer_topk``. Prefill attends the
+  (fp32, exact) and top-k by ``lightning_indexer_scores`` and ``indexer_topk`` (decode: ``decode_topk``). Prefill attends the
   prefill's bf16 keys and entries with ``sparse_mla_prefill(_two_sources)``; decode reads both fp8
   caches with ``sparse_mla_decode_fp8`` (window + extra cache in one softmax, the sink in the
   denominator). Then the inverse rope and the grouped output projection.
@@ -38,7 +38,7 @@ from ...context import KVStash, PrefillTrace, Segment
 from ...errors import ConfigError
 from ...formats import FP8_DTYPE, FP8_GROUP
 from ...fp8_linear import Fp8Linear
-from ...kernels import (indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
+from ...kernels import (decode_topk, indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
                         sparse_mla_prefill_two_sources, write_kv_model1)
 from ...kernels import mhc
 from ...kernels.compressor_decode import compressor_decode
@@ -259,7 +259,9 @@ class Indexer(nn.Module):
             b = N
             scores = lightning_indexer_scores(q[:, None], state.index_keys[:b], head_weights[:, None],
                                               last_visible[:, None])
-            return indexer_topk(scores, self.topk)[:, 0]
+            # One long row a sequence (up to 262,144 entries at 1M tokens): decode_topk spreads each over
+            # many programs, where indexer_topk's torch.topk takes one block a row.
+            return decode_topk(scores[:, 0], self.topk)
         picks = []
         for seg in step.segments:  # in blocks of SCORE_ROWS tokens, each over the keys visible to its last
             for lo in range(0, seg.length, SCORE_ROWS):
