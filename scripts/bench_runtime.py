@@ -12,8 +12,9 @@ step when steps are queued back to back (``engine.decode_queued``, as ``minirt g
 them), one eager step and the sum of its kernels (torch.profiler: every kernel's device time added
 up, i.e. the step with no launch gaps). A warm-up prefill and decode compile every kernel first.
 ``--split`` profiles one prefill of the longest b 1 context and splits its kernel time into indexer /
-attention / linear / other; ``--top N`` lists the N kernels that take most of one b 1 decode step (and,
-with ``--split``, of that prefill). "replay ms" is the CUDA graph's replay alone, waited for: the graph step less
+attention / linear / other; ``--top N`` lists the N kernels that take most of one eager b 1 decode step
+at each context, each beside its time inside one replay of the step's CUDA graph (and, with ``--split``,
+of that prefill). "replay ms" is the CUDA graph's replay alone, waited for: the graph step less
 it is ``decode``'s host work around the replay (token checks, copies, the finite check); "(launch)" the
 host's part of it, until ``replay()`` returns.
 
@@ -181,16 +182,23 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
         row["step_collectives_ms"] = collective_seconds(step_kernels) * 1e3
         row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
     row["step_kernels"] = step_kernels
+    row["replay_kernels"] = kernel_times(graph.replay)
     return row
 
 
-def top_kernels(times: dict[str, float], n: int, what: str) -> list[str]:
-    """A markdown table of the ``n`` kernels that take most of ``times`` (device seconds by kernel name)."""
+def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, float] | None = None) -> list[str]:
+    """A markdown table of the ``n`` kernels that take most of ``times`` (device seconds by kernel name),
+    with ``replayed``: each one's time inside one replay of the step's CUDA graph beside it."""
     total = sum(times.values())
-    lines = ["", f"The {n} largest kernels of {what} ({total * 1e3:,.2f} ms of kernels):", "",
-             "| kernel | ms | share |", "|---|---:|---:|"]
+    head = f"The {n} largest kernels of {what} ({total * 1e3:,.2f} ms of kernels"
+    if replayed is None:
+        lines = ["", head + "):", "", "| kernel | ms | share |", "|---|---:|---:|"]
+    else:
+        lines = ["", head + f"; inside one graph replay: {sum(replayed.values()) * 1e3:,.2f} ms):", "",
+                 "| kernel | ms | share | in the graph ms |", "|---|---:|---:|---:|"]
     for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:n]:
-        lines.append(f"| `{name[:90]}` | {t * 1e3:,.3f} | {t / total:.1%} |")
+        graph = "" if replayed is None else f" {replayed.get(name, 0.0) * 1e3:,.3f} |"
+        lines.append(f"| `{name[:90]}` | {t * 1e3:,.3f} | {t / total:.1%} |" + graph)
     return lines
 
 
@@ -217,8 +225,8 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="profile the longest b 1 prefill: indexer/attention/linear")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step (default: "
                     "the engine's)")
-    ap.add_argument("--top", type=int, default=0, help="the N largest kernels of a b 1 decode step (and, with "
-                    "--split, of that prefill)")
+    ap.add_argument("--top", type=int, default=0, help="the N largest kernels of a b 1 decode step at each "
+                    "context, eager and inside a graph replay (and, with --split, of that prefill)")
     ap.add_argument("--out", default="-", help="markdown report file (- for stdout)")
     ap.add_argument("--tp", type=int, default=1, help="GPUs (tensor + expert parallelism; run under torchrun "
                     "--nproc-per-node N), each row beside one GPU's")
@@ -255,7 +263,7 @@ def main() -> None:
                   "| kernel sum ms | replay ms (launch) | queued step ms | graph / kernels | queued / kernels "
                   "| prefill floor ms | prefill / floor | decode floor ms (weights + cache) | queued / floor |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        step_kernels = None
+        step_kernels = []
         for batch in batches:
             for i, context in enumerate(contexts):
                 if batch * context > args.max_tokens:
@@ -281,8 +289,8 @@ def main() -> None:
                              f"{r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {prefill_floor} | "
                              f"{prefill_ratio} | {decode_floor} | {decode_ratio} |")
                 print(lines[-1], flush=True)
-                if batch == 1 and step_kernels is None:
-                    step_kernels = (context, r["step_kernels"])
+                if batch == 1:
+                    step_kernels.append((context, r["step_kernels"], r["replay_kernels"]))
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)
             prompts = random_prompts(engine, 1, context, seed=7)
@@ -294,10 +302,9 @@ def main() -> None:
                       + ", ".join(f"{p} {s * 1e3:,.0f} ms ({s / total:.0%})" for p, s in parts.items())]
             if args.top:
                 lines += top_kernels(times, args.top, f"one b 1 prefill of {context:,} tokens")
-        if args.top and step_kernels is not None:
-            context, step = step_kernels
-            lines += top_kernels(step, args.top, f"one b 1 decode step at {context:,} tokens")
-        print("\n".join(lines[-2 * args.top - 12:]), flush=True)
+        for context, step, replayed in step_kernels if args.top else []:
+            lines += top_kernels(step, args.top, f"one eager b 1 decode step at {context:,} tokens", replayed)
+        print("\n".join(lines[-(args.top + 6) * max(1, len(step_kernels)) - 8:]), flush=True)
         lines.append("")
         del engine
     write_report("\n".join(lines) + "\n", args.out)

@@ -20,8 +20,8 @@
 #               /tmp/minirt-v32), then `minirt verify` (default fp8 weights; bf16 weights; a prompt
 #               longer than one prefill chunk)
 # v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
-# v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, exact indexer, with the
-#               step's 20 largest kernels
+# v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, exact indexer, with each
+#               step's 20 largest kernels, eager and inside a graph replay
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
 #               both weight and indexer modes, peak memory, the split of one long prefill;
 #               RUNTIME_BENCH_ARGS: more flags)
@@ -30,10 +30,11 @@
 # v4-flash:     the v4-flash preset (V4-Flash's first 4 layers, ~16 GB in /tmp/minirt-v4-flash), `minirt verify`
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
-# v4-step:      what V4-Flash's prefill chunk, grouped wo_a and decode_topk's rank kernel need checked, in one
-#               call: the fp8 GEMM stream and grouped tests, the V4 indexer's row blocks, decode_topk's tests
-#               and bench_indexer_paged.py --decode-only, bench_runtime.py at 1,024 and 131,072 tokens (the step's 20 largest
-#               kernels), 1,048,576 tokens, `minirt verify`, and 131,072 again in prefill chunks of 2048
+# v4-step:      what V4-Flash's decode step and prefill chunk need checked, in one call: the fp8 GEMM stream
+#               and grouped tests, the V4 indexer's row blocks, decode_topk's tests and bench_indexer_paged.py
+#               --decode-only, bench_runtime.py at 1,024 and 131,072 tokens, then 1,024 and 1,048,576 (each
+#               step's 20 largest kernels, eager and in the graph), `minirt verify` (it needs the H200's
+#               memory), and 131,072 again in prefill chunks of 2048
 # profile:      where the time goes: bench_runtime.py --split --top 30 on the v4-flash preset (1,024 and 131,072
 #               tokens at b 1), then on the v32 preset (1,024 and 163,840, both indexer modes)
 # tp:           (2 GPUs) the v32-moe checkpoint (3 dense + 2 MoE layers), `minirt
@@ -130,7 +131,7 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       run topk-bench python3 scripts/bench_indexer_paged.py --decode-only
       run v4-step-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --top 20 --steps 10
       run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
-        --steps 10
+        --steps 10 --top 20
       run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
       run v4-flash-chunk2k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --steps 10 \
         --prefill-chunk 2048 ;;
