@@ -16,9 +16,9 @@ Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R 
 5. rank, grid (R, next_pow2(topk) / 16): each gathered key's output position is the number of the
    row's gathered keys above it (int64 keys are unique, and their descending order is value
    descending, index ascending): a program compares its 16 keys with all of them at once. When more
-   scores equal T than are taken, the gather took only those above T, and the row's first program takes the
-   lowest key indices scoring T, after them, by a scan of the row in order (rare: exact float ties at
-   the boundary). A one-program bitonic tl.sort of 2048 keys took ~41 µs on an H100: the comparisons
+   scores equal T than are taken, the gather took only those above T, and the row's first program
+   takes the lowest key indices scoring T, after them, by a scan of the row in order (rare: exact
+   float ties at the boundary). A one-program bitonic tl.sort of 2048 keys took ~41 µs on an H100: the comparisons
    spread over 128 programs a row.
 """
 from __future__ import annotations
@@ -143,7 +143,8 @@ def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
 
 @triton.jit(do_not_specialize=["n_keys", "stride_row", "stride_out", "topk"])
 def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, stride_out, topk,
-                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                 INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
     # Program (row, block): BLOCK of the row's gathered keys, each written to the output position given
     # by its rank (how many gathered keys exceed it: keys are unique); the padding -1 of its positions;
     # block 0 also the boundary ties.
@@ -171,6 +172,7 @@ def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, st
     n_needed = topk - n_above
     n_seen = n_needed * 0
     scan = tied & (block == 0)
+    # The interpreter cannot loop to a runtime bound: it scans every row, masked.
     offs = tl.arange(0, ROW_BLOCK)
     row_scores = scores_ptr + row.to(tl.int64) * stride_row
     for start in range(0, INTERPRETED_KEYS if INTERPRETED else tl.where(scan, n_keys, 0), ROW_BLOCK):
@@ -222,7 +224,7 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
             ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
             num_warps=4))
     n_rows, copy, slots, grid, integers, pass_constexprs, rank_integers, rank_constexprs = kept.args
-    # (out [..., topk] contiguous: the sort kernel's rows of stride topk.)
+    # (out [..., topk] contiguous: the rank kernel's rows of stride topk.)
     out = torch.empty((*scores.shape[:-1], topk), dtype=torch.int32, device=scores.device)
     if n_rows == 0 or n_keys == 0:
         return out.fill_(-1)
