@@ -13,7 +13,8 @@ Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
   cache; CSA: the :class:`Indexer`'s keys (fp32, exact) and top-k by ``lightning_indexer_scores`` and
   ``indexer_topk`` (decode: ``decode_topk``). Prefill attends the prefill's bf16 keys and entries with
   ``sparse_mla_prefill(_two_sources)``; decode reads both fp8 caches with ``sparse_mla_decode_fp8``
-  (window + extra cache in one softmax, the sink in the denominator). Then the inverse rope and the grouped output projection.
+  (window + extra cache in one softmax, the sink in the denominator). Then the inverse rope and the
+  grouped output projection.
 * MoE (:class:`MoE`): ``route_hash`` / ``route_topk`` and ``moe_experts`` (fp4 routed experts; the shared
   expert as a one-expert fp8 ``moe_experts`` call, every token weight 1); ``hc_post`` adds the two outputs.
 
