@@ -33,8 +33,8 @@
 # v4-step:      what V4-Flash's decode step and prefill chunk need checked, in one call: the fp8 GEMM stream
 #               and grouped tests, the V4 indexer's row blocks, decode_topk's tests and bench_indexer_paged.py
 #               --decode-only, bench_runtime.py at 1,024 and 131,072 tokens, then 1,024 and 1,048,576 (each
-#               step's 20 largest kernels, eager and in the graph), `minirt verify` (it needs the H200's
-#               memory), and 131,072 again in prefill chunks of 2048
+#               step's 20 largest kernels, eager and in the graph), `minirt verify`, and 131,072 again in
+#               prefill chunks of 2048
 # profile:      where the time goes: bench_runtime.py --split --top 30 on the v4-flash preset (1,024 and 131,072
 #               tokens at b 1), then on the v32 preset (1,024 and 163,840, both indexer modes)
 # tp:           (2 GPUs) the v32-moe checkpoint (3 dense + 2 MoE layers), `minirt

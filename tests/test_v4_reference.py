@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 import minirt
+from minirt.errors import CheckpointError
 from minirt.models.deepseek_v4 import LayerKind, ReferenceModelV4, load_checkpoint
 from minirt.models.deepseek_v4.reference import hc_post, hc_pre, sink_attention, visible_entries
 from minirt.synthetic import write_synthetic_checkpoint
@@ -129,3 +130,24 @@ def test_load_api_serves_the_reference(v4, loaded):
     ids = tokens(20, seed=6)
     expect = ReferenceModelV4(*loaded, num_layers=1).forward(ids).logits[-1]
     assert torch.equal(engine.prefill([ids.tolist()])[0], expect)
+
+
+def test_experts_kept_as_stored_give_the_same_outputs_in_less_memory(v4, model, ours):
+    """load_checkpoint(as_stored="experts"): the routed experts stay packed (fp4 int8 + e8m0 scales) in the
+    reference, dequantised when used: every layer's output equal to the dequantised reference's, in
+    under a third of its expert bytes."""
+    cfg, weights = load_checkpoint(v4, as_stored="experts")
+    stored = ReferenceModelV4(cfg, weights)
+    expert = "layers.2.ffn.experts.5.w1.weight"
+    assert stored.weights[expert].dtype == torch.int8 and expert.replace("weight", "scale") in stored.weights
+    assert "layers.2.attn.wq_a.scale" not in stored.weights and stored.weights["layers.2.attn.wq_a.weight"].dtype == torch.float32
+    out = stored.forward(tokens(PROMPT))
+    for got, want in zip([*out.hidden_states, out.logits], [*ours.hidden_states, ours.logits]):
+        assert torch.equal(got, want)
+
+    def expert_bytes(m):
+        return sum(t.numel() * t.element_size() for n, t in m.weights.items() if ".ffn.experts." in n)
+    assert expert_bytes(stored) * 3 < expert_bytes(model)
+    weights[expert] = weights[expert][:, 1:]
+    with pytest.raises(CheckpointError, match="experts.5.w1.weight' has shape"):
+        ReferenceModelV4(cfg, weights)

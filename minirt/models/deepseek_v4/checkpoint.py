@@ -61,6 +61,21 @@ def stored_layout(name: str, spec: V4TensorSpec) -> dict[str, tuple[torch.dtype,
     return {name: (dtype, spec.shape)}
 
 
+def keeps_stored(name: str, spec: V4TensorSpec, as_stored: bool | str) -> bool:
+    """Whether :func:`load_checkpoint` keeps weight ``name`` as stored: every fp8 / fp4 weight with
+    ``as_stored=True``, only the routed experts' with ``as_stored="experts"``."""
+    if spec.fmt not in ("fp8", "fp4") or not as_stored:
+        return False
+    return as_stored is True or ".ffn.experts." in name
+
+
+def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A weight as stored (e4m3 with 128×128 block scales, or packed e2m1 int8 with per-32 scales) → ``dtype``."""
+    if weight.dtype == torch.int8:
+        return dequantize_fp4(weight, scale, dtype)
+    return dequantize_block_fp8(weight, scale.float(), (128, 128), torch.float32).to(dtype)
+
+
 def _check_num_layers(cfg: DeepseekV4Config, num_layers: int) -> None:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise InputError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -189,16 +204,16 @@ def _check_tid2eid(t: torch.Tensor, name: str, num_experts: int) -> None:
                               f"[0, n_routed_experts={num_experts})")
 
 
-def layer_memory_bytes(plan: LoadPlan, dtype: torch.dtype, as_stored: bool,
+def layer_memory_bytes(plan: LoadPlan, dtype: torch.dtype, as_stored: bool | str,
                        tp: TensorParallel = SINGLE) -> tuple[int, list[int]]:
     """(bytes outside the layers, [bytes of layer i]) that :func:`load_checkpoint` holds for ``plan``:
-    fp8 / fp4 weights with their scales as stored (``as_stored``) or dequantised to ``dtype``, ``tid2eid``
-    int64, every other weight in ``dtype``; with ``tp``, rank ``tp.rank``'s experts and slices only."""
+    fp8 / fp4 weights with their scales as stored (:func:`keeps_stored`) or dequantised to ``dtype``,
+    ``tid2eid`` int64, every other weight in ``dtype``; with ``tp``, rank ``tp.rank``'s experts and slices only."""
     top, layers = 0, [0] * plan.num_layers
     for name, spec in plan.specs.items():
         if not holds(plan.config, name, tp):
             continue
-        if spec.fmt in ("fp8", "fp4") and as_stored:
+        if keeps_stored(name, spec, as_stored):
             size = sum(plan.stored[n].nbytes for n in stored_layout(name, spec))
         else:
             size = math.prod(spec.shape) * (8 if spec.fmt == "int64" else dtype.itemsize)
@@ -218,14 +233,16 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
-    as_stored: bool = False,
+    as_stored: bool | str = False,
     tp: TensorParallel = SINGLE,
 ) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
     """Load the first ``num_layers`` layers (None: all) and the top-level tensors of a V4 checkpoint,
     dequantised: returns (config, {name: tensor}) with the :func:`tensor_specs` names and shapes, float
     weights in ``dtype`` and ``ffn.gate.tid2eid`` int64, on ``device``; no ``.scale`` entries.
     With ``as_stored`` the fp8 / fp4 weights stay as stored instead (float8_e4m3fn, or int8 packed fp4),
-    each with its ``.scale`` entry (:func:`scale_name`) as released (float8_e8m0fnu), checked as powers of two.
+    each with its ``.scale`` entry (:func:`scale_name`) as released (float8_e8m0fnu), checked as powers of two;
+    with ``as_stored="experts"`` only the routed experts' (what the fp32 reference keeps, a quarter or less of
+    their dequantised bytes: :func:`dequantize_stored` when it uses them).
 
     Opens only the shards :func:`plan_load` lists, after checking that the weights fit in ``device``'s free
     memory (:func:`layer_memory_bytes`; DeviceError naming both sizes and the largest layer count that
@@ -255,11 +272,10 @@ def load_checkpoint(
                    for n, sh in zip(names, shards)]
             if spec.fmt in ("fp8", "fp4"):
                 check_pow2_scales(raw[1], names[1])
-            if spec.fmt in ("fp8", "fp4") and as_stored:
+            if keeps_stored(name, spec, as_stored):
                 weights[name], weights[names[1]] = (t.to(device, copy=True) for t in raw)  # own, aligned storage
             elif spec.fmt in ("fp8", "fp4"):
-                weights[name] = (dequantize_block_fp8(raw[0], raw[1].float(), (128, 128), torch.float32)
-                                 if spec.fmt == "fp8" else dequantize_fp4(raw[0], raw[1])).to(device=device, dtype=dtype)
+                weights[name] = dequantize_stored(raw[0], raw[1]).to(device=device, dtype=dtype)
                 check_finite(weights[name], name, plan.stored[name].shard, f"value after conversion to {dtype}")
             elif spec.fmt == "int64":
                 _check_tid2eid(raw[0], name, plan.config.n_routed_experts)

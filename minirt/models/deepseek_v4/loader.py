@@ -32,7 +32,8 @@ def load(path: str | Path, layers: int | None, device: torch.device, backend: st
         raise InputError(f"DeepSeek-V4 runs fp8 weights, bf16 activations and an exact indexer: dtype={dtype}, "
                          f"indexer_precision={indexer_precision!r} / weights={weights!r} apply to DeepSeek-V3.2 only")
     if backend == "reference":
-        cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress)
+        cfg, weights = load_checkpoint(path, layers, device=device, dtype=torch.float32, progress=progress,
+                                       as_stored="experts")
         return ReferenceEngine(ReferenceModelV4(cfg, weights, layers, torch.float32, device))
     from ...config import load_config  # minirt.config names the families: imported late
 
@@ -91,5 +92,5 @@ def check_generate_fits(cfg: DeepseekV4Config, num_layers: int, batch: int, prom
 
 
 def check_verify_fits(cfg: DeepseekV4Config, num_layers: int, prompt_len: int, decode_steps: int, device) -> None:
-    """As :func:`check_generate_fits`: the runtime's and then the reference's weights (dequantised, fp32)
-    are each checked when they load; the reference's activations are not estimated."""
+    """As :func:`check_generate_fits`: the runtime's and then the reference's weights (fp32, the routed
+    experts as stored) are each checked when they load; the reference's activations are not estimated."""

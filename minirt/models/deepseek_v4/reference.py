@@ -40,7 +40,7 @@ from ...config import YarnScaling
 from ...errors import CheckpointError, InputError
 from ...norms import rmsnorm
 from ...rope import apply_rope_interleaved, rope_inv_freq
-from .checkpoint import tensor_specs
+from .checkpoint import dequantize_stored, keeps_stored, scale_name, stored_layout, tensor_specs
 from .config import DeepseekV4Config, LayerKind
 
 
@@ -240,9 +240,16 @@ def moe(x: Tensor, ids: Tensor, weights: Tensor, w: Mapping[str, Tensor], cfg: D
     out = swiglu(x, *(w[f"ffn.shared_experts.w{k}.weight"] for k in (1, 2, 3)), cfg.swiglu_limit)
     for e in ids.unique().tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
-        expert = swiglu(x[rows], *(w[f"ffn.experts.{e}.w{k}.weight"] for k in (1, 2, 3)), cfg.swiglu_limit)
+        expert = swiglu(x[rows], *(_expert_weight(w, f"ffn.experts.{e}.w{k}.weight", x.dtype) for k in (1, 2, 3)),
+                        cfg.swiglu_limit)
         out = out.index_add(0, rows, expert * weights[rows, slot, None])
     return out
+
+
+def _expert_weight(w: Mapping[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
+    """A routed expert's weight in ``dtype``: as given, or dequantised here when it is held as stored."""
+    scale = w.get(scale_name(name))
+    return w[name] if scale is None else dequantize_stored(w[name], scale, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,6 +274,9 @@ class ReferenceModelV4:
 
     weights: DeepSeek name → tensor (dequantised, as ``deepseek_v4.checkpoint.load_checkpoint`` returns),
     at least those of ``tensor_specs(cfg, num_layers)``; float ones are copied to ``dtype`` on ``device``.
+    Routed experts may come as stored with their ``.scale`` (``load_checkpoint(..., as_stored="experts")``):
+    they stay so, and each is dequantised when a token is routed to it (the same values, in a quarter of the
+    memory or less: V4-Flash's 4-layer preset fits beside the runtime on an 80 GB card).
     """
 
     def __init__(self, cfg: DeepseekV4Config, weights: Mapping[str, Tensor], num_layers: int | None = None,
@@ -279,10 +289,14 @@ class ReferenceModelV4:
         for name, spec in tensor_specs(cfg, num_layers).items():
             if name not in weights:
                 raise CheckpointError(f"tensor '{name}' is missing")
-            t = weights[name]
-            if tuple(t.shape) != spec.shape:
-                raise CheckpointError(f"tensor '{name}' has shape {tuple(t.shape)}, expected {spec.shape}")
-            self.weights[name] = t.to(self.device, torch.int64 if spec.fmt == "int64" else dtype)
+            stored = keeps_stored(name, spec, "experts") and scale_name(name) in weights
+            layout = stored_layout(name, spec) if stored else {name: (None, spec.shape)}
+            for part, (_, shape) in layout.items():
+                t = weights[part]
+                if tuple(t.shape) != shape:
+                    raise CheckpointError(f"tensor '{part}' has shape {tuple(t.shape)}, expected {shape}")
+                self.weights[part] = t.to(self.device) if stored else \
+                    t.to(self.device, torch.int64 if spec.fmt == "int64" else dtype)
 
     def layer_weights(self, i: int) -> dict[str, Tensor]:
         """Layer i's weights by their names relative to ``layers.{i}.``."""
