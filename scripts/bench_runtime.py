@@ -193,8 +193,9 @@ def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, 
     head = f"The {n} largest kernels of {what} ({total * 1e3:,.2f} ms of kernels"
     if replayed is None:
         lines = ["", head + "):", "", "| kernel | ms | share |", "|---|---:|---:|"]
-    else:
-        lines = ["", head + f"; inside one graph replay: {sum(replayed.values()) * 1e3:,.2f} ms):", "",
+    else:  # (a profiler that does not trace a graph's kernels leaves replayed empty)
+        in_graph = f"{sum(replayed.values()) * 1e3:,.2f} ms" if replayed else "none traced"
+        lines = ["", head + f"; inside one graph replay: {in_graph}):", "",
                  "| kernel | ms | share | in the graph ms |", "|---|---:|---:|---:|"]
     for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:n]:
         graph = "" if replayed is None else f" {replayed.get(name, 0.0) * 1e3:,.3f} |"
