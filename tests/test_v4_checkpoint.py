@@ -13,7 +13,8 @@ from minirt.shards import INDEX_FILE
 from minirt.cli import app
 from minirt.errors import CheckpointError, DeviceError
 from minirt.models.deepseek_v4 import V4Quantization
-from minirt.models.deepseek_v4.checkpoint import layer_memory_bytes, load_checkpoint, plan_load, stored_layout, tensor_specs
+from minirt.models.deepseek_v4.checkpoint import (dequantize_stored, layer_memory_bytes, load_checkpoint, plan_load,
+                                                  stored_layout, tensor_specs)
 from minirt.models.deepseek_v4.quant import check_pow2_scales, dequantize_fp4, quantize_fp4
 from minirt.synthetic import is_synthetic_checkpoint, preset_config, write_synthetic_checkpoint
 
@@ -80,6 +81,18 @@ def test_fp8_experts_layout():
     assert s["layers.0.ffn.experts.7.w1.weight"] == (FP8, (2048, 4096))
     assert s["layers.0.ffn.experts.7.w1.scale"] == (E8M0, (16, 32))
     assert s["layers.0.ffn.experts.7.w2.scale"] == (E8M0, (32, 16))
+
+
+@pytest.mark.parametrize("scale_dtype", [E8M0, torch.float32])  # V4-Flash-Base's fp8 experts may carry fp32 scales
+def test_dequantize_stored_fp8_blocks_and_fp4(scale_dtype):
+    """A weight as stored, by its dtype: e4m3 times its 128×128 block's scale; packed e2m1 (int8) per 32."""
+    values = (torch.arange(256 * 128, dtype=torch.float32).view(256, 128) % 13 - 6) / 2    # exact in e4m3
+    scale = torch.tensor([[4.0], [0.25]]).to(scale_dtype)
+    got = dequantize_stored(values.to(FP8), scale, torch.float64)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, torch.cat([values[:128] * 4, values[128:] / 4]).double())
+    packed = torch.tensor([[0x21] * 16], dtype=torch.uint8).view(torch.int8)     # 32 values 0.5, 1.0, ...
+    assert dequantize_stored(packed, torch.tensor([[2.0]]).to(E8M0)).tolist() == [[1.0, 2.0] * 16]
 
 
 def test_fp4_nibble_order_and_values():
