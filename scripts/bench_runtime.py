@@ -46,11 +46,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import time
 
-import torch
-from torch.autograd import DeviceType
+# Kineto keeps CUPTI attached after a profile unless told to tear it down, and on an H100 (torch 2.11,
+# CUDA 13) every later launch then cost more host time: a decode graph's replay 44 µs to launch instead
+# of 5.5, so rows timed after an earlier row's profile read slower steps. Set before torch loads Kineto.
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
+
+import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
 import minirt

@@ -20,8 +20,9 @@
 #               /tmp/minirt-v32), then `minirt verify` (default fp8 weights; bf16 weights; a prompt
 #               longer than one prefill chunk)
 # v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
-# v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, exact indexer, with each
-#               step's 20 largest kernels, eager and inside a graph replay
+# v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, both indexer modes, with
+#               each step's 20 largest kernels, eager and inside a graph replay
+# long-step:    the two long-context step ratios: v32-step, then the v4-flash preset at 1,024 and 1,048,576
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
 #               both weight and indexer modes, peak memory, the split of one long prefill;
 #               RUNTIME_BENCH_ARGS: more flags)
@@ -72,6 +73,16 @@ run() {  # run NAME CMD...: tee output to $OUT/NAME.log, remember failures
   [ "$rc" -eq 0 ] || status=1
 }
 
+v32_step() {  # the v32 preset's b 1 step at 1,024 and 163,840 tokens, both indexer modes
+  run v32-step-bench python3 scripts/bench_runtime.py $V32 --modes fp8/exact,fp8/fp8 --context 1024,163840 \
+    --batch 1 --top 20 --steps 10
+}
+
+v4_flash_1m() {  # the v4-flash preset's b 1 step at 1,024 and after a 1,048,576-token prompt
+  run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
+    --steps 10 --top 20
+}
+
 for stage in "$@"; do
   case $stage in
     tests) run tests python3 -m pytest -q tests/test_engine.py tests/test_layers.py tests/test_cli.py \
@@ -99,11 +110,10 @@ for stage in "$@"; do
       run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md"
       run bench-mhc python3 scripts/bench_mhc.py ;;
     gemm-bench) run bench-gemm python3 scripts/bench_gemm.py --out "$OUT/gemm.md" ;;
-    v32|v32-generate|v32-step|runtime-bench|profile)
+    v32|v32-generate|v32-step|runtime-bench|profile|long-step)
       V32=/tmp/minirt-v32
       [ -f $V32/config.json ] || run v32-init minirt init $V32 --preset v32 --device cuda ;;&
-    v32-step) run v32-step-bench python3 scripts/bench_runtime.py $V32 --modes fp8/exact --context 1024,163840 \
-                --batch 1 --top 20 --steps 10 ;;
+    v32-step) v32_step ;;
     runtime-bench) run runtime-bench python3 scripts/bench_runtime.py $V32 --split --out "$OUT/runtime.md" ${RUNTIME_BENCH_ARGS:-} ;;
     v32)
       run v32-verify minirt verify $V32 --json
@@ -118,20 +128,22 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       V32M=/tmp/minirt-v32-moe
       [ -f $V32M/config.json ] || run v32-moe-init minirt init $V32M --preset v32 --layers 5 --device cuda
       run v32-moe-verify minirt verify $V32M --json --prefill-chunk 1024 ;;
-    v4-flash|v4-step|profile)
+    v4-flash|v4-step|profile|long-step)
       V4F=/tmp/minirt-v4-flash
       [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda ;;&
     v4-flash)
       run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
       run v4-flash-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072,1048576 --batch 1,64 --max-tokens 1048576 \
         --out "$OUT/runtime_v4.md" ${V4_BENCH_ARGS:-} ;;
+    long-step)
+      v32_step
+      v4_flash_1m ;;
     v4-step)
       run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py tests/test_v4_runtime.py tests/test_decode_topk.py \
         -k "grouped or stream or dequantised or row_blocks or compressor_state or topk"
       run topk-bench python3 scripts/bench_indexer_paged.py --decode-only
       run v4-step-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072 --batch 1 --top 20 --steps 10
-      run v4-flash-1m python3 scripts/bench_runtime.py $V4F --context 1024,1048576 --batch 1 --max-tokens 1048576 \
-        --steps 10 --top 20
+      v4_flash_1m
       run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
       run v4-flash-chunk2k python3 scripts/bench_runtime.py $V4F --context 131072 --batch 1 --steps 10 \
         --prefill-chunk 2048 ;;
