@@ -16,7 +16,9 @@ attention / linear / other; ``--top N`` lists the N kernels that take most of on
 at each context, each beside its time inside one replay of the step's CUDA graph (and, with ``--split``,
 of that prefill). "replay ms" is the CUDA graph's replay alone, waited for: the graph step less
 it is ``decode``'s host work around the replay (token checks, copies, the finite check); "(launch)" the
-host's part of it, until ``replay()`` returns.
+host's part of it, until ``replay()`` returns: a few µs, unless the profiler of an earlier row left CUPTI
+attached (tens of µs, and every later launch slower: docs/perf/runtime.md), which the benchmark asks
+Kineto not to do.
 
 Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
 (every weight it uses, with its block scales: linear layers, norms, lm_head, the batch's embedding
