@@ -3,6 +3,7 @@ formats, with the ceilings measured in the same run.
 
     python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...] [--decode-only]
     python3 scripts/bench_indexer_paged.py --sweep [--formats fp8]     # the prefill chunk only, over SWEEP_VARIANTS
+    python3 scripts/bench_indexer_paged.py --decode-sweep               # decode scores only, over DECODE_SWEEP_VARIANTS
 
 Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
 block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
@@ -17,7 +18,9 @@ t) over its 131072 keys; TFLOP/s counts the causal part needed, 2 H D sum_t (lim
 are split into bf16 parts once (the pages the chunk sees), and, in one more row, as each tile loads. Variants
 (block_t, block_s, num_warps, num_stages) of the launch run at this shape; --sweep runs only the
 prefill chunk, over each format's SWEEP_VARIANTS (every one compiles for sm_90a within its shared
-memory), and ends each format with the fastest correct launch.
+memory), and ends each format with the fastest correct launch; --decode-sweep likewise times only the
+decode scores, at B 1 and 16 over DECODE_SWEEP_LENGTH keys, over DECODE_SWEEP_VARIANTS (one query row a
+sequence: block_t 1).
 Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
 on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
 measurement is reported in its cell; the run goes on.
@@ -55,6 +58,15 @@ SWEEP_VARIANTS = {
     "fp8": ["4,64,4,2", "4,64,8,3", "8,64,8,2", "8,64,8,3", "4,128,8,2", "4,128,8,3", "2,128,4,3", "2,64,4,3",
             "4,32,4,3"],
     "exact": ["2,128,4,2", "2,64,4,3", "2,64,8,3", "4,32,8,3", "4,32,8,4", "4,64,4,3", "4,64,8,2", "4,64,8,3"],
+}
+
+# Decode launch shapes for --decode-sweep besides paged_config's (block_t 1: one query a sequence): key
+# steps, warps and stages around it that compile for sm_90a without spills (exact 1,128,4,2 spills).
+DECODE_SWEEP_LENGTH = 131072
+DECODE_SWEEP_VARIANTS = {
+    "fp8": ["1,64,8,3", "1,64,4,4", "1,128,4,2", "1,128,4,3", "1,128,8,3", "1,32,4,4", "1,256,8,2"],
+    "exact": ["1,128,8,3", "1,64,4,3", "1,64,8,3", "1,64,4,4", "1,64,8,4", "1,32,4,4", "1,32,8,4",
+              "1,32,4,6"],
 }
 
 
@@ -134,6 +146,38 @@ def topk_cell(scores) -> str:
             f"{int((kept == TOPK).sum())} rows of exactly {TOPK}: overflowed, or tau the k-th score)")
 
 
+def decode_sweep(fmt: str, gen: torch.Generator, row) -> None:
+    """--decode-sweep: the decode scores at B 1 and 16 over DECODE_SWEEP_LENGTH keys with each of
+    DECODE_SWEEP_VARIANTS[fmt], checked, then the fastest correct one; row(name, fmt, cell) reports."""
+    key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
+    for n_batch in DECODE_BATCHES:
+        q, weights, cache, table = make_inputs(fmt, n_batch, 1, CAPACITY, gen)
+        limit = torch.full((n_batch, 1), DECODE_SWEEP_LENGTH - 1, dtype=torch.int32, device="cuda")
+        expected = eager_scores(q, weights, cache, table, limit, CAPACITY)
+        traffic = n_batch * (DECODE_SWEEP_LENGTH * key_bytes + CAPACITY * 4)
+        timed = {}     # launch -> ms, of the correct ones
+
+        def cell(text):
+            config = parse_variant(text)
+            out = paged_indexer_scores(q, weights, cache, table, limit, config=config)
+            wrong = check(out, expected, fmt)
+            if wrong:
+                return wrong
+            timed[text] = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out, config=config))
+            return f"{traffic / timed[text] / 1e6:.0f} GB/s ({timed[text]:.3f} ms)"
+
+        name = f"decode B {n_batch}, L {DECODE_SWEEP_LENGTH}: scores"
+        default = paged_config(1, H, D, fmt == "fp8")
+        default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
+        for text in [default_text, *DECODE_SWEEP_VARIANTS[fmt]]:
+            kind = "default" if text == default_text else "variant"
+            row(f"{name}, {kind} {text}", fmt, attempt(lambda: cell(text)))
+        if timed:
+            best = min(timed, key=timed.get)
+            row(f"{name}: fastest correct launch {best}", fmt,
+                f"{traffic / timed[best] / 1e6:.0f} GB/s ({timed[best]:.3f} ms)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
@@ -142,6 +186,8 @@ def main():
     parser.add_argument("--decode-only", action="store_true", help="only the decode rows (no prefill chunk)")
     parser.add_argument("--sweep", action="store_true",
                         help="only the prefill chunk, over SWEEP_VARIANTS (--variants ignored), naming the fastest")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="only the decode scores, over DECODE_SWEEP_VARIANTS, naming the fastest")
     parser.add_argument("--formats", nargs="*", choices=FORMATS, default=FORMATS, help="cache formats to run")
     args = parser.parse_args()
 
@@ -163,7 +209,9 @@ def main():
         print(lines[-1], flush=True)
 
     gen = torch.Generator("cuda").manual_seed(0)
-    for fmt in () if args.sweep else args.formats:
+    for fmt in args.formats if args.decode_sweep else ():
+        decode_sweep(fmt, gen, row)
+    for fmt in () if args.sweep or args.decode_sweep else args.formats:
         key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
         for n_batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
@@ -194,7 +242,7 @@ def main():
                 row(f"{name}: top-k alone", fmt, cells[4])
                 row(f"{name}: today's torch indexer (einsum + full sort)", fmt, cells[2])
 
-    for fmt in () if args.decode_only else args.formats:
+    for fmt in () if args.decode_only or args.decode_sweep else args.formats:
         q, weights, cache, table = make_inputs(fmt, 1, CHUNK_T, CHUNK_KEYS, gen)
         limit = (CHUNK_KEYS - CHUNK_T + torch.arange(CHUNK_T, device="cuda"))[None]
         flops = 2 * H * D * int((limit.long() + 1).sum())
