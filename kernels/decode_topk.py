@@ -72,8 +72,8 @@ def _pick(hist, rem):
     counts = tl.load(hist + offs)
     # Inclusive suffix sums are non-increasing: the bins whose suffix reaches rem are the top ones.
     suffix = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
-    bin = tl.maximum(tl.sum((suffix >= rem).to(tl.int32), 0) - 1, 0)
-    return bin, tl.sum(tl.where(offs > bin, counts, 0), 0)
+    picked = tl.maximum(tl.sum((suffix >= rem).to(tl.int32), 0) - 1, 0)
+    return picked, tl.sum(tl.where(offs > picked, counts, 0), 0)
 
 
 @triton.jit
