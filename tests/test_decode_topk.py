@@ -50,6 +50,23 @@ def test_boundary_ties_across_tiles():
     assert torch.equal(got[0], torch.arange(topk, device=DEVICE, dtype=torch.int32))
 
 
+def test_kth_score_shares_its_top_bytes():
+    """Scores whose order images differ only in their low 16 bits (row 0: 1 + i * 2^-23, the third pass
+    alone separates them) or share only their top byte (row 1: 1 + j / 128 plus such steps, the second
+    pass and the third); row 2 spans sign and exponents around the k-th score (the first pass)."""
+    n_keys, topk = 2 * dt.TILE + 100, 700
+    gen = torch.Generator(DEVICE).manual_seed(11)
+    steps = torch.randperm(n_keys, generator=gen, device=DEVICE).float()
+    scores = torch.empty((3, n_keys), device=DEVICE)
+    scores[0] = 1 + steps * 2.0**-23
+    coarse = torch.randint(0, 128, (n_keys,), generator=gen, device=DEVICE).float()
+    scores[1] = 1 + coarse / 128 + (steps % 4096) * 2.0**-23
+    scores[2] = torch.randn(n_keys, generator=gen, device=DEVICE) * torch.exp2(
+        torch.randint(-20, 20, (n_keys,), generator=gen, device=DEVICE).float())
+    got = decode_topk(scores, topk)
+    assert torch.equal(got, stable_topk_reference(scores, topk))
+
+
 @pytest.mark.parametrize("n_valid", [0, 1, 699, 700, 701, 3000])
 def test_masked_rows_and_padding(n_valid):
     """Random scores with all but n_valid keys at -inf (a decode row's positions past the query): fewer
