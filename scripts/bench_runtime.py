@@ -54,7 +54,8 @@ import time
 
 # Kineto keeps CUPTI attached after a profile unless told to tear it down, and on an H100 (torch 2.11,
 # CUDA 13) every later launch then cost more host time: a decode graph's replay 44 µs to launch instead
-# of 5.5, so rows timed after an earlier row's profile read slower steps. Set before torch loads Kineto.
+# of 5.5, so rows timed after an earlier row's profile read slower steps. Set before torch loads Kineto
+# (TEARDOWN_CUPTI=0 in the environment keeps CUPTI attached, as before).
 os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
 import torch  # noqa: E402
