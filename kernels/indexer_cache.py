@@ -505,8 +505,15 @@ def paged_config(n_queries: int, n_heads: int, head_dim: int, fp8: bool) -> Inde
     measured fastest on an H200 for a prefill chunk (t 2048 over 131072 keys, 64 heads): fp8 keys with
     4 warps (538 TFLOP/s against 346 with 8), fp32 keys in 128-key steps of 2 stages (136 TFLOP/s as
     three bf16 products of split operands; as bf16 parts they fit sm_90a's shared memory without spills.
-    The 16-bit tiling with 4 warps, (4, 64, 4, 3), measured 156 but spills at sm_90a)."""
+    The 16-bit tiling with 4 warps, (4, 64, 4, 3), measured 156 but spills at sm_90a). Decode (one query
+    row) takes the shapes measured fastest on an H100 over 131072 keys at b 1 and 16
+    (``bench_indexer_paged.py --decode-sweep``): fp8 keys in 128-key steps, 4 warps, 2 stages (b 16:
+    2323 GB/s against 1797 for the prefill's steps); fp32 keys in 64-key steps, 4 warps, 3 stages (1964
+    GB/s against 1505)."""
     config = default_config(n_queries, n_heads, head_dim, 1 if fp8 else 4)
+    if n_queries == 1:
+        block_s, num_stages = (128, 2) if fp8 else (64, 3)
+        return dataclasses.replace(config, block_s=block_s, num_warps=4, num_stages=num_stages)
     if fp8:
         return dataclasses.replace(config, num_warps=4, num_stages=3)
     return dataclasses.replace(config, block_s=128, num_stages=2)

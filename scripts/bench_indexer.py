@@ -2,6 +2,7 @@
 prefill it feeds and the bf16 matmul ceiling, all measured in the same run.
 
     python3 scripts/bench_indexer.py [--out results.md] [--variants 2,128,8,3 4,64,8,2 ...]
+    python3 scripts/bench_indexer.py --decode-sweep     # only DeepSeek-V4's CSA decode shape, over launch shapes
 
 Prefill shape (DeepSeek-V3.2): the last T = 4096 queries of a 32768-token sequence (limit[t] = 28672 + t)
 against all S = 32768 keys, H = 64 heads, D = 128, bf16. TFLOP/s counts only the causal part that is
@@ -12,6 +13,9 @@ float32 inputs with full 24-bit mantissas (the exact mode's dtype; three bf16 pr
 operands) at the same shape: scores (keys split into bf16 parts once, as prefill does, and as each tile
 loads, as decode does), scores + indexer_topk, and the selection of the check rows against that of
 eager fp32 torch scores (cuBLAS fp32 products).
+--decode-sweep: DeepSeek-V4's CSA decode scores (float32 keys, one query a sequence, B 1 and 16, each over
+DECODE_SWEEP_KEYS compressed keys: a 1,048,576-token context at ratio 4) with default_config's launch and
+each of DECODE_SWEEP_VARIANTS, checked against eager fp32 torch, then the fastest correct one.
 Decode rows: B sequences, one query each, against S = 32768 keys each (memory-bound: GB/s counts the
 keys read and the scores written). Every kernel variant is first compared with an eager fp32 torch
 evaluation on 64 query rows. Times are triton.testing.do_bench medians (L2 cleared before each rep).
@@ -36,6 +40,10 @@ from minirt.report import topk_overlap
 
 T, S, H, D, TOPK = 4096, 32768, 64, 128, 2048
 DECODE_BATCHES = (1, 32, 128)
+# float32 decode launch shapes (block_t 1) that compile for sm_90a without spills (1,128,4,2 and 1,128,4,3 spill).
+DECODE_SWEEP_KEYS = 262144
+DECODE_SWEEP_VARIANTS = ["1,64,8,3", "1,64,4,3", "1,64,4,4", "1,64,4,2", "1,128,8,2", "1,32,4,4", "1,32,4,6",
+                         "1,64,8,4"]
 DEFAULT_VARIANTS = ["4,64,8,4", "4,64,8,2", "4,64,4,3", "4,32,4,3", "2,64,4,3", "2,128,8,3", "8,32,8,3"]
 
 
@@ -113,11 +121,44 @@ def fp32_rows(q_shape, k_shape, weights, limit, check_rows, fmt, row, gen):
     row(f"{name}: scores + indexer_topk", attempt(lambda: f"{bench_ms(lambda: indexer_topk(lightning_indexer_scores(q, k, weights, limit, config=config), TOPK)):.3f} ms"))
 
 
+def decode_sweep(gen, row) -> None:
+    """--decode-sweep (module docstring); row(name, cell) reports."""
+    for n_batch in (1, 16):
+        q = torch.randn((n_batch, 1, H, D), generator=gen, device="cuda")
+        k = torch.randn((n_batch, DECODE_SWEEP_KEYS, D), generator=gen, device="cuda")
+        weights = torch.randn((n_batch, 1, H), generator=gen, device="cuda") * (H * D) ** -0.5
+        limit = torch.full((n_batch, 1), DECODE_SWEEP_KEYS - 1, device="cuda", dtype=torch.int32)
+        expected = torch.stack([eager_scores(q[b], k[b], weights[b], limit[b]) for b in range(n_batch)])
+        traffic = n_batch * DECODE_SWEEP_KEYS * (4 * D + 4)   # float32 keys read, scores written
+        timed = {}     # launch -> ms, of the correct ones
+
+        def cell(text):
+            config = parse_variant(text)
+            out = torch.full_like(expected, float("nan"))
+            lightning_indexer_scores(q, k, weights, limit, out=out, config=config)
+            rel = ((out - expected).norm() / expected.norm()).item()
+            if not rel < 1e-5:
+                return f"WRONG (rel err {rel:.2g})"
+            timed[text] = bench_ms(lambda: lightning_indexer_scores(q, k, weights, limit, out=out, config=config))
+            return f"{traffic / timed[text] / 1e6:.0f} GB/s ({timed[text]:.3f} ms)"
+
+        name = f"float32 decode scores, B {n_batch} x 1 query, S {DECODE_SWEEP_KEYS} each"
+        default = default_config(1, H, D, 4)
+        default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
+        for text in dict.fromkeys([default_text, *DECODE_SWEEP_VARIANTS]):
+            row(f"{name}, {'default' if text == default_text else 'variant'} {text}", attempt(lambda: cell(text)))
+        if timed:
+            best = min(timed, key=timed.get)
+            row(f"{name}: fastest correct launch {best}", f"{traffic / timed[best] / 1e6:.0f} GB/s ({timed[best]:.3f} ms)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
                         help="kernel configs block_t,block_s,num_warps,num_stages besides the default")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="only V4's CSA decode scores (float32), over DECODE_SWEEP_VARIANTS, naming the fastest")
     args = parser.parse_args()
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -157,6 +198,11 @@ def main():
     def row(name, cell):
         lines.append(f"| {name} | {cell} |")
         print(lines[-1], flush=True)
+
+    if args.decode_sweep:
+        decode_sweep(gen, row)
+        write_report("\n".join(lines) + "\n", args.out)
+        return
 
     row("sparse_mla_prefill (h_q 128, d_qk 576, top-k 2048): the target", attempt(lambda: f"{attention_ms():.3f} ms"))
     row(f"scores, default {default.block_t},{default.block_s},{default.num_warps},{default.num_stages}",

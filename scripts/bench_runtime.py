@@ -98,14 +98,27 @@ def launch_seconds(fn) -> float:
 
 def kernel_times(fn) -> dict[str, float]:
     """Device seconds of every kernel fn launches, by kernel name."""
+    return kernel_timeline(fn)[0]
+
+
+def kernel_timeline(fn) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """kernel_times(fn), and the device's idle gaps between fn's kernels: (seconds, the kernel after), longest
+    first."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     times: dict[str, float] = {}
+    spans = []
     for e in prof.events():  # kernel events only (CPU op events carry their children's device time too)
         if e.device_type == DeviceType.CUDA:
             times[e.name] = times.get(e.name, 0.0) + e.device_time_total * 1e-6
-    return times
+            spans.append((e.time_range.start, e.time_range.end, e.name))
+    gaps, busy_until = [], None
+    for start, end, name in sorted(spans):
+        if busy_until is not None and start > busy_until:
+            gaps.append(((start - busy_until) * 1e-6, name))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return times, sorted(gaps, reverse=True)
 
 
 def split_by_part(times: dict[str, float]) -> dict[str, float]:
@@ -191,19 +204,24 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
         row["step_collectives_ms"] = collective_seconds(step_kernels) * 1e3
         row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
     row["step_kernels"] = step_kernels
-    row["replay_kernels"] = kernel_times(graph.replay)
+    row["replay_kernels"], row["replay_gaps"] = kernel_timeline(graph.replay)
     return row
 
 
-def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, float] | None = None) -> list[str]:
+def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, float] | None = None,
+                gaps: list[tuple[float, str]] = ()) -> list[str]:
     """A markdown table of the ``n`` kernels that take most of ``times`` (device seconds by kernel name),
-    with ``replayed``: each one's time inside one replay of the step's CUDA graph beside it."""
+    with ``replayed``: each one's time inside one replay of the step's CUDA graph beside it, and that
+    replay's idle ``gaps`` (kernel_timeline's) in the heading."""
     total = sum(times.values())
     head = f"The {n} largest kernels of {what} ({total * 1e3:,.2f} ms of kernels"
     if replayed is None:
         lines = ["", head + "):", "", "| kernel | ms | share |", "|---|---:|---:|"]
     else:  # (a profiler that does not trace a graph's kernels leaves replayed empty)
         in_graph = f"{sum(replayed.values()) * 1e3:,.2f} ms" if replayed else "none traced"
+        if gaps:  # where the device waits inside the graph (each gap named by the kernel that ends it)
+            in_graph += (f", the device idle {sum(g for g, _ in gaps) * 1e3:,.3f} ms between its kernels; longest: "
+                         + ", ".join(f"{g * 1e6:.1f} µs before `{name[:40]}`" for g, name in gaps[:4]))
         lines = ["", head + f"; inside one graph replay: {in_graph}):", "",
                  "| kernel | ms | share | in the graph ms |", "|---|---:|---:|---:|"]
     for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:n]:
@@ -300,7 +318,7 @@ def main() -> None:
                              f"{prefill_ratio} | {decode_floor} | {decode_ratio} |")
                 print(lines[-1], flush=True)
                 if batch == 1:
-                    step_kernels.append((context, r["step_kernels"], r["replay_kernels"]))
+                    step_kernels.append((context, r["step_kernels"], r["replay_kernels"], r["replay_gaps"]))
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)
             prompts = random_prompts(engine, 1, context, seed=7)
@@ -312,8 +330,8 @@ def main() -> None:
                       + ", ".join(f"{p} {s * 1e3:,.0f} ms ({s / total:.0%})" for p, s in parts.items())]
             if args.top:
                 lines += top_kernels(times, args.top, f"one b 1 prefill of {context:,} tokens")
-        for context, step, replayed in step_kernels if args.top else []:
-            lines += top_kernels(step, args.top, f"one eager b 1 decode step at {context:,} tokens", replayed)
+        for context, step, replayed, gaps in step_kernels if args.top else []:
+            lines += top_kernels(step, args.top, f"one eager b 1 decode step at {context:,} tokens", replayed, gaps)
         print("\n".join(lines[-(args.top + 6) * max(1, len(step_kernels)) - 8:]), flush=True)
         lines.append("")
         del engine

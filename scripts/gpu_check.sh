@@ -23,8 +23,8 @@
 # v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, both indexer modes, with
 #               each step's 20 largest kernels, eager and inside a graph replay
 # long-step:    the two long-context step ratios: the v4-flash preset at 1,024 and 1,048,576, then v32-step,
-#               then bench_indexer_paged.py --decode-sweep (the decode scores' launch shapes, what grows with
-#               the context)
+#               then the decode scores' launch shapes (what grows with the context): bench_indexer_paged.py
+#               --decode-sweep (V3.2's paged keys) and bench_indexer.py --decode-sweep (V4's CSA keys)
 # runtime-bench: scripts/bench_runtime.py on that checkpoint (contexts to 163840, batch 1 and 16,
 #               both weight and indexer modes, peak memory, the split of one long prefill;
 #               RUNTIME_BENCH_ARGS: more flags)
@@ -140,7 +140,8 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
     long-step)
       v4_flash_1m
       v32_step
-      run decode-sweep python3 scripts/bench_indexer_paged.py --decode-sweep ;;
+      run decode-sweep python3 scripts/bench_indexer_paged.py --decode-sweep
+      run csa-decode-sweep python3 scripts/bench_indexer.py --decode-sweep ;;
     v4-step)
       run v4-step-tests python3 -m pytest -q tests/test_fp8_gemm.py tests/test_v4_runtime.py tests/test_decode_topk.py \
         -k "grouped or stream or dequantised or row_blocks or compressor_state or topk"

@@ -1,6 +1,6 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
-few, and over MODEL1 caches), the decode's split merge, the paged indexer's scores kernel and decode_topk's
-kernels for sm_90a on this machine (no GPU needed) and report each warp partition's register budget and each
+few, and over MODEL1 caches), the decode's split merge, the indexer's scores kernels (paged, and V4's CSA
+decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp partition's register budget and each
 kernel's spill instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
@@ -146,6 +146,18 @@ def recorded_indexer_launch(fp8: bool, n_queries: int, n_batch: int = 1):
     return (kernel, *recorder.calls[0])
 
 
+def recorded_csa_decode_launch():
+    """(kernel, args, kwargs): lightning_indexer_scores' launch with its default config for DeepSeek-V4's CSA
+    decode: 16 sequences of one float32 query (64 heads of 128), each over 262144 keys (1M tokens / 4)."""
+    n_batch, n_keys, heads, dim = 16, 262144, 64, 128
+    q, k = torch.empty((n_batch, 1, heads, dim)), torch.empty((n_batch, n_keys, dim))
+    weights, limit = torch.empty((n_batch, 1, heads)), torch.empty((n_batch, 1), dtype=torch.int64)
+    out = torch.empty((n_batch, 1, n_keys))
+    config = lightning_indexer.default_config(1, heads, dim, q.element_size())
+    grid, _, integers, constexprs = lightning_indexer._launch_args(q, k, weights, limit, out, config)
+    return lightning_indexer._indexer_scores_kernel, (q, k, k, weights, limit, out, *integers), constexprs
+
+
 def recorded_topk_launches():
     """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of 163840 scores, top 2048."""
     module = sys.modules[decode_topk.__module__]
@@ -216,9 +228,10 @@ def main() -> int:
     for h_q in (128, 32):   # the split merge (a Triton kernel): no partitions, but the same 2-byte rule
         failing |= report(f"merge of split results, h_q {h_q}", *recorded_decode_launch(2, False, h_q, merge=True))
     # The indexer's scores (Triton, no partitions): exact keys as three bf16 products (tf32x3 spilled here).
-    for fp8, n_queries, n_batch in ((False, 2048, 1), (False, 1, 16), (True, 2048, 1)):
+    for fp8, n_queries, n_batch in ((False, 2048, 1), (False, 1, 16), (True, 2048, 1), (True, 1, 16)):
         failing |= report(f"indexer scores over {'fp8' if fp8 else 'exact'} paged keys, b {n_batch} x t {n_queries}",
                           *recorded_indexer_launch(fp8, n_queries, n_batch))
+    failing |= report("indexer scores over exact V4 CSA keys, b 16 x t 1", *recorded_csa_decode_launch())
     for name, kernel, args, kwargs in recorded_topk_launches():
         failing |= report(f"decode_topk {name}, 16 rows of 163840, top 2048", kernel, args, kwargs)
     return 1 if failing else 0
