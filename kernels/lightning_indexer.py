@@ -85,13 +85,16 @@ def _indexer_scores_kernel(
 def default_config(n_queries: int, n_heads: int, head_dim: int, element_size: int = 2) -> IndexerConfig:
     """256 (query, head) columns per program where the resident q tile allows (the widest Hopper MMA:
     block_t 4 at 64 heads, 588 TFLOP/s on an H200 against 475 for block_t 2; 1 row in decode), 64-key
-    steps, up to 3 pipeline stages within KEY_PIPELINE_BYTES."""
+    steps, up to 3 pipeline stages within KEY_PIPELINE_BYTES, 8 warps; 4 for one float32 query row
+    (DeepSeek-V4's CSA decode: 2994 GB/s against 1986 with 8 at b 16 over 262144 keys on an H100,
+    ``bench_indexer.py --decode-sweep``)."""
     heads = triton.next_power_of_2(n_heads)
     columns = max(heads, min(256, MAX_Q_ROW_BYTES // (head_dim * element_size)))
     block_t = max(1, min(columns // heads, triton.next_power_of_2(n_queries)))
     block_s = 64
     num_stages = max(1, min(3, KEY_PIPELINE_BYTES // (block_s * head_dim * element_size)))
-    return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=8, num_stages=num_stages)
+    num_warps = 4 if n_queries == 1 and element_size == 4 else 8
+    return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=num_warps, num_stages=num_stages)
 
 
 def _check_inputs(q, k, weights, limit, out, config) -> None:

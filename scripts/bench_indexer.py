@@ -42,7 +42,7 @@ T, S, H, D, TOPK = 4096, 32768, 64, 128, 2048
 DECODE_BATCHES = (1, 32, 128)
 # float32 decode launch shapes (block_t 1) that compile for sm_90a without spills (1,128,4,2 and 1,128,4,3 spill).
 DECODE_SWEEP_KEYS = 262144
-DECODE_SWEEP_VARIANTS = ["1,64,8,3", "1,64,4,3", "1,64,4,4", "1,64,4,2", "1,128,8,2", "1,32,4,4", "1,32,4,6",
+DECODE_SWEEP_VARIANTS = ["1,64,8,3", "1,64,4,4", "1,64,4,2", "1,128,8,2", "1,32,4,4", "1,32,4,6",
                          "1,64,8,4"]
 DEFAULT_VARIANTS = ["4,64,8,4", "4,64,8,2", "4,64,4,3", "4,32,4,3", "2,64,4,3", "2,128,8,3", "8,32,8,3"]
 

@@ -18,7 +18,9 @@ of that prefill). "replay ms" is the CUDA graph's replay alone, waited for: the 
 it is ``decode``'s host work around the replay (token checks, copies, the finite check); "(launch)" the
 host's part of it, until ``replay()`` returns: a few µs, unless the profiler of an earlier row left CUPTI
 attached (tens of µs, and every later launch slower: docs/perf/runtime.md), which the benchmark asks
-Kineto not to do.
+Kineto not to do; "(device)" the replay between two CUDA events recorded on the stream around it (the
+device's part: from the stream reaching the graph to its last kernel's end). With ``--top``, the heading
+of each step's kernel table gives the device's idle time between the kernels of one replay.
 
 Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
 (every weight it uses, with its block scales: linear layers, norms, lm_head, the batch's embedding
@@ -94,6 +96,18 @@ def launch_seconds(fn) -> float:
     seconds = time.perf_counter() - start
     torch.cuda.synchronize()
     return seconds
+
+
+def device_seconds(fn) -> float:
+    """Seconds between CUDA events recorded on the current stream before and after fn, the device idle
+    before it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
 
 
 def kernel_times(fn) -> dict[str, float]:
@@ -185,6 +199,7 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     graph = engine._graphs[batch][0]
     replay_s = statistics.median(timed(graph.replay) for _ in range(steps))
     launch_s = statistics.median(launch_seconds(graph.replay) for _ in range(steps))
+    replay_device_s = statistics.median(device_seconds(graph.replay) for _ in range(steps))
     queued_s = queued_step_seconds(engine, tokens, steps)
     tp = engine.tp
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=engine.device)
@@ -197,7 +212,8 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     engine.use_cuda_graph = True
     row = {"batch": batch, "context": context, "prefill_ms": prefill_s * 1e3,
            "prefill_tok_s": batch * context / prefill_s, "peak_gib": peak.item() / GIB, "step_ms": step_s * 1e3,
-           "replay_ms": replay_s * 1e3, "launch_ms": launch_s * 1e3, "queued_ms": queued_s * 1e3,
+           "replay_ms": replay_s * 1e3, "launch_ms": launch_s * 1e3,
+           "replay_device_ms": replay_device_s * 1e3, "queued_ms": queued_s * 1e3,
            "eager_ms": eager_s * 1e3, "kernels_ms": kernels_s * 1e3,
            "graph_over_kernels": step_s / kernels_s, "queued_over_kernels": queued_s / kernels_s}
     if tp.world > 1:
@@ -288,7 +304,7 @@ def main() -> None:
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
                   "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "
-                  "| kernel sum ms | replay ms (launch) | queued step ms | graph / kernels | queued / kernels "
+                  "| kernel sum ms | replay ms (launch; device) | queued step ms | graph / kernels | queued / kernels "
                   "| prefill floor ms | prefill / floor | decode floor ms (weights + cache) | queued / floor |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         step_kernels = []
@@ -313,8 +329,8 @@ def main() -> None:
                     floor_ms = (weight_bytes + cache_bytes) / (copy_gbps * 1e9) * 1e3
                     decode_floor = (f"{floor_ms:.3f} ({weight_bytes / 1e9:.2f} + {cache_bytes / 1e9:.3f} GB)")
                     decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
-                lines.append(row_line(r) + f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}) | {r['queued_ms']:.2f} | "
-                             f"{r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {prefill_floor} | "
+                lines.append(row_line(r) + f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}; {r['replay_device_ms']:.2f}) | "
+                             f"{r['queued_ms']:.2f} | {r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {prefill_floor} | "
                              f"{prefill_ratio} | {decode_floor} | {decode_ratio} |")
                 print(lines[-1], flush=True)
                 if batch == 1:
