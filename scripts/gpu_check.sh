@@ -22,6 +22,7 @@
 # v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
 # v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, both indexer modes, with
 #               each step's 20 largest kernels, eager and inside a graph replay
+# v4-1m:        the v4-flash preset's b 1 step at 1,024 and after a 1,048,576-token prompt (long-step's first part)
 # long-step:    the two long-context step ratios: the v4-flash preset at 1,024 and 1,048,576, then v32-step,
 #               then the decode scores' launch shapes (what grows with the context): bench_indexer_paged.py
 #               --decode-sweep (V3.2's paged keys) and bench_indexer.py --decode-sweep (V4's CSA keys)
@@ -130,13 +131,14 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
       V32M=/tmp/minirt-v32-moe
       [ -f $V32M/config.json ] || run v32-moe-init minirt init $V32M --preset v32 --layers 5 --device cuda
       run v32-moe-verify minirt verify $V32M --json --prefill-chunk 1024 ;;
-    v4-flash|v4-step|profile|long-step)
+    v4-flash|v4-step|profile|long-step|v4-1m)
       V4F=/tmp/minirt-v4-flash
       [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda ;;&
     v4-flash)
       run v4-flash-verify minirt verify $V4F --json --prompt-len 2200 --prefill-chunk 1024
       run v4-flash-bench python3 scripts/bench_runtime.py $V4F --context 1024,131072,1048576 --batch 1,64 --max-tokens 1048576 \
         --out "$OUT/runtime_v4.md" ${V4_BENCH_ARGS:-} ;;
+    v4-1m) v4_flash_1m ;;
     long-step)
       v4_flash_1m
       v32_step
