@@ -149,7 +149,8 @@ def decode_sweep(gen, row) -> None:
             row(f"{name}, {'default' if text == default_text else 'variant'} {text}", attempt(lambda: cell(text)))
         if timed:
             best = min(timed, key=timed.get)
-            row(f"{name}: fastest correct launch {best}", f"{traffic / timed[best] / 1e6:.0f} GB/s ({timed[best]:.3f} ms)")
+            row(f"{name}: fastest correct launch {best}",
+                f"{traffic / timed[best] / 1e6:.0f} GB/s ({timed[best]:.3f} ms)")
 
 
 def main():

@@ -20,7 +20,8 @@ host's part of it, until ``replay()`` returns: a few µs, unless the profiler of
 attached (tens of µs, and every later launch slower: docs/perf/runtime.md), which the benchmark asks
 Kineto not to do; "(device)" the replay between two CUDA events recorded on the stream around it (the
 device's part: from the stream reaching the graph to its last kernel's end). With ``--top``, the heading
-of each step's kernel table gives the device's idle time between the kernels of one replay.
+of each step's kernel table gives the device's idle time between the kernels of one replay, and how long
+after the replay's launch call began its first kernel started.
 
 Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
 (every weight it uses, with its block scales: linear layers, norms, lm_head, the batch's embedding
@@ -115,24 +116,28 @@ def kernel_times(fn) -> dict[str, float]:
     return kernel_timeline(fn)[0]
 
 
-def kernel_timeline(fn) -> tuple[dict[str, float], list[tuple[float, str]]]:
-    """kernel_times(fn), and the device's idle gaps between fn's kernels: (seconds, the kernel after), longest
-    first."""
+def kernel_timeline(fn) -> tuple[dict[str, float], list[tuple[float, str]], float | None]:
+    """kernel_times(fn); the device's idle gaps between fn's kernels: (seconds, the kernel after), longest
+    first; and the seconds from the start of fn's first graph launch call (``cudaGraphLaunch``, as CUPTI
+    records it) to its first kernel's start (None without one)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     times: dict[str, float] = {}
-    spans = []
+    spans, launches = [], []
     for e in prof.events():  # kernel events only (CPU op events carry their children's device time too)
         if e.device_type == DeviceType.CUDA:
             times[e.name] = times.get(e.name, 0.0) + e.device_time_total * 1e-6
             spans.append((e.time_range.start, e.time_range.end, e.name))
+        elif e.name.startswith("cudaGraphLaunch"):
+            launches.append(e.time_range.start)
     gaps, busy_until = [], None
     for start, end, name in sorted(spans):
         if busy_until is not None and start > busy_until:
             gaps.append(((start - busy_until) * 1e-6, name))
         busy_until = end if busy_until is None else max(busy_until, end)
-    return times, sorted(gaps, reverse=True)
+    lead = (min(spans)[0] - min(launches)) * 1e-6 if spans and launches else None
+    return times, sorted(gaps, reverse=True), lead
 
 
 def split_by_part(times: dict[str, float]) -> dict[str, float]:
@@ -220,15 +225,15 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
         row["step_collectives_ms"] = collective_seconds(step_kernels) * 1e3
         row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
     row["step_kernels"] = step_kernels
-    row["replay_kernels"], row["replay_gaps"] = kernel_timeline(graph.replay)
+    row["replay_kernels"], row["replay_gaps"], row["replay_lead"] = kernel_timeline(graph.replay)
     return row
 
 
 def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, float] | None = None,
-                gaps: list[tuple[float, str]] = ()) -> list[str]:
+                gaps: list[tuple[float, str]] = (), lead: float | None = None) -> list[str]:
     """A markdown table of the ``n`` kernels that take most of ``times`` (device seconds by kernel name),
     with ``replayed``: each one's time inside one replay of the step's CUDA graph beside it, and that
-    replay's idle ``gaps`` (kernel_timeline's) in the heading."""
+    replay's idle ``gaps`` and ``lead`` (kernel_timeline's) in the heading."""
     total = sum(times.values())
     head = f"The {n} largest kernels of {what} ({total * 1e3:,.2f} ms of kernels"
     if replayed is None:
@@ -238,6 +243,8 @@ def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, 
         if gaps:  # where the device waits inside the graph (each gap named by the kernel that ends it)
             in_graph += (f", the device idle {sum(g for g, _ in gaps) * 1e3:,.3f} ms between its kernels; longest: "
                          + ", ".join(f"{g * 1e6:.1f} µs before `{name[:40]}`" for g, name in gaps[:4]))
+        if lead is not None:
+            in_graph += f"; its first kernel {lead * 1e6:.1f} µs after the launch call began"
         lines = ["", head + f"; inside one graph replay: {in_graph}):", "",
                  "| kernel | ms | share | in the graph ms |", "|---|---:|---:|---:|"]
     for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:n]:
@@ -330,11 +337,12 @@ def main() -> None:
                     decode_floor = (f"{floor_ms:.3f} ({weight_bytes / 1e9:.2f} + {cache_bytes / 1e9:.3f} GB)")
                     decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
                 lines.append(row_line(r) + f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}; {r['replay_device_ms']:.2f}) | "
-                             f"{r['queued_ms']:.2f} | {r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | {prefill_floor} | "
-                             f"{prefill_ratio} | {decode_floor} | {decode_ratio} |")
+                             f"{r['queued_ms']:.2f} | {r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | "
+                             f"{prefill_floor} | {prefill_ratio} | {decode_floor} | {decode_ratio} |")
                 print(lines[-1], flush=True)
                 if batch == 1:
-                    step_kernels.append((context, r["step_kernels"], r["replay_kernels"], r["replay_gaps"]))
+                    step_kernels.append((context, r["step_kernels"], r["replay_kernels"], r["replay_gaps"],
+                                         r["replay_lead"]))
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)
             prompts = random_prompts(engine, 1, context, seed=7)
@@ -346,8 +354,9 @@ def main() -> None:
                       + ", ".join(f"{p} {s * 1e3:,.0f} ms ({s / total:.0%})" for p, s in parts.items())]
             if args.top:
                 lines += top_kernels(times, args.top, f"one b 1 prefill of {context:,} tokens")
-        for context, step, replayed, gaps in step_kernels if args.top else []:
-            lines += top_kernels(step, args.top, f"one eager b 1 decode step at {context:,} tokens", replayed, gaps)
+        for context, step, replayed, gaps, lead in step_kernels if args.top else []:
+            lines += top_kernels(step, args.top, f"one eager b 1 decode step at {context:,} tokens", replayed, gaps,
+                                 lead)
         print("\n".join(lines[-(args.top + 6) * max(1, len(step_kernels)) - 8:]), flush=True)
         lines.append("")
         del engine
