@@ -55,6 +55,26 @@ def test_verify_fails_when_one_weight_is_perturbed(tiny, oracle):
     assert "attention_same_topk[1]" in failed
 
 
+def test_bf16_engine_keeps_the_indexer_weights_it_runs_in_fp32_as_stored(tiny):
+    """k_norm and weights_proj run in fp32: loaded so (k_norm's stored fp32 values, not rounded to the
+    engine's bf16), so no step converts them; the other projections take the engine's dtype."""
+    from safetensors.torch import load_file
+
+    stored = {}
+    for shard in sorted(tiny.glob("*.safetensors")):
+        stored.update(load_file(shard))
+    engine = minirt.load(tiny, device=DEVICE, dtype=torch.bfloat16, weights="bf16")
+    for i, layer in enumerate(engine.model.model.layers):
+        indexer, prefix = layer.self_attn.indexer, f"model.layers.{i}.self_attn.indexer."
+        for name, got in (("k_norm.weight", indexer.k_norm.weight), ("k_norm.bias", indexer.k_norm.bias),
+                          ("weights_proj.weight", indexer.weights_proj.weight)):
+            assert got.dtype == torch.float32, name
+            assert torch.equal(got.cpu(), stored[prefix + name].float()), name
+        assert stored[prefix + "k_norm.weight"].dtype == torch.float32
+        assert not torch.equal(stored[prefix + "k_norm.weight"].bfloat16().float(), stored[prefix + "k_norm.weight"])
+        assert layer.self_attn.kv_b_proj.weight.dtype == torch.bfloat16
+
+
 def test_decode_steps_match_full_sequence_logits(engine, reference):
     vocab, layers = engine.cfg.vocab_size, range(engine.num_layers)
     seq = random_prompt(50, vocab, seed=5)

@@ -39,7 +39,8 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     quantized: bool
-    fp32: bool = False  # kept float32 whatever the load dtype (the router's weight and bias)
+    fp32: bool = False  # kept float32 whatever the load dtype (what runs in fp32: the router, the indexer's
+                        # k_norm and weights_proj)
 
 
 def _check_num_layers(cfg: ModelConfig, num_layers: int) -> None:
@@ -134,10 +135,11 @@ def tensor_specs(cfg: ModelConfig, num_layers: int) -> dict[str, TensorSpec]:
             layer |= {
                 "self_attn.indexer.wq_b.weight": linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
                 "self_attn.indexer.wk.weight": linear(cfg.index_head_dim, hidden),
-                "self_attn.indexer.k_norm.weight": plain(cfg.index_head_dim),
-                "self_attn.indexer.k_norm.bias": plain(cfg.index_head_dim),
-                # bf16 in the real checkpoint: the indexer weights run in fp32.
-                "self_attn.indexer.weights_proj.weight": plain(cfg.index_n_heads, hidden),
+                # These three run in fp32 (weights_proj is bf16 in the real checkpoint): loaded so, no step
+                # converts them.
+                "self_attn.indexer.k_norm.weight": TensorSpec((cfg.index_head_dim,), False, fp32=True),
+                "self_attn.indexer.k_norm.bias": TensorSpec((cfg.index_head_dim,), False, fp32=True),
+                "self_attn.indexer.weights_proj.weight": TensorSpec((cfg.index_n_heads, hidden), False, fp32=True),
             }
         specs |= {f"model.layers.{i}.{name}": spec for name, spec in layer.items()}
     specs["model.norm.weight"] = plain(hidden)
@@ -294,7 +296,7 @@ def load_checkpoint(
     power of two where config.json's ``scale_fmt`` is ``ue8m0``; fp8 weights are dequantised
     (``blockfp8.dequantize_block_fp8``) and must stay finite in ``dtype``. Returns
     (config, {HF weight name: tensor}) with tensors of the TensorSpec shapes in ``dtype`` on ``device``
-    (the MoE router's in float32); no ``_scale_inv`` entries. With ``fp8_as_stored`` the fp8 weights
+    (those of ``TensorSpec.fp32``, the MoE router's and the indexer's k_norm and weights_proj, in float32); no ``_scale_inv`` entries. With ``fp8_as_stored`` the fp8 weights
     are not dequantised: they come as stored (float8_e4m3fn) with their float32 ``<name>_scale_inv``
     entries beside them. A MoE layer's routed experts always come as stored, stacked
     (``stacked_expert_specs``: ``...mlp.experts.gate_up_proj.weight`` [E, 2I, D] and

@@ -9,6 +9,7 @@ import torch
 
 from ...backend import check_prompts
 from .cache import PagedCache
+from .checkpoint import tensor_specs
 from ...config import ModelConfig
 from ...context import KVStash, PrefillTrace
 from .context import decode_context, prefill_context
@@ -167,8 +168,9 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers:
                  fp8_weights: bool = False, tp: TensorParallel = SINGLE) -> Engine:
     """An Engine from a config and HF-named weights already on ``device``: dequantised, or with
     ``fp8_weights`` the block-fp8 linear weights as stored with their ``_scale_inv`` partners
-    (``load_checkpoint(..., fp8_as_stored=True)``). Parameters are cast to ``dtype``; fp8 weights and
-    their scales stay as stored. ``tp``: the weights are this rank's shards (``load_checkpoint(...,
+    (``load_checkpoint(..., fp8_as_stored=True)``). Parameters are cast to ``dtype`` but those the
+    loader keeps float32 (``TensorSpec.fp32``: the indexer's k_norm and weights_proj, which run in
+    fp32); fp8 weights and their scales stay as stored. ``tp``: the weights are this rank's shards (``load_checkpoint(...,
     tp=tp)``); every rank builds its engine and then calls ``prefill`` / ``decode`` with the same
     arguments (their collectives pair up), and every rank gets the same logits."""
     for key, need in (("kv_lora_rank", KV_LATENT_DIM), ("qk_rope_head_dim", KV_ROPE_DIM)):
@@ -184,7 +186,8 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers:
     missing = [k for k in wanted if k not in weights]
     if missing:
         raise InputError(f"weights lack {len(missing)} tensors, e.g. '{missing[0]}'")
-    params = dict(model.named_parameters()).keys()
-    model.load_state_dict({k: weights[k].to(device, dtype if k in params else None) for k in wanted}, assign=True)
+    fp32 = {name for name, spec in tensor_specs(cfg, num_layers).items() if spec.fp32}
+    cast = {name: dtype for name, _ in model.named_parameters() if name not in fp32}
+    model.load_state_dict({k: weights[k].to(device, cast.get(k)) for k in wanted}, assign=True)
     model.fuse_projections()
     return Engine(cfg, model.eval(), device, dtype, indexer_precision, prefill_chunk, tp)
