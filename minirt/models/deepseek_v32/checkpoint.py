@@ -296,15 +296,15 @@ def load_checkpoint(
     power of two where config.json's ``scale_fmt`` is ``ue8m0``; fp8 weights are dequantised
     (``blockfp8.dequantize_block_fp8``) and must stay finite in ``dtype``. Returns
     (config, {HF weight name: tensor}) with tensors of the TensorSpec shapes in ``dtype`` on ``device``
-    (those of ``TensorSpec.fp32``, the MoE router's and the indexer's k_norm and weights_proj, in float32); no ``_scale_inv`` entries. With ``fp8_as_stored`` the fp8 weights
-    are not dequantised: they come as stored (float8_e4m3fn) with their float32 ``<name>_scale_inv``
-    entries beside them. A MoE layer's routed experts always come as stored, stacked
-    (``stacked_expert_specs``: ``...mlp.experts.gate_up_proj.weight`` [E, 2I, D] and
-    ``...mlp.experts.down_proj.weight`` [E, D, I] with their ``_scale_inv``; in ``dtype`` for an
-    unquantised checkpoint), copied in expert by expert so that no second copy is ever held.
-    ``progress(done, total, name)``, if given, is called after each weight with bytes read so far and
-    in total. ``tp`` (``minirt.parallel``): only this rank's part of each sharded weight
-    (``weight_shard``; its ``_scale_inv`` likewise, in blocks, with ``fp8_as_stored``) and of the
+    (those of ``TensorSpec.fp32``, the MoE router's and the indexer's k_norm and weights_proj, in
+    float32); no ``_scale_inv`` entries. With ``fp8_as_stored`` the fp8 weights are not dequantised: they
+    come as stored (float8_e4m3fn) with their float32 ``<name>_scale_inv`` entries beside them. A MoE
+    layer's routed experts always come as stored, stacked (``stacked_expert_specs``:
+    ``...mlp.experts.gate_up_proj.weight`` [E, 2I, D] and ``...mlp.experts.down_proj.weight`` [E, D, I] with
+    their ``_scale_inv``; in ``dtype`` for an unquantised checkpoint), copied in expert by expert so that no
+    second copy is ever held. ``progress(done, total, name)``, if given, is called after each weight with
+    bytes read so far and in total. ``tp`` (``minirt.parallel``): only this rank's part of each sharded
+    weight (``weight_shard``; its ``_scale_inv`` likewise, in blocks, with ``fp8_as_stored``) and of the
     routed experts (``expert_range``, stacked from 0); the other experts are never read.
     """
     check_load_dtype(dtype)
