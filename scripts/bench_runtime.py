@@ -19,7 +19,8 @@ it is ``decode``'s host work around the replay (token checks, copies, the finite
 host's part of it, until ``replay()`` returns: a few µs, unless the profiler of an earlier row left CUPTI
 attached (tens of µs, and every later launch slower: docs/perf/runtime.md), which the benchmark asks
 Kineto not to do; "(device)" the replay between two CUDA events recorded on the stream around it (the
-device's part: from the stream reaching the graph to its last kernel's end). With ``--top``, the heading
+device's part: from the stream reaching the graph to its last kernel's end); "(device last)" the same
+once more at the end of the row, after the queued, eager and profiled steps. With ``--top``, the heading
 of each step's kernel table gives the device's idle time between the kernels of one replay, and how long
 after the replay's launch call began its first kernel started.
 
@@ -97,6 +98,15 @@ def launch_seconds(fn) -> float:
     seconds = time.perf_counter() - start
     torch.cuda.synchronize()
     return seconds
+
+
+def gpu_state() -> str:
+    """The GPU's SM clock over NVML's last sample period (1/6 to 1 s) and its temperature, '' where torch
+    cannot read them (no pynvml)."""
+    try:
+        return f"{torch.cuda.clock_rate()} MHz, {torch.cuda.temperature()} °C"
+    except Exception:  # noqa: BLE001 - a missing NVML binding only drops this diagnostic
+        return ""
 
 
 def device_seconds(fn) -> float:
@@ -194,10 +204,13 @@ def queued_step_seconds(engine, tokens: torch.Tensor, steps: int) -> float:
 
 def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     prompts = random_prompts(engine, batch, context, seed)
-    engine.setup_cache(batch, context + 5 * steps + 8)  # capture, 4 x steps timed, eager and profiled steps
+    # Room for every step below: the capture, 6 x steps timed (raw replays advance the cache too), the
+    # eager and profiled steps.
+    engine.setup_cache(batch, context + 6 * steps + 8)
     torch.cuda.reset_peak_memory_stats()
     engine.prefill(prompts)  # compiles what the warm-up's shapes did not (Triton specialises on sizes)
     prefill_s = timed(lambda: engine.prefill(prompts))
+    after_prefill = gpu_state()
     tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device=engine.device)
     engine.decode(tokens)  # the first step of a batch size captures the graph
     step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
@@ -226,6 +239,10 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
         row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
     row["step_kernels"] = step_kernels
     row["replay_kernels"], row["replay_gaps"], row["replay_lead"] = kernel_timeline(graph.replay)
+    # The same replays once more, last (tens of ms after the prefill instead of right after it): a replay
+    # slower right after a long prefill than here is a transient (clocks, temperature), not the context's.
+    row["replay_device_last_ms"] = statistics.median(device_seconds(graph.replay) for _ in range(steps)) * 1e3
+    row["gpu_state"] = (after_prefill, gpu_state())
     return row
 
 
@@ -311,10 +328,11 @@ def main() -> None:
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
                   "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "
-                  "| kernel sum ms | replay ms (launch; device) | queued step ms | graph / kernels | queued / kernels "
-                  "| prefill floor ms | prefill / floor | decode floor ms (weights + cache) | queued / floor |",
+                  "| kernel sum ms | replay ms (launch; device; device last) | queued step ms | graph / kernels "
+                  "| queued / kernels | prefill floor ms | prefill / floor | decode floor ms (weights + cache) "
+                  "| queued / floor |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        step_kernels = []
+        step_kernels, states = [], []
         for batch in batches:
             for i, context in enumerate(contexts):
                 if batch * context > args.max_tokens:
@@ -336,13 +354,19 @@ def main() -> None:
                     floor_ms = (weight_bytes + cache_bytes) / (copy_gbps * 1e9) * 1e3
                     decode_floor = (f"{floor_ms:.3f} ({weight_bytes / 1e9:.2f} + {cache_bytes / 1e9:.3f} GB)")
                     decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
-                lines.append(row_line(r) + f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}; {r['replay_device_ms']:.2f}) | "
-                             f"{r['queued_ms']:.2f} | {r['graph_over_kernels']:.2f} | {r['queued_over_kernels']:.2f} | "
-                             f"{prefill_floor} | {prefill_ratio} | {decode_floor} | {decode_ratio} |")
+                replay = f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}; {r['replay_device_ms']:.2f}; " \
+                         f"{r['replay_device_last_ms']:.2f})"
+                lines.append(row_line(r) + f"{replay} | {r['queued_ms']:.2f} | {r['graph_over_kernels']:.2f} | "
+                             f"{r['queued_over_kernels']:.2f} | {prefill_floor} | {prefill_ratio} | {decode_floor} | "
+                             f"{decode_ratio} |")
                 print(lines[-1], flush=True)
+                states.append(f"b {batch} at {context:,}: {' → '.join(r['gpu_state'])}")
                 if batch == 1:
                     step_kernels.append((context, r["step_kernels"], r["replay_kernels"], r["replay_gaps"],
                                          r["replay_lead"]))
+        if any(" MHz" in state for state in states):
+            lines += ["", "SM clock and temperature right after each row's prefill → at its end: "
+                      + "; ".join(states)]
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)
             prompts = random_prompts(engine, 1, context, seed=7)
