@@ -20,8 +20,8 @@ Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R 
    descending, index ascending): a program compares its 16 keys with all of them at once. When more
    scores equal T than are taken, the gather took only those above T, and the row's first program
    takes the lowest key indices scoring T, after them, by a scan of the row in order (rare: exact
-   float ties at the boundary). A one-program bitonic tl.sort of 2048 keys took ~41 µs on an H100: the comparisons
-   spread over 128 programs a row.
+   float ties at the boundary). A one-program bitonic tl.sort of 2048 keys took ~41 µs on an H100: the
+   comparisons spread over 128 programs a row.
 """
 from __future__ import annotations
 

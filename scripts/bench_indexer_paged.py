@@ -163,7 +163,8 @@ def decode_sweep(fmt: str, gen: torch.Generator, row) -> None:
             wrong = check(out, expected, fmt)
             if wrong:
                 return wrong
-            timed[text] = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out, config=config))
+            timed[text] = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out,
+                                                                config=config))
             return f"{traffic / timed[text] / 1e6:.0f} GB/s ({timed[text]:.3f} ms)"
 
         name = f"decode B {n_batch}, L {DECODE_SWEEP_LENGTH}: scores"

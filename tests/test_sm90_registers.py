@@ -20,8 +20,8 @@ def test_warp_specialised_kernels_compile_for_sm90_without_spills_or_2_byte_acce
     # h_q 128 final and partial, 32 final, 16 partial. Each line gives three partitions' register budgets
     # (none for the decode's split merge, a Triton kernel checked at h_q 128 and 32 for its 2-byte
     # accesses only); the indexer's scores (Triton, no partitions either) over exact and over fp8 paged keys,
-    # each for a prefill chunk and a decode batch, and over V4's CSA keys for a decode batch; decode_topk's three histogram passes, gather
-    # and rank (Triton).
+    # each for a prefill chunk and a decode batch, and over V4's CSA keys for a decode batch; decode_topk's
+    # three histogram passes, gather and rank (Triton).
     lines = result.stdout.splitlines()
     clean = "spill instructions 0, 2-byte global accesses 0"
     assert len(lines) == 27 and all(line.endswith(clean) for line in lines), result.stdout

@@ -171,8 +171,8 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers:
     (``load_checkpoint(..., fp8_as_stored=True)``). Parameters are cast to ``dtype`` but those the
     loader keeps float32 (``TensorSpec.fp32``: the indexer's k_norm and weights_proj, which run in
     fp32); fp8 weights and their scales stay as stored. ``tp``: the weights are this rank's shards
-    (``load_checkpoint(..., tp=tp)``); every rank builds its engine and then calls ``prefill`` / ``decode`` with the same
-    arguments (their collectives pair up), and every rank gets the same logits."""
+    (``load_checkpoint(..., tp=tp)``); every rank builds its engine and then calls ``prefill`` /
+    ``decode`` with the same arguments (their collectives pair up), and every rank gets the same logits."""
     for key, need in (("kv_lora_rank", KV_LATENT_DIM), ("qk_rope_head_dim", KV_ROPE_DIM)):
         if getattr(cfg, key) != need:
             raise ConfigError(f"key '{key}' is {getattr(cfg, key)}: the Triton kernels and the fp8 cache layout "
