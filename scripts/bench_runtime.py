@@ -19,10 +19,11 @@ it is ``decode``'s host work around the replay (token checks, copies, the finite
 host's part of it, until ``replay()`` returns: a few µs, unless the profiler of an earlier row left CUPTI
 attached (tens of µs, and every later launch slower: docs/perf/runtime.md), which the benchmark asks
 Kineto not to do; "(device)" the replay between two CUDA events recorded on the stream around it (the
-device's part: from the stream reaching the graph to its last kernel's end); "(device last)" the same
-once more at the end of the row, after the queued, eager and profiled steps. With ``--top``, the heading
-of each step's kernel table gives the device's idle time between the kernels of one replay, and how long
-after the replay's launch call began its first kernel started.
+device's part: from the stream reaching the graph to its last kernel's end); "(device right after the
+prefill)" the same, timed before the GPU has cooled. Every other step time of a row is taken once the GPU
+is back within 5 °C of its temperature before the prefill (at most 90 s of waiting; no waiting without
+pynvml): a long prefill heats it, and the steps right after run slower. With ``--top``, the heading
+of each step's kernel table gives the device's idle time between the kernels of one replay.
 
 Beside each row, the floor it is bound by and the ratio to it. Decode: the bytes a step must read
 (every weight it uses, with its block scales: linear layers, norms, lm_head, the batch's embedding
@@ -100,13 +101,30 @@ def launch_seconds(fn) -> float:
     return seconds
 
 
+def temperature() -> int | None:
+    """The GPU's temperature in °C, None where torch cannot read it (no pynvml)."""
+    try:
+        return torch.cuda.temperature()
+    except Exception:  # noqa: BLE001 - a missing NVML binding only drops the cool-down and its diagnostic
+        return None
+
+
 def gpu_state() -> str:
     """The GPU's SM clock over NVML's last sample period (1/6 to 1 s) and its temperature, '' where torch
     cannot read them (no pynvml)."""
-    try:
-        return f"{torch.cuda.clock_rate()} MHz, {torch.cuda.temperature()} °C"
-    except Exception:  # noqa: BLE001 - a missing NVML binding only drops this diagnostic
-        return ""
+    degrees = temperature()
+    return "" if degrees is None else f"{torch.cuda.clock_rate()} MHz, {degrees} °C"
+
+
+def cool_down(before: int | None, limit_s: float = 90.0) -> float:
+    """Waits until the GPU is within 5 °C of ``before`` (its temperature before a row's prefill) or
+    ``limit_s`` has passed, and returns the seconds waited. A long prefill heats the GPU and the steps
+    right after it run slower (an H100 at 69 °C held 1785 MHz, not 1980); timing every row's steps at the
+    same temperature keeps that out of the long-context / short-context ratio."""
+    start = time.perf_counter()
+    while before is not None and temperature() > before + 5 and time.perf_counter() - start < limit_s:
+        time.sleep(0.5)
+    return time.perf_counter() - start
 
 
 def device_seconds(fn) -> float:
@@ -126,28 +144,24 @@ def kernel_times(fn) -> dict[str, float]:
     return kernel_timeline(fn)[0]
 
 
-def kernel_timeline(fn) -> tuple[dict[str, float], list[tuple[float, str]], float | None]:
-    """kernel_times(fn); the device's idle gaps between fn's kernels: (seconds, the kernel after), longest
-    first; and the seconds from the start of fn's first graph launch call (``cudaGraphLaunch``, as CUPTI
-    records it) to its first kernel's start (None without one)."""
+def kernel_timeline(fn) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """kernel_times(fn), and the device's idle gaps between fn's kernels: (seconds, the kernel after),
+    longest first."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     times: dict[str, float] = {}
-    spans, launches = [], []
+    spans = []
     for e in prof.events():  # kernel events only (CPU op events carry their children's device time too)
         if e.device_type == DeviceType.CUDA:
             times[e.name] = times.get(e.name, 0.0) + e.device_time_total * 1e-6
             spans.append((e.time_range.start, e.time_range.end, e.name))
-        elif e.name.startswith("cudaGraphLaunch"):
-            launches.append(e.time_range.start)
     gaps, busy_until = [], None
     for start, end, name in sorted(spans):
         if busy_until is not None and start > busy_until:
             gaps.append(((start - busy_until) * 1e-6, name))
         busy_until = end if busy_until is None else max(busy_until, end)
-    lead = (min(spans)[0] - min(launches)) * 1e-6 if spans and launches else None
-    return times, sorted(gaps, reverse=True), lead
+    return times, sorted(gaps, reverse=True)
 
 
 def split_by_part(times: dict[str, float]) -> dict[str, float]:
@@ -208,13 +222,16 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
     # eager and profiled steps.
     engine.setup_cache(batch, context + 6 * steps + 8)
     torch.cuda.reset_peak_memory_stats()
+    before = temperature()
     engine.prefill(prompts)  # compiles what the warm-up's shapes did not (Triton specialises on sizes)
     prefill_s = timed(lambda: engine.prefill(prompts))
     after_prefill = gpu_state()
     tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device=engine.device)
     engine.decode(tokens)  # the first step of a batch size captures the graph
-    step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
     graph = engine._graphs[batch][0]
+    hot_device_s = statistics.median(device_seconds(graph.replay) for _ in range(steps))
+    waited_s = cool_down(before)
+    step_s = statistics.median(timed(lambda: engine.decode(tokens)) for _ in range(steps))
     replay_s = statistics.median(timed(graph.replay) for _ in range(steps))
     launch_s = statistics.median(launch_seconds(graph.replay) for _ in range(steps))
     replay_device_s = statistics.median(device_seconds(graph.replay) for _ in range(steps))
@@ -238,19 +255,18 @@ def bench_row(engine, batch: int, context: int, steps: int, seed: int) -> dict:
         row["step_collectives_ms"] = collective_seconds(step_kernels) * 1e3
         row["prefill_collectives_ms"] = collective_seconds(kernel_times(lambda: engine.prefill(prompts))) * 1e3
     row["step_kernels"] = step_kernels
-    row["replay_kernels"], row["replay_gaps"], row["replay_lead"] = kernel_timeline(graph.replay)
-    # The same replays once more, last (tens of ms after the prefill instead of right after it): a replay
-    # slower right after a long prefill than here is a transient (clocks, temperature), not the context's.
-    row["replay_device_last_ms"] = statistics.median(device_seconds(graph.replay) for _ in range(steps)) * 1e3
-    row["gpu_state"] = (after_prefill, gpu_state())
+    row["replay_kernels"], row["replay_gaps"] = kernel_timeline(graph.replay)
+    row["replay_device_hot_ms"] = hot_device_s * 1e3
+    row["gpu_state"] = (f"before the prefill {before} °C" if before is not None else "",
+                        after_prefill, f"{gpu_state()} after {waited_s:.0f} s of cooling and the row")
     return row
 
 
 def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, float] | None = None,
-                gaps: list[tuple[float, str]] = (), lead: float | None = None) -> list[str]:
+                gaps: list[tuple[float, str]] = ()) -> list[str]:
     """A markdown table of the ``n`` kernels that take most of ``times`` (device seconds by kernel name),
     with ``replayed``: each one's time inside one replay of the step's CUDA graph beside it, and that
-    replay's idle ``gaps`` and ``lead`` (kernel_timeline's) in the heading."""
+    replay's idle ``gaps`` (kernel_timeline's) in the heading."""
     total = sum(times.values())
     head = f"The {n} largest kernels of {what} ({total * 1e3:,.2f} ms of kernels"
     if replayed is None:
@@ -260,8 +276,6 @@ def top_kernels(times: dict[str, float], n: int, what: str, replayed: dict[str, 
         if gaps:  # where the device waits inside the graph (each gap named by the kernel that ends it)
             in_graph += (f", the device idle {sum(g for g, _ in gaps) * 1e3:,.3f} ms between its kernels; longest: "
                          + ", ".join(f"{g * 1e6:.1f} µs before `{name[:40]}`" for g, name in gaps[:4]))
-        if lead is not None:
-            in_graph += f"; its first kernel {lead * 1e6:.1f} µs after the launch call began"
         lines = ["", head + f"; inside one graph replay: {in_graph}):", "",
                  "| kernel | ms | share | in the graph ms |", "|---|---:|---:|---:|"]
     for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:n]:
@@ -328,7 +342,7 @@ def main() -> None:
                   f"{cfg.num_attention_heads} heads, index_topk {cfg.index_topk}), prefill chunk "
                   f"{engine.prefill_chunk}, weights in memory {weight_gib:.2f} GiB", "",
                   "| batch | context | prefill ms | prefill tok/s | peak GiB | graph step ms | eager step ms "
-                  "| kernel sum ms | replay ms (launch; device; device last) | queued step ms | graph / kernels "
+                  "| kernel sum ms | replay ms (launch; device; device right after the prefill) | queued step ms | graph / kernels "
                   "| queued / kernels | prefill floor ms | prefill / floor | decode floor ms (weights + cache) "
                   "| queued / floor |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -355,17 +369,17 @@ def main() -> None:
                     decode_floor = (f"{floor_ms:.3f} ({weight_bytes / 1e9:.2f} + {cache_bytes / 1e9:.3f} GB)")
                     decode_ratio = f"{r['queued_ms'] / floor_ms:.2f}"
                 replay = f"{r['replay_ms']:.2f} ({r['launch_ms']:.3f}; {r['replay_device_ms']:.2f}; " \
-                         f"{r['replay_device_last_ms']:.2f})"
+                         f"{r['replay_device_hot_ms']:.2f})"
                 lines.append(row_line(r) + f"{replay} | {r['queued_ms']:.2f} | {r['graph_over_kernels']:.2f} | "
                              f"{r['queued_over_kernels']:.2f} | {prefill_floor} | {prefill_ratio} | {decode_floor} | "
                              f"{decode_ratio} |")
                 print(lines[-1], flush=True)
                 states.append(f"b {batch} at {context:,}: {' → '.join(r['gpu_state'])}")
                 if batch == 1:
-                    step_kernels.append((context, r["step_kernels"], r["replay_kernels"], r["replay_gaps"],
-                                         r["replay_lead"]))
+                    step_kernels.append((context, r["step_kernels"], r["replay_kernels"], r["replay_gaps"]))
         if any(" MHz" in state for state in states):
-            lines += ["", "SM clock and temperature right after each row's prefill → at its end: "
+            lines += ["", "The GPU before each row's prefill → right after it → at the row's end (its steps are timed "
+                      "once the GPU is back within 5 °C of its temperature before the prefill): "
                       + "; ".join(states)]
         if args.split:
             context = max(c for c in contexts if c <= args.max_tokens)
@@ -378,9 +392,8 @@ def main() -> None:
                       + ", ".join(f"{p} {s * 1e3:,.0f} ms ({s / total:.0%})" for p, s in parts.items())]
             if args.top:
                 lines += top_kernels(times, args.top, f"one b 1 prefill of {context:,} tokens")
-        for context, step, replayed, gaps, lead in step_kernels if args.top else []:
-            lines += top_kernels(step, args.top, f"one eager b 1 decode step at {context:,} tokens", replayed, gaps,
-                                 lead)
+        for context, step, replayed, gaps in step_kernels if args.top else []:
+            lines += top_kernels(step, args.top, f"one eager b 1 decode step at {context:,} tokens", replayed, gaps)
         print("\n".join(lines[-(args.top + 6) * max(1, len(step_kernels)) - 8:]), flush=True)
         lines.append("")
         del engine
