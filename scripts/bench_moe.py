@@ -176,11 +176,14 @@ def prefill_config(model: Model) -> moe.MoeConfig:
     return moe.default_config(1 << 30, model.experts, model.fmt)
 
 
-def bench_gemms(model, experts, x, ids, lines, config=None, label=""):
-    """The two grouped GEMMs of moe_experts alone (prefill shape, or config's, named by label) and
-    _scaled_mm on dense equivalents."""
+def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label=""):
+    """The two grouped GEMMs of moe_experts alone (prefill shape as moe_experts launches it by default: on
+    sm_90 the Gluon kernel for fp8 experts; or config's in the Triton kernel, named by label) and
+    _scaled_mm on dense equivalents; with the active experts' weight bytes a GEMM reads at least once."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
+    default = config is None
     config = config or prefill_config(model)
+    active = int(torch.unique(ids).numel())
     row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
     rows = row_token.numel()
     a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4" and not config.fp4_e4m3)
@@ -191,10 +194,10 @@ def bench_gemms(model, experts, x, ids, lines, config=None, label=""):
     runs = {
         "gate/up + SwiGLU": (2 * i, d, lambda: moe._grouped_gemm(
             a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, fp4=fp4,
-            swiglu=True, limit=model.limit, n_experts=model.experts, config=config)),
+            swiglu=True, limit=model.limit, n_experts=model.experts, config=config, default=default)),
         "down": (d, i, lambda: moe._grouped_gemm(
             h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, fp4=fp4, swiglu=False,
-            limit=None, n_experts=model.experts, config=config)),
+            limit=None, n_experts=model.experts, config=config, default=default)),
     }
     for name, (n, k, fn) in runs.items():
         flops = 2 * n_slots * n * k
@@ -213,8 +216,12 @@ def bench_gemms(model, experts, x, ids, lines, config=None, label=""):
         if model.fmt == "fp8" and name.startswith("gate") and ids.shape[0] == PREFILL_T:
             met = flops / ms / 1e9 >= TARGET_TFLOPS and ratio is not None and ratio >= TARGET_VS_SCALED_MM
             target = "met" if met else "MISSED"
+        # Every active expert's weights cross from memory once at least (fp4: half a byte a weight).
+        weight_bytes = active * n * k * (0.5 + 1 / 32 if fp4 else 1 + 4 / 128 ** 2)
+        weight_gbps = weight_bytes / ms / 1e6
         row = (f"| {model.name} | {ids.shape[0]} | {name}{label} | {n_slots} x {n} x {k} | {flops / ms / 1e9:.0f} ({ms:.3f}) | "
-               f"{dense} | {f'{ratio:.2f}x' if ratio else '-'} | {target} |")
+               f"{weight_gbps:.0f} ({weight_gbps / gbps_ceiling:.2f}) | {dense} | {f'{ratio:.2f}x' if ratio else '-'} | "
+               f"{target} |")
         lines.append(row)
         print(row, flush=True)
 
@@ -340,10 +347,10 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         lines.append(row)
         print(row, flush=True)
         if n_tokens >= PREFILL_T:
-            bench_gemms(model, experts, x, ids, gemm_lines)
+            bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling)
             for text, config in configs:     # the prefill-oriented extra shapes
                 if config.block_m >= 64 and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold)):
-                    bench_gemms(model, experts, x, ids, gemm_lines, config, f" [{text}]")
+                    bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling, config, f" [{text}]")
         del x, logits, weights, ids
     del experts, shared
     torch.cuda.empty_cache()
@@ -369,8 +376,9 @@ def main():
              f"decode layer GB/s with the shared expert (target >= {TARGET_DECODE_GBPS}) | peak MB | --configs ms |",
              "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     gemm_lines = ["", "## Grouped GEMMs (prefill shape) vs torch._scaled_mm on the dense GEMM of the same size", "",
-                  "| model | T | GEMM | M x N x K | grouped TFLOP/s (ms) | _scaled_mm TFLOP/s (ms) | ratio | "
-                  f"target (>= {TARGET_TFLOPS}, >= {TARGET_VS_SCALED_MM}x) |", "|---|---:|---|---|---:|---:|---:|---|"]
+                  "| model | T | GEMM | M x N x K | grouped TFLOP/s (ms) | active experts' weights GB/s (x copy) | "
+                  f"_scaled_mm TFLOP/s (ms) | ratio | target (>= {TARGET_TFLOPS}, >= {TARGET_VS_SCALED_MM}x) |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---|"]
     route_lines = ["", "## Routing (route_topk, 256 experts)", "", "| model | T | us |", "|---|---:|---:|"]
     decode_lines = ["", "## Decode paths: grouped GEMMs (DECODE_CONFIG) vs per-assignment products (moe_decode)", "",
                     "| model | T | assignments | grouped ms | grouped GB/s (x copy) | per-assignment ms | "
