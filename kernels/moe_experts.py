@@ -54,7 +54,6 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 from ._common import INTERPRET, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
-from . import moe_grouped_sm90
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
@@ -740,9 +739,8 @@ def _splits(programs: int, n_k_blocks: int, device: torch.device, split_k: Optio
 
 
 def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, fp4: bool, swiglu: bool,
-                  limit: Optional[float], n_experts: int, config: MoeConfig, default: bool) -> None:
-    """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]. default:
-    config is moe_experts' own choice, and the Gluon kernel takes the launches it can (moe_grouped_sm90)."""
+                  limit: Optional[float], n_experts: int, config: MoeConfig) -> None:
+    """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]."""
     n, k_stored = weight.shape[1], weight.shape[2]
     k = 2 * k_stored if fp4 else k_stored
     n_out = n // 2 if swiglu else n
@@ -754,11 +752,6 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     b_block_k = FP4_GROUP // 2 if e4m3 else a_block_k
     tile_cols = tile_expert.numel() * (n_out // config.block_n)
     splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
-    if default and moe_grouped_sm90.uses_sm90_kernel(a.device, fp4, config.block_m, splits, n_out, k,
-                                                     swiglu):
-        moe_grouped_sm90.grouped_fp8(a, a_scales, weight, scales, tile_expert, out, out_scales, swiglu=swiglu,
-                                     limit=limit)
-        return
     partials = arrivals = unfolded = out      # unread placeholders without split-K, fp4_fold
     if splits > 1:
         partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
@@ -813,8 +806,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         config: keyword-only launch shape of the grouped GEMMs; None: moe_decode's per-assignment
             products while T * top_k <= E / 4 (fp8) or 1.5 E (fp4), or is 1 (moe_decode.uses_per_assignment),
             else default_config (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
-            or PREFILL_CONFIG_FP4 for fp4 experts); PREFILL_CONFIG's fp8 products run in the Gluon kernel
-            of moe_grouped_sm90 on sm_90 GPUs (the same products, the MMAs overlapped with the promotions).
+            or PREFILL_CONFIG_FP4 for fp4 experts).
 
     Returns:
         [T, D] bfloat16, every element written. T = 0 gives an empty tensor.
@@ -841,9 +833,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             or tuple(weights.shape) != (n_tokens, top_k):
         raise InputError(f"weights must be a float32 tensor [{n_tokens}, {top_k}], got "
                          f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
-    default = config is None
-    per_assignment = default and uses_per_assignment(n_tokens * top_k, n_experts, experts.format)
-    if default:
+    per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts, experts.format)
+    if config is None:
         config = default_config(n_tokens * top_k, n_experts, experts.format)
     elif not isinstance(config, MoeConfig) or config.block_n != BLOCK_K or config.block_m not in (16, 32, 64, 128) \
             or (config.fp4_e4m3 and config.fp4_fold):
@@ -867,10 +858,10 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     h = torch.empty((rows, i), dtype=FP8_DTYPE, device=x.device)
     h_scales = torch.empty((rows, i // BLOCK_K), dtype=torch.float32, device=x.device)
     _grouped_gemm(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,
-                  fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config, default=default)
+                  fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config)
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=x.device)
     _grouped_gemm(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
-                  fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config, default=default)
+                  fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config)
     return _combine(y, row_of_slot, weights, out)
 
 

@@ -177,11 +177,9 @@ def prefill_config(model: Model) -> moe.MoeConfig:
 
 
 def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label=""):
-    """The two grouped GEMMs of moe_experts alone (prefill shape as moe_experts launches it by default: on
-    sm_90 the Gluon kernel for fp8 experts; or config's in the Triton kernel, named by label) and
+    """The two grouped GEMMs of moe_experts alone (prefill shape, or config's, named by label) and
     _scaled_mm on dense equivalents; with the active experts' weight bytes a GEMM reads at least once."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
-    default = config is None
     config = config or prefill_config(model)
     active = int(torch.unique(ids).numel())
     row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
@@ -194,10 +192,10 @@ def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label=
     runs = {
         "gate/up + SwiGLU": (2 * i, d, lambda: moe._grouped_gemm(
             a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, fp4=fp4,
-            swiglu=True, limit=model.limit, n_experts=model.experts, config=config, default=default)),
+            swiglu=True, limit=model.limit, n_experts=model.experts, config=config)),
         "down": (d, i, lambda: moe._grouped_gemm(
             h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, fp4=fp4, swiglu=False,
-            limit=None, n_experts=model.experts, config=config, default=default)),
+            limit=None, n_experts=model.experts, config=config)),
     }
     for name, (n, k, fn) in runs.items():
         flops = 2 * n_slots * n * k
