@@ -54,6 +54,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 from ._common import INTERPRET, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
+from . import moe_grouped_sm90
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
@@ -806,7 +807,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         config: keyword-only launch shape of the grouped GEMMs; None: moe_decode's per-assignment
             products while T * top_k <= E / 4 (fp8) or 1.5 E (fp4), or is 1 (moe_decode.uses_per_assignment),
             else default_config (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
-            or PREFILL_CONFIG_FP4 for fp4 experts).
+            or PREFILL_CONFIG_FP4 for fp4 experts). PREFILL_CONFIG's products of fp8 experts run in the
+            Gluon kernel of moe_grouped_sm90 on sm_90 GPUs (128-row tiles; each accumulator held in units
+            of its k block's scale, exact but for one rounding of each weight-scale ratio).
 
     Returns:
         [T, D] bfloat16, every element written. T = 0 gives an empty tensor.
@@ -852,16 +855,25 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
         return _combine(y, row_of_slot, weights, out)
     fp4 = experts.format == "fp4"
-    row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts, config.block_m)
+    sm90 = config is PREFILL_CONFIG and moe_grouped_sm90.takes(x.device, experts.format, experts.w13_scales,
+                                                                experts.w2_scales)
+    row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts,
+                                                moe_grouped_sm90.BLOCK_M if sm90 else config.block_m)
     x_fp8, x_scales = _gather_quantize(x, row_token, fp4 and not config.fp4_e4m3)
     rows = row_token.numel()
     h = torch.empty((rows, i), dtype=FP8_DTYPE, device=x.device)
     h_scales = torch.empty((rows, i // BLOCK_K), dtype=torch.float32, device=x.device)
-    _grouped_gemm(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,
-                  fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config)
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=x.device)
-    _grouped_gemm(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
-                  fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config)
+    if sm90:
+        moe_grouped_sm90.grouped_fp8(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert,
+                                     h.view(torch.uint8), h_scales, swiglu=True, limit=swiglu_limit)
+        moe_grouped_sm90.grouped_fp8(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, swiglu=False,
+                                     limit=None)
+    else:
+        _grouped_gemm(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,
+                      fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config)
+        _grouped_gemm(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
+                      fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config)
     return _combine(y, row_of_slot, weights, out)
 
 

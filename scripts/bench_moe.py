@@ -9,7 +9,8 @@ clamp 10). Random weights at full size (V3.2: 11.3 GB, V4-Flash: 3.2 GB; one mod
 Tables:
 
 - routing: route_topk on [T, 256] fp32 logits, microseconds;
-- grouped GEMMs (T >= 4096): moe_experts' gate/up (SwiGLU fused) and down kernels alone, on the plan
+- grouped GEMMs (T >= 4096): moe_experts' gate/up (SwiGLU fused) and down kernels alone (the Triton
+  kernel, and on sm_90 with fp8 experts also the Gluon one that moe_experts takes there), on the plan
   of a real routing, beside torch._scaled_mm (block-wise scales, via fp8_gemm.scaled_mm_blockwise) on
   one dense GEMM of the same total size ([T * top_k, K] x [N, K]^T); TFLOP/s count the routed
   tokens' products only (padding rows of the tiles are not counted). Target (V3.2, T 4096, gate/up):
@@ -56,6 +57,7 @@ from minirt.kernels.fp8_gemm import fp8_gemm, quantize_act_fp8, scaled_mm_blockw
 # The module (minirt.kernels re-exports the function moe_experts under the module's name).
 moe = importlib.import_module("minirt.kernels.moe_experts")
 moe_decode = importlib.import_module("minirt.kernels.moe_decode")
+sm90 = importlib.import_module("minirt.kernels.moe_grouped_sm90")
 
 
 @dataclass(frozen=True)
@@ -176,13 +178,14 @@ def prefill_config(model: Model) -> moe.MoeConfig:
     return moe.default_config(1 << 30, model.experts, model.fmt)
 
 
-def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label=""):
-    """The two grouped GEMMs of moe_experts alone (prefill shape, or config's, named by label) and
-    _scaled_mm on dense equivalents; with the active experts' weight bytes a GEMM reads at least once."""
+def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label="", gluon=False):
+    """The two grouped GEMMs of moe_experts alone in the Triton kernel (prefill shape, or config's, named by
+    label) or (gluon) in the Gluon one (moe_grouped_sm90, 128-row tiles), and _scaled_mm on dense
+    equivalents; with the active experts' weight bytes a GEMM reads at least once."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
     config = config or prefill_config(model)
     active = int(torch.unique(ids).numel())
-    row_token, tile_expert, _ = moe._plan(ids, model.experts, config.block_m)
+    row_token, tile_expert, _ = moe._plan(ids, model.experts, sm90.BLOCK_M if gluon else config.block_m)
     rows = row_token.numel()
     a, a_scales = moe._gather_quantize(x, row_token, experts.format == "fp4" and not config.fp4_e4m3)
     h = torch.empty((rows, i), dtype=torch.float8_e4m3fn, device=DEVICE)
@@ -190,6 +193,12 @@ def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label=
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=DEVICE)
     fp4 = experts.format == "fp4"
     runs = {
+        "gate/up + SwiGLU": (2 * i, d, lambda: sm90.grouped_fp8(
+            a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, swiglu=True,
+            limit=model.limit)),
+        "down": (d, i, lambda: sm90.grouped_fp8(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
+                                                swiglu=False, limit=None)),
+    } if gluon else {
         "gate/up + SwiGLU": (2 * i, d, lambda: moe._grouped_gemm(
             a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, fp4=fp4,
             swiglu=True, limit=model.limit, n_experts=model.experts, config=config)),
@@ -346,6 +355,8 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         print(row, flush=True)
         if n_tokens >= PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling)
+            if sm90.takes(x.device, experts.format, experts.w13_scales, experts.w2_scales):
+                bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling, label=" (Gluon)", gluon=True)
             for text, config in configs:     # the prefill-oriented extra shapes
                 if config.block_m >= 64 and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold)):
                     bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling, config, f" [{text}]")

@@ -1,5 +1,5 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
-few, and over MODEL1 caches), the decode's split merge, the indexer's scores kernels (paged, and V4's CSA
+few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon), the decode's split merge, the indexer's scores kernels (paged, and V4's CSA
 decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp
 partition's register budget and each kernel's spill instructions and 2-byte global accesses.
 
@@ -38,6 +38,7 @@ from minirt.kernels import indexer_cache, lightning_indexer  # noqa: E402
 from minirt.kernels._launch import Kept  # noqa: E402
 from minirt.kernels.decode_topk import decode_topk  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
+from minirt.kernels import moe_grouped_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_sm90_few_heads  # noqa: E402
@@ -158,6 +159,27 @@ def recorded_csa_decode_launch():
     return lightning_indexer._indexer_scores_kernel, (q, k, k, weights, limit, out, *integers), constexprs
 
 
+def recorded_moe_grouped_launch(swiglu: bool, limit=None):
+    """(kernel, args, kwargs): the fp8 grouped GEMM launch of a DeepSeek-V3.2 MoE layer's 4096-token prefill
+    (256 experts, D 7168, I 2048, 384 tiles of 128 rows): gate/up with SwiGLU (limit: V4's clamp), or down."""
+    experts, d, i, tiles = 256, 7168, 2048, 384
+    n, k = (2 * i, d) if swiglu else (d, i)
+    rows = tiles * moe_grouped_sm90.BLOCK_M
+    a, a_scales = torch.empty((rows, k), dtype=torch.float8_e4m3fn), torch.empty((rows, k // 128))
+    weight = torch.empty((experts, n, k), dtype=torch.float8_e4m3fn)
+    scales = torch.empty((experts, n // 128, k // 128))
+    out = torch.empty((rows, i), dtype=torch.uint8) if swiglu else torch.empty((rows, d), dtype=torch.bfloat16)
+    out_scales = torch.empty((rows, i // 128)) if swiglu else None
+    kernel, recorder = moe_grouped_sm90._grouped_fp8_sm90_kernel, Recorder()
+    moe_grouped_sm90._grouped_fp8_sm90_kernel = recorder
+    try:
+        moe_grouped_sm90.grouped_fp8(a, a_scales, weight, scales, torch.empty(tiles, dtype=torch.int32), out,
+                                     out_scales, swiglu=swiglu, limit=limit)
+    finally:
+        moe_grouped_sm90._grouped_fp8_sm90_kernel = kernel
+    return (kernel, *recorder.calls[0])
+
+
 def recorded_topk_launches():
     """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of 163840 scores, top 2048."""
     module = sys.modules[decode_topk.__module__]
@@ -225,6 +247,9 @@ def main() -> int:
     for h_q, num_splits in ((128, 1), (128, 2), (32, 1), (16, 2)):
         failing |= report(f"decode over MODEL1 caches h_q {h_q}, {'partial' if num_splits > 1 else 'final'} results",
                           *recorded_decode_launch(num_splits, h_q=h_q, model1=True))
+    for swiglu, limit in ((True, None), (True, 10.0), (False, None)):
+        failing |= report(f"moe grouped fp8 GEMM, {'gate/up with SwiGLU' if swiglu else 'down'}"
+                          + (" and V4's clamp" if limit else ""), *recorded_moe_grouped_launch(swiglu, limit))
     for h_q in (128, 32):   # the split merge (a Triton kernel): no partitions, but the same 2-byte rule
         failing |= report(f"merge of split results, h_q {h_q}", *recorded_decode_launch(2, False, h_q, merge=True))
     # The indexer's scores (Triton, no partitions): exact keys as three bf16 products (tf32x3 spilled here).

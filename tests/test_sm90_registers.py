@@ -1,5 +1,5 @@
 """The warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode for 64 and for few heads over V32
-caches, and over MODEL1 caches) and the indexer's scores kernels, compiled for sm_90a on any machine
+caches, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and the indexer's scores kernels, compiled for sm_90a on any machine
 (the wheel's ptxas), must not spill: spills cost the prefill kernel half its speed on the H200
 (docs/perf/prefill.md), and this is caught without a GPU. Nor may they, or the decode's split merge, move
 q or out 2 bytes at a time (decode at h_q 128: 15% of its time, docs/perf/decode.md)."""
@@ -17,15 +17,17 @@ def test_warp_specialised_kernels_compile_for_sm90_without_spills_or_2_byte_acce
     # Prefill: both head dims, with and without attn_sink / topk_length; decode over V32 caches at h_q 128
     # (the 64-head kernel) and 32: final and partial results, and final results over a cache with padded
     # blocks (slot addresses by division); h_q 16; decode over MODEL1 caches (main and extra cache) at
-    # h_q 128 final and partial, 32 final, 16 partial. Each line gives three partitions' register budgets
+    # h_q 128 final and partial, 32 final, 16 partial; the MoE grouped GEMM (gate/up with SwiGLU, with and
+    # without V4's clamp, and down; one partition). Each line gives three partitions' register budgets
     # (none for the decode's split merge, a Triton kernel checked at h_q 128 and 32 for its 2-byte
     # accesses only); the indexer's scores (Triton, no partitions either) over exact and over fp8 paged keys,
     # each for a prefill chunk and a decode batch, and over V4's CSA keys for a decode batch; decode_topk's
     # three histogram passes, gather and rank (Triton).
     lines = result.stdout.splitlines()
     clean = "spill instructions 0, 2-byte global accesses 0"
-    assert len(lines) == 27 and all(line.endswith(clean) for line in lines), result.stdout
-    assert [line.split()[0].rstrip(",") for line in lines] == ["prefill"] * 4 + ["decode"] * 11 + ["merge"] * 2 \
+    assert len(lines) == 30 and all(line.endswith(clean) for line in lines), result.stdout
+    assert [line.split()[0].rstrip(",") for line in lines] == ["prefill"] * 4 + ["decode"] * 11 + ["moe"] * 3 \
+        + ["merge"] * 2 \
         + ["indexer"] * 5 + ["decode_topk"] * 5
     assert sum("MODEL1" in line for line in lines) == 4
     assert all("setmaxnreg [" in line for line in lines)

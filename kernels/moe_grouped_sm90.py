@@ -1,0 +1,193 @@
+"""Hopper (sm_90) fast path of moe_experts' fp8 grouped GEMMs at prefill, written in Gluon.
+
+The same products as moe_experts' Triton kernel (expert-sorted rows in tiles of one expert, 128 x 128
+block scales), on 128-row tiles: one program = 128 rows x 256 weight rows, the gate and up rows of 128
+output columns (SwiGLU fused, the result quantised to fp8 per 128 columns) or 256 rows of the down
+product (bf16 out). Eight warps, each warpgroup 64 of the rows.
+
+Why: a 64-row tile reads 40 KB from L2 per k block for 4.2 MFLOP, and both the Triton kernel and a
+Gluon one on those tiles were bound by that traffic (docs/perf/moe.md); 128 x 256 tiles read 48 KB for
+8.4 MFLOP. Their accumulators take 128 registers a thread, so there is no room for the separate fp32
+product that the usual promotion (acc += product x scale, per k block) needs. Instead each accumulator
+is held in units of the current k block's scale s_k = a_scale[row, k] x w_scale[column block, k]: before
+block k's MMA adds into it, acc *= s_(k-1) / s_k, and the epilogue multiplies by the last block's scale.
+The activation scales are powers of two (exact ratios); a weight-scale ratio rounds once. The gate and
+up halves alternate, so one half's rescale runs while the other half's MMA does.
+
+The accumulator in units of s_k is the true sum divided by s_k: finite while that stays below 2^127
+(moe_experts takes this kernel only when every weight block scale lies in [2^-60, 2^60], so the sum
+would have to exceed 2^45 with the smallest activation scale, 2^-22).
+
+Gluon has no interpreter: this kernel runs only on sm_90 GPUs; elsewhere moe_experts runs the Triton
+kernel.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from minirt.formats import FP8_GROUP
+
+from ._common import INTERPRET, is_sm90
+from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
+
+BLOCK_M = 128                # rows of a tile
+BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one weight block column
+STAGES = 4                   # k blocks in flight (48 KB of shared memory each)
+SCALE_RANGE = 60             # weight block scales within [2^-60, 2^60] (see above)
+_BLOCK_M = gl.constexpr(BLOCK_M)
+_BLOCK_K = gl.constexpr(BLOCK_K)
+_ACT_MIN_EXPONENT = gl.constexpr(ACT_MIN_EXPONENT)
+# [128, 128] accumulators over two warpgroups (rows 0-63, 64-127).
+ACC_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 128, 32]))
+ROW_L = gl.constexpr(gl.SliceLayout(1, ACC_L.value))
+COL_L = gl.constexpr(gl.SliceLayout(0, ACC_L.value))
+CODES_L = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
+
+
+def takes(device: torch.device, format: str, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> bool:
+    """Whether moe_experts' prefill products run here: fp8 experts (D a multiple of 256, D and I at least 256)
+    whose weight block scales lie in [2^-60, 2^60], on sm_90. (The scale check reads each scale tensor once:
+    cached by storage and version.)"""
+    if INTERPRET or format != "fp8" or device.type != "cuda" or not is_sm90(device):
+        return False
+    d, i = w2_scales.shape[1] * BLOCK_K, w2_scales.shape[2] * BLOCK_K
+    return d % (2 * BLOCK_K) == 0 and min(d, i) >= 2 * BLOCK_K and _scales_in_range(w13_scales) \
+        and _scales_in_range(w2_scales)
+
+
+_in_range: dict = {}
+
+
+def _scales_in_range(scales: torch.Tensor) -> bool:
+    key = (scales.data_ptr(), scales.shape, scales._version)
+    if key not in _in_range:
+        if len(_in_range) > 64:
+            _in_range.clear()
+        _in_range[key] = bool(((scales >= 2.0 ** -SCALE_RANGE) & (scales <= 2.0 ** SCALE_RANGE)).all())
+    return _in_range[key]
+
+
+@gluon.jit
+def _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, row0, w_row, SECOND: gl.constexpr,
+                  STAGES: gl.constexpr, pred=True):
+    """Issue (where pred) the TMA loads of k block kb: 128 activation rows, the weight's rows [w_row, + 128)
+    and [w_row + SECOND, + 128), into stage kb % STAGES; its ready barrier counts their bytes."""
+    stage = kb % STAGES
+    bar = ready.index(stage)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [row0, kb * _BLOCK_K], bar, a_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [w_row, kb * _BLOCK_K], bar, b_smem.index(2 * stage), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [w_row + SECOND, kb * _BLOCK_K], bar, b_smem.index(2 * stage + 1),
+                                    pred=pred)
+
+
+@gluon.jit
+def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr,
+                             limit, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
+                             SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+    # Program (tile, column block), column blocks fastest: the programs of one tile share its activations.
+    COLS: gl.constexpr = _BLOCK_K if SWIGLU else 2 * _BLOCK_K     # output columns a program
+    SECOND: gl.constexpr = N_OUT if SWIGLU else _BLOCK_K          # from the first 128 weight rows to the second
+    KB: gl.constexpr = K // _BLOCK_K
+    pid = gl.program_id(0)
+    tile = pid // (N_OUT // COLS)
+    col = pid % (N_OUT // COLS) * COLS
+    expert = gl.load(tile_expert_ptr + tile)
+    if expert < E:
+        row0 = tile * _BLOCK_M
+        w_row = expert * N + col
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BLOCK_M, _BLOCK_K], a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [2 * STAGES, _BLOCK_K, _BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        for kb in gl.static_range(STAGES):
+            if kb < KB:
+                _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, row0, w_row, SECOND, STAGES)
+
+        rows = row0 + gl.arange(0, _BLOCK_M, ROW_L)
+        a_scales = a_scale_ptr + rows.to(gl.int64) * KB
+        first_scales = b_scale_ptr + (w_row // _BLOCK_K).to(gl.int64) * KB
+        second_scales = b_scale_ptr + ((w_row + SECOND) // _BLOCK_K).to(gl.int64) * KB
+        a_prev = gl.load(a_scales)
+        first_prev = gl.load(first_scales)
+        second_prev = gl.load(second_scales)
+        # Block 0 into fresh accumulators (acc: the first 128 weight rows' columns, acc2: the second's).
+        mbarrier.wait(ready.index(0), 0)
+        acc = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)),
+                            gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L), use_acc=False, is_async=True)
+        acc2 = warpgroup_mma(a_smem.index(0), b_smem.index(1).permute((1, 0)),
+                             gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L), use_acc=False, is_async=True)
+        for kb in range(1, KB):
+            a_now = gl.load(a_scales + kb)
+            first_now = gl.load(first_scales + kb)
+            second_now = gl.load(second_scales + kb)
+            a_ratio = a_prev / a_now          # powers of two: exact
+            stage = kb % STAGES
+            mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
+            # First half: rescale and add block kb once both MMAs of block kb - 1 are done (waiting for the
+            # first alone, wait_group 1, made ptxas serialise every MMA).
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc = acc * (a_ratio * (first_prev / first_now))[:, None]
+            acc = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
+            # Second half, while the first half's MMA runs (acc2's value after the wait above).
+            acc2 = warpgroup_mma_wait(1, deps=(acc2,))
+            # Block kb - 1's stage is free: refill it STAGES - 1 blocks ahead.
+            # (Predicated, not branched: a branch here made ptxas serialise the MMAs.)
+            _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb + STAGES - 1, row0, w_row, SECOND, STAGES,
+                          kb + STAGES - 1 < KB)
+            acc2 = acc2 * (a_ratio * (second_prev / second_now))[:, None]
+            acc2 = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage + 1).permute((1, 0)), acc2,
+                                 is_async=True)
+            a_prev = a_now
+            first_prev = first_now
+            second_prev = second_now
+        acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+        acc = acc * (a_prev * first_prev)[:, None]
+        acc2 = acc2 * (a_prev * second_prev)[:, None]
+
+        cols = col + gl.arange(0, _BLOCK_K, COL_L)
+        if SWIGLU:
+            g = acc
+            u = acc2
+            if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+                g = gl.minimum(g, limit)
+                u = gl.minimum(gl.maximum(u, -limit), limit)
+            h = g / (1.0 + gl.exp(-g)) * u
+            scale, inv_scale = pow2_scale(gl.max(gl.abs(h), 1), _ACT_MIN_EXPONENT)
+            # A row's codes through shared memory, 16 contiguous bytes a thread (from the MMA layout: 2).
+            codes = gl.convert_layout(e4m3_bits(h * inv_scale[:, None]).to(gl.uint8), CODES_L)
+            code_rows = row0 + gl.arange(0, _BLOCK_M, gl.SliceLayout(1, CODES_L))
+            code_cols = col + gl.arange(0, _BLOCK_K, gl.SliceLayout(0, CODES_L))
+            gl.store(out_ptr + code_rows.to(gl.int64)[:, None] * N_OUT + code_cols[None, :], codes)
+            gl.store(out_scale_ptr + rows.to(gl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
+        else:
+            out_rows = out_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :]
+            gl.store(out_rows, acc.to(gl.bfloat16))
+            gl.store(out_rows + _BLOCK_K, acc2.to(gl.bfloat16))
+
+
+def grouped_fp8(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                tile_expert: torch.Tensor, out: torch.Tensor, out_scales, *, swiglu: bool, limit) -> None:
+    """One grouped GEMM launch over every 128-row tile (moe_experts._grouped_gemm's contract, fp8 experts):
+    a [tiles * 128, K] fp8 rows sorted by expert with a_scales [tiles * 128, K / 128] float32 (powers of
+    two); weight [E, N, K] fp8 with scales [E, N / 128, K / 128] float32; tile_expert [tiles] int32 (E: an
+    unused tile). swiglu: N = 2 N_OUT (gate rows, then up), out [rows, N_OUT] uint8 e4m3 codes of
+    silu(g) * u (V4's clamp with limit) with out_scales [rows, N_OUT / 128]; else out [rows, N] bfloat16."""
+    n_experts, n, k = weight.shape
+    n_out = n // 2 if swiglu else n
+    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_K], gl.float8e4nv)
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
+    b_desc = TensorDescriptor.from_tensor(weight.view(n_experts * n, k), [BLOCK_K, BLOCK_K], b_layout)
+    cols = BLOCK_K if swiglu else 2 * BLOCK_K
+    _grouped_fp8_sm90_kernel[(tile_expert.numel() * (n_out // cols),)](
+        a_desc, a_scales, b_desc, scales, tile_expert, out, out if out_scales is None else out_scales,
+        0.0 if limit is None else float(limit),
+        E=n_experts, N=n, K=k, N_OUT=n_out, SWIGLU=swiglu, HAS_LIMIT=limit is not None, STAGES=STAGES, num_warps=8)
