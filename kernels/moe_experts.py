@@ -808,8 +808,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             products while T * top_k <= E / 4 (fp8) or 1.5 E (fp4), or is 1 (moe_decode.uses_per_assignment),
             else default_config (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
             or PREFILL_CONFIG_FP4 for fp4 experts). PREFILL_CONFIG's products of fp8 experts run in the
-            Gluon kernel of moe_grouped_sm90 on sm_90 GPUs (128-row tiles; each accumulator held in units
-            of its k block's scale, exact but for one rounding of each weight-scale ratio).
+            Gluon kernel of moe_grouped_sm90 on sm_90 GPUs (128-row tiles, the same products and promotion).
 
     Returns:
         [T, D] bfloat16, every element written. T = 0 gives an empty tensor.
@@ -855,8 +854,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
         return _combine(y, row_of_slot, weights, out)
     fp4 = experts.format == "fp4"
-    sm90 = config is PREFILL_CONFIG and moe_grouped_sm90.takes(x.device, experts.format, experts.w13_scales,
-                                                                experts.w2_scales)
+    sm90 = config is PREFILL_CONFIG and moe_grouped_sm90.takes(x.device, experts.format, d, i)
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts,
                                                 moe_grouped_sm90.BLOCK_M if sm90 else config.block_m)
     x_fp8, x_scales = _gather_quantize(x, row_token, fp4 and not config.fp4_e4m3)

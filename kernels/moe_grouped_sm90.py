@@ -7,16 +7,12 @@ product (bf16 out). Eight warps, each warpgroup 64 of the rows.
 
 Why: a 64-row tile reads 40 KB from L2 per k block for 4.2 MFLOP, and both the Triton kernel and a
 Gluon one on those tiles were bound by that traffic (docs/perf/moe.md); 128 x 256 tiles read 48 KB for
-8.4 MFLOP. Their accumulators take 128 registers a thread, so there is no room for the separate fp32
-product that the usual promotion (acc += product x scale, per k block) needs. Instead each accumulator
-is held in units of the current k block's scale s_k = a_scale[row, k] x w_scale[column block, k]: before
-block k's MMA adds into it, acc *= s_(k-1) / s_k, and the epilogue multiplies by the last block's scale.
-The activation scales are powers of two (exact ratios); a weight-scale ratio rounds once. The gate and
-up halves alternate, so one half's rescale runs while the other half's MMA does.
-
-The accumulator in units of s_k is the true sum divided by s_k: finite while that stays below 2^127
-(moe_experts takes this kernel only when every weight block scale lies in [2^-60, 2^60], so the sum
-would have to exceed 2^45 with the smallest activation scale, 2^-22).
+8.4 MFLOP. Their two fp32 accumulators take 128 registers a thread, which leaves room for one k block's
+product, not two: each warpgroup multiplies the gate (first) half, promotes it (acc += product x
+a_scale x w_scale, the Triton kernel's rule), then the up half. The tensor cores stay busy because the
+two warpgroups drift apart: one promotes while the other's MMA runs. (Holding each accumulator in units
+of its k block's scale instead, so that the MMAs add into it directly, fits the registers too but leaves
+the whole K sum to the fp8 MMA's reduced-precision accumulation: 1.5e-2 relative error at V3.2's D.)
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs; elsewhere moe_experts runs the Triton
 kernel.
@@ -37,7 +33,6 @@ from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 BLOCK_M = 128                # rows of a tile
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one weight block column
 STAGES = 4                   # k blocks in flight (48 KB of shared memory each)
-SCALE_RANGE = 60             # weight block scales within [2^-60, 2^60] (see above)
 _BLOCK_M = gl.constexpr(BLOCK_M)
 _BLOCK_K = gl.constexpr(BLOCK_K)
 _ACT_MIN_EXPONENT = gl.constexpr(ACT_MIN_EXPONENT)
@@ -48,27 +43,11 @@ COL_L = gl.constexpr(gl.SliceLayout(0, ACC_L.value))
 CODES_L = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
 
 
-def takes(device: torch.device, format: str, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> bool:
-    """Whether moe_experts' prefill products run here: fp8 experts (D a multiple of 256, D and I at least 256)
-    whose weight block scales lie in [2^-60, 2^60], on sm_90. (The scale check reads each scale tensor once:
-    cached by storage and version.)"""
-    if INTERPRET or format != "fp8" or device.type != "cuda" or not is_sm90(device):
-        return False
-    d, i = w2_scales.shape[1] * BLOCK_K, w2_scales.shape[2] * BLOCK_K
-    return d % (2 * BLOCK_K) == 0 and min(d, i) >= 2 * BLOCK_K and _scales_in_range(w13_scales) \
-        and _scales_in_range(w2_scales)
-
-
-_in_range: dict = {}
-
-
-def _scales_in_range(scales: torch.Tensor) -> bool:
-    key = (scales.data_ptr(), scales.shape, scales._version)
-    if key not in _in_range:
-        if len(_in_range) > 64:
-            _in_range.clear()
-        _in_range[key] = bool(((scales >= 2.0 ** -SCALE_RANGE) & (scales <= 2.0 ** SCALE_RANGE)).all())
-    return _in_range[key]
+def takes(device: torch.device, format: str, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether moe_experts' prefill products run here: fp8 experts with D a multiple of 256 and D, I at least
+    256, on sm_90."""
+    return not INTERPRET and format == "fp8" and hidden_size % (2 * BLOCK_K) == 0 \
+        and min(hidden_size, intermediate_size) >= 2 * BLOCK_K and device.type == "cuda" and is_sm90(device)
 
 
 @gluon.jit
@@ -105,7 +84,7 @@ def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expe
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-        for kb in gl.static_range(STAGES):
+        for kb in gl.static_range(STAGES - 1):
             if kb < KB:
                 _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, row0, w_row, SECOND, STAGES)
 
@@ -113,44 +92,31 @@ def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expe
         a_scales = a_scale_ptr + rows.to(gl.int64) * KB
         first_scales = b_scale_ptr + (w_row // _BLOCK_K).to(gl.int64) * KB
         second_scales = b_scale_ptr + ((w_row + SECOND) // _BLOCK_K).to(gl.int64) * KB
-        a_prev = gl.load(a_scales)
-        first_prev = gl.load(first_scales)
-        second_prev = gl.load(second_scales)
-        # Block 0 into fresh accumulators (acc: the first 128 weight rows' columns, acc2: the second's).
-        mbarrier.wait(ready.index(0), 0)
-        acc = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)),
-                            gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L), use_acc=False, is_async=True)
-        acc2 = warpgroup_mma(a_smem.index(0), b_smem.index(1).permute((1, 0)),
-                             gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L), use_acc=False, is_async=True)
-        for kb in range(1, KB):
-            a_now = gl.load(a_scales + kb)
-            first_now = gl.load(first_scales + kb)
-            second_now = gl.load(second_scales + kb)
-            a_ratio = a_prev / a_now          # powers of two: exact
-            stage = kb % STAGES
-            mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
-            # First half: rescale and add block kb once both MMAs of block kb - 1 are done (waiting for the
-            # first alone, wait_group 1, made ptxas serialise every MMA).
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            acc = acc * (a_ratio * (first_prev / first_now))[:, None]
-            acc = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
-            # Second half, while the first half's MMA runs (acc2's value after the wait above).
-            acc2 = warpgroup_mma_wait(1, deps=(acc2,))
-            # Block kb - 1's stage is free: refill it STAGES - 1 blocks ahead.
-            # (Predicated, not branched: a branch here made ptxas serialise the MMAs.)
+        acc = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)       # the first 128 weight rows' columns
+        acc2 = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)      # the second's
+        product = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)   # registers for each k block's products
+        for kb in range(KB):
+            # Block kb - 1's stage is free (its MMAs were waited for): refill it STAGES - 1 blocks ahead.
             _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb + STAGES - 1, row0, w_row, SECOND, STAGES,
                           kb + STAGES - 1 < KB)
-            acc2 = acc2 * (a_ratio * (second_prev / second_now))[:, None]
-            acc2 = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage + 1).permute((1, 0)), acc2,
-                                 is_async=True)
-            a_prev = a_now
-            first_prev = first_now
-            second_prev = second_now
-        acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+            a_scale = gl.load(a_scales + kb)
+            stage = kb % STAGES
+            mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
+            product = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage).permute((1, 0)), product,
+                                    use_acc=False, is_async=True)
+            product = warpgroup_mma_wait(0, deps=(product,))
+            acc += product * (a_scale * gl.load(first_scales + kb))[:, None]
+            # A wait with nothing in flight, through which acc passes: it keeps the promotion above before the
+            # next MMA's issue. Sunk past it, the promotion would keep the product's registers alive while the
+            # MMA writes them, and the copies would take registers the loop does not have (spills).
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            product = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage + 1).permute((1, 0)), product,
+                                    use_acc=False, is_async=True)
+            product = warpgroup_mma_wait(0, deps=(product,))
+            acc2 += product * (a_scale * gl.load(second_scales + kb))[:, None]
+            acc2 = warpgroup_mma_wait(0, deps=(acc2,))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
-        acc = acc * (a_prev * first_prev)[:, None]
-        acc2 = acc2 * (a_prev * second_prev)[:, None]
 
         cols = col + gl.arange(0, _BLOCK_K, COL_L)
         if SWIGLU:

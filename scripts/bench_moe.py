@@ -355,7 +355,7 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         print(row, flush=True)
         if n_tokens >= PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling)
-            if sm90.takes(x.device, experts.format, experts.w13_scales, experts.w2_scales):
+            if sm90.takes(x.device, experts.format, model.hidden, model.inter):
                 bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling, label=" (Gluon)", gluon=True)
             for text, config in configs:     # the prefill-oriented extra shapes
                 if config.block_m >= 64 and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold)):
