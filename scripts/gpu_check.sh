@@ -30,7 +30,7 @@
 #               both weight and indexer modes, peak memory, the split of one long prefill;
 #               RUNTIME_BENCH_ARGS: more flags)
 # v32-moe:      the v32 preset with 5 layers (3 dense + 2 MoE at real size, ~25 GB in /tmp/minirt-v32-moe), then
-#               `minirt verify` on it (prompt 2·index_topk + 8, prefill chunks of 1024)
+#               `minirt verify` on it (prompt 2120: past index_topk, within an 80 GB card; prefill chunks of 1024)
 # v4-flash:     the v4-flash preset (V4-Flash's first 4 layers, ~16 GB in /tmp/minirt-v4-flash), `minirt verify`
 #               (2200 tokens: past the window, one prefill chunk and the CSA top-k of 512 entries), then
 #               scripts/bench_runtime.py on it (contexts to 1,048,576 at b 1, and b 64; V4_BENCH_ARGS: more flags)
@@ -130,7 +130,8 @@ print(run_verify(e, o, 2 * e.cfg.index_topk + 8, 8).to_json())" ;;
     v32-moe)
       V32M=/tmp/minirt-v32-moe
       [ -f $V32M/config.json ] || run v32-moe-init minirt init $V32M --preset v32 --layers 5 --device cuda
-      run v32-moe-verify minirt verify $V32M --json --prefill-chunk 1024 ;;
+      # (2120 tokens fit an 80 GB card beside the eager reference; 2 x index_topk + 8 needs the H200)
+      run v32-moe-verify minirt verify $V32M --json --prefill-chunk 1024 --prompt-len 2120 ;;
     v4-flash|v4-step|profile|long-step|v4-1m)
       V4F=/tmp/minirt-v4-flash
       [ -f $V4F/config.json ] || run v4-flash-init minirt init $V4F --preset v4-flash --device cuda ;;&
