@@ -29,7 +29,6 @@ from minirt.formats import FP8_GROUP
 
 from ._common import INTERPRET, is_sm90
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
-from .fp8_gemm import _num_sms
 
 BLOCK_M = 128                # rows of a tile
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one weight block column
@@ -52,12 +51,11 @@ def takes(device: torch.device, format: str, hidden_size: int, intermediate_size
 
 
 @gluon.jit
-def _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, index, row0, w_row, SECOND: gl.constexpr,
+def _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, row0, w_row, SECOND: gl.constexpr,
                   STAGES: gl.constexpr, pred=True):
-    """Issue (where pred) the TMA loads of k block kb of an item: 128 activation rows, the weight's rows
-    [w_row, + 128) and [w_row + SECOND, + 128), into the stage of the program's index-th k block; its ready
-    barrier counts their bytes."""
-    stage = index % STAGES
+    """Issue (where pred) the TMA loads of k block kb: 128 activation rows, the weight's rows [w_row, + 128)
+    and [w_row + SECOND, + 128), into stage kb % STAGES; its ready barrier counts their bytes."""
+    stage = kb % STAGES
     bar = ready.index(stage)
     mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(a_desc, [row0, kb * _BLOCK_K], bar, a_smem.index(stage), pred=pred)
@@ -67,106 +65,78 @@ def _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, index, row0, w_row,
 
 
 @gluon.jit
-def _item(tile_expert_ptr, item, n_items, E: gl.constexpr, N: gl.constexpr, N_OUT: gl.constexpr,
-          COLS: gl.constexpr):
-    """(whether item is a used tile's, its first row, its first output column, its first weight row). Items
-    run tile by tile, column blocks fastest (one tile's items share its activations); the unused tiles
-    come last, so a program's items are valid up to some point and not after."""
-    tile = gl.minimum(item, n_items - 1) // (N_OUT // COLS)
-    col = item % (N_OUT // COLS) * COLS
-    expert = gl.load(tile_expert_ptr + tile)
-    return (item < n_items) & (expert < E), tile * _BLOCK_M, col, expert * N + col
-
-
-@gluon.jit
 def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr,
-                             limit, n_tiles, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
-                             N_OUT: gl.constexpr, SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                             STAGES: gl.constexpr):
-    # Persistent: program p takes items p, p + programs, ... (an item: a tile x an output column block), and
-    # loads the next item's first k blocks before this one's epilogue.
-    COLS: gl.constexpr = _BLOCK_K if SWIGLU else 2 * _BLOCK_K     # output columns an item
+                             limit, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
+                             SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+    # Program (tile, column block), column blocks fastest: the programs of one tile share its activations.
+    COLS: gl.constexpr = _BLOCK_K if SWIGLU else 2 * _BLOCK_K     # output columns a program
     SECOND: gl.constexpr = N_OUT if SWIGLU else _BLOCK_K          # from the first 128 weight rows to the second
     KB: gl.constexpr = K // _BLOCK_K
-    programs = gl.num_programs(0)
-    n_items = n_tiles * (N_OUT // COLS)
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BLOCK_M, _BLOCK_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [2 * STAGES, _BLOCK_K, _BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    valid, row0, col, w_row = _item(tile_expert_ptr, gl.program_id(0), n_items, E, N, N_OUT, COLS)
-    for kb in gl.static_range(STAGES - 1):
-        if kb < KB:
-            _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, kb, row0, w_row, SECOND, STAGES, valid)
-    done = 0     # k blocks this program has consumed: its stages and barrier phases run on across items
-    for item in range(gl.program_id(0), n_items, programs):
-        valid, row0, col, w_row = _item(tile_expert_ptr, item, n_items, E, N, N_OUT, COLS)
-        if valid:
-            rows = row0 + gl.arange(0, _BLOCK_M, ROW_L)
-            a_scales = a_scale_ptr + rows.to(gl.int64) * KB
-            first_scales = b_scale_ptr + (w_row // _BLOCK_K).to(gl.int64) * KB
-            second_scales = b_scale_ptr + ((w_row + SECOND) // _BLOCK_K).to(gl.int64) * KB
-            acc = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)       # the first 128 weight rows' columns
-            acc2 = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)      # the second's
-            product = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)   # registers for each k block's products
-            for kb in range(KB):
-                # Block kb - 1's stage is free (its MMAs were waited for): refill it STAGES - 1 blocks ahead.
-                _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb + STAGES - 1, done + kb + STAGES - 1, row0,
-                              w_row, SECOND, STAGES, kb + STAGES - 1 < KB)
-                a_scale = gl.load(a_scales + kb)
-                stage = (done + kb) % STAGES
-                mbarrier.wait(ready.index(stage), ((done + kb) // STAGES) & 1)
-                product = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage).permute((1, 0)), product,
-                                        use_acc=False, is_async=True)
-                product = warpgroup_mma_wait(0, deps=(product,))
-                acc += product * (a_scale * gl.load(first_scales + kb))[:, None]
-                # A wait with nothing in flight, through which acc passes: it keeps the promotion above before
-                # the next MMA's issue. Sunk past it, the promotion would keep the product's registers alive
-                # while the MMA writes them, and the copies would take registers the loop does not have.
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                product = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage + 1).permute((1, 0)), product,
-                                        use_acc=False, is_async=True)
-                product = warpgroup_mma_wait(0, deps=(product,))
-                acc2 += product * (a_scale * gl.load(second_scales + kb))[:, None]
-                acc2 = warpgroup_mma_wait(0, deps=(acc2,))
-            done += KB
-            # Every stage is free: the next item's first blocks load during this one's epilogue.
-            next_valid, next_row0, _, next_w_row = _item(tile_expert_ptr, item + programs, n_items, E, N, N_OUT,
-                                                         COLS)
-            for kb in gl.static_range(STAGES - 1):
-                if kb < KB:
-                    _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, done + kb, next_row0, next_w_row,
-                                  SECOND, STAGES, next_valid)
-            _store_item(acc, acc2, rows, row0, col, out_ptr, out_scale_ptr, limit, N_OUT, SWIGLU, HAS_LIMIT)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
+    pid = gl.program_id(0)
+    tile = pid // (N_OUT // COLS)
+    col = pid % (N_OUT // COLS) * COLS
+    expert = gl.load(tile_expert_ptr + tile)
+    if expert < E:
+        row0 = tile * _BLOCK_M
+        w_row = expert * N + col
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BLOCK_M, _BLOCK_K], a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [2 * STAGES, _BLOCK_K, _BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        for kb in gl.static_range(STAGES - 1):
+            if kb < KB:
+                _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, row0, w_row, SECOND, STAGES)
 
+        rows = row0 + gl.arange(0, _BLOCK_M, ROW_L)
+        a_scales = a_scale_ptr + rows.to(gl.int64) * KB
+        first_scales = b_scale_ptr + (w_row // _BLOCK_K).to(gl.int64) * KB
+        second_scales = b_scale_ptr + ((w_row + SECOND) // _BLOCK_K).to(gl.int64) * KB
+        acc = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)       # the first 128 weight rows' columns
+        acc2 = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)      # the second's
+        product = gl.zeros([_BLOCK_M, _BLOCK_K], gl.float32, ACC_L)   # registers for each k block's products
+        for kb in range(KB):
+            # Block kb - 1's stage is free (its MMAs were waited for): refill it STAGES - 1 blocks ahead.
+            _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb + STAGES - 1, row0, w_row, SECOND, STAGES,
+                          kb + STAGES - 1 < KB)
+            a_scale = gl.load(a_scales + kb)
+            stage = kb % STAGES
+            mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
+            product = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage).permute((1, 0)), product,
+                                    use_acc=False, is_async=True)
+            product = warpgroup_mma_wait(0, deps=(product,))
+            acc += product * (a_scale * gl.load(first_scales + kb))[:, None]
+            # A wait with nothing in flight, through which acc passes: it keeps the promotion above before the
+            # next MMA's issue. Sunk past it, the promotion would keep the product's registers alive while the
+            # MMA writes them, and the copies would take registers the loop does not have (spills).
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            product = warpgroup_mma(a_smem.index(stage), b_smem.index(2 * stage + 1).permute((1, 0)), product,
+                                    use_acc=False, is_async=True)
+            product = warpgroup_mma_wait(0, deps=(product,))
+            acc2 += product * (a_scale * gl.load(second_scales + kb))[:, None]
+            acc2 = warpgroup_mma_wait(0, deps=(acc2,))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
 
-@gluon.jit
-def _store_item(acc, acc2, rows, row0, col, out_ptr, out_scale_ptr, limit, N_OUT: gl.constexpr,
-                SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    """An item's epilogue: silu(acc) * acc2 (V4's clamp with HAS_LIMIT) as fp8 codes with a scale per row
-    (SWIGLU), or both halves as bf16."""
-    cols = col + gl.arange(0, _BLOCK_K, COL_L)
-    if SWIGLU:
-        g = acc
-        u = acc2
-        if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
-            g = gl.minimum(g, limit)
-            u = gl.minimum(gl.maximum(u, -limit), limit)
-        h = g / (1.0 + gl.exp(-g)) * u
-        scale, inv_scale = pow2_scale(gl.max(gl.abs(h), 1), _ACT_MIN_EXPONENT)
-        # A row's codes through shared memory, 16 contiguous bytes a thread (from the MMA layout: 2).
-        codes = gl.convert_layout(e4m3_bits(h * inv_scale[:, None]).to(gl.uint8), CODES_L)
-        code_rows = row0 + gl.arange(0, _BLOCK_M, gl.SliceLayout(1, CODES_L))
-        code_cols = col + gl.arange(0, _BLOCK_K, gl.SliceLayout(0, CODES_L))
-        gl.store(out_ptr + code_rows.to(gl.int64)[:, None] * N_OUT + code_cols[None, :], codes)
-        gl.store(out_scale_ptr + rows.to(gl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
-    else:
-        out_rows = out_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :]
-        gl.store(out_rows, acc.to(gl.bfloat16))
-        gl.store(out_rows + _BLOCK_K, acc2.to(gl.bfloat16))
+        cols = col + gl.arange(0, _BLOCK_K, COL_L)
+        if SWIGLU:
+            g = acc
+            u = acc2
+            if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+                g = gl.minimum(g, limit)
+                u = gl.minimum(gl.maximum(u, -limit), limit)
+            h = g / (1.0 + gl.exp(-g)) * u
+            scale, inv_scale = pow2_scale(gl.max(gl.abs(h), 1), _ACT_MIN_EXPONENT)
+            # A row's codes through shared memory, 16 contiguous bytes a thread (from the MMA layout: 2).
+            codes = gl.convert_layout(e4m3_bits(h * inv_scale[:, None]).to(gl.uint8), CODES_L)
+            code_rows = row0 + gl.arange(0, _BLOCK_M, gl.SliceLayout(1, CODES_L))
+            code_cols = col + gl.arange(0, _BLOCK_K, gl.SliceLayout(0, CODES_L))
+            gl.store(out_ptr + code_rows.to(gl.int64)[:, None] * N_OUT + code_cols[None, :], codes)
+            gl.store(out_scale_ptr + rows.to(gl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
+        else:
+            out_rows = out_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :]
+            gl.store(out_rows, acc.to(gl.bfloat16))
+            gl.store(out_rows + _BLOCK_K, acc2.to(gl.bfloat16))
 
 
 def grouped_fp8(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -182,8 +152,8 @@ def grouped_fp8(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor, s
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_K], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(weight.view(n_experts * n, k), [BLOCK_K, BLOCK_K], b_layout)
-    items = tile_expert.numel() * (n_out // (BLOCK_K if swiglu else 2 * BLOCK_K))
-    _grouped_fp8_sm90_kernel[(min(items, _num_sms(a.device)),)](
+    cols = BLOCK_K if swiglu else 2 * BLOCK_K
+    _grouped_fp8_sm90_kernel[(tile_expert.numel() * (n_out // cols),)](
         a_desc, a_scales, b_desc, scales, tile_expert, out, out if out_scales is None else out_scales,
-        0.0 if limit is None else float(limit), tile_expert.numel(),
+        0.0 if limit is None else float(limit),
         E=n_experts, N=n, K=k, N_OUT=n_out, SWIGLU=swiglu, HAS_LIMIT=limit is not None, STAGES=STAGES, num_warps=8)
