@@ -30,6 +30,8 @@ Two launch shapes: prefill (many tokens per expert) tiles of 64 (fp8) or 128 (fp
 16 tokens on its narrow side (swap_ab), so each active expert's weights are read once per 16 of
 its tokens and inactive experts not at all; launches of fewer programs than the GPU has SMs
 (a few experts' tiles) split K, the last split of each tile adding the partials in split order.
+On sm_90, the prefill shape's two products of fp8 experts run in the Gluon kernel of moe_grouped_sm90
+instead: 128-row tiles against 256 weight rows (less L2 traffic a FLOP), the same products and promotion.
 Results do not depend on the order in which an expert's rows are placed (each row is computed on its
 own), so they are deterministic although the plan places rows with atomics.
 
