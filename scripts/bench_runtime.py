@@ -122,7 +122,10 @@ def cool_down(before: int | None, limit_s: float = 90.0) -> float:
     right after it run slower (an H100 at 69 °C held 1785 MHz, not 1980); timing every row's steps at the
     same temperature keeps that out of the long-context / short-context ratio."""
     start = time.perf_counter()
-    while before is not None and temperature() > before + 5 and time.perf_counter() - start < limit_s:
+    while before is not None and time.perf_counter() - start < limit_s:
+        now = temperature()
+        if now is None or now <= before + 5:
+            break
         time.sleep(0.5)
     return time.perf_counter() - start
 
