@@ -33,7 +33,6 @@ from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 BLOCK_M = 128                # rows of a tile
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one weight block column
 STAGES = 4                   # k blocks in flight (48 KB of shared memory each)
-TILE_GROUP = 4               # tiles whose programs of one column block run side by side
 _BLOCK_M = gl.constexpr(BLOCK_M)
 _BLOCK_K = gl.constexpr(BLOCK_K)
 _ACT_MIN_EXPONENT = gl.constexpr(ACT_MIN_EXPONENT)
@@ -67,22 +66,15 @@ def _load_k_block(a_desc, b_desc, a_smem, b_smem, ready, kb, row0, w_row, SECOND
 
 @gluon.jit
 def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr,
-                             limit, n_tiles, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
-                             N_OUT: gl.constexpr, SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                             STAGES: gl.constexpr, TILE_GROUP: gl.constexpr):
+                             limit, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
+                             SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+    # Program (tile, column block), column blocks fastest: the programs of one tile share its activations.
     COLS: gl.constexpr = _BLOCK_K if SWIGLU else 2 * _BLOCK_K     # output columns a program
     SECOND: gl.constexpr = N_OUT if SWIGLU else _BLOCK_K          # from the first 128 weight rows to the second
     KB: gl.constexpr = K // _BLOCK_K
-    # Program (tile, column block) in groups of TILE_GROUP tiles, tiles fastest within a group: the programs
-    # of one column block of an expert's tiles run side by side and read its weights from memory once
-    # (tiles of one expert are consecutive); a group's column blocks share its tiles' activations in L2.
-    n_col: gl.constexpr = N_OUT // COLS
     pid = gl.program_id(0)
-    first_tile = pid // (TILE_GROUP * n_col) * TILE_GROUP
-    group_tiles = gl.minimum(n_tiles - first_tile, TILE_GROUP)
-    within = pid % (TILE_GROUP * n_col)
-    tile = first_tile + within % group_tiles
-    col = within // group_tiles * COLS
+    tile = pid // (N_OUT // COLS)
+    col = pid % (N_OUT // COLS) * COLS
     expert = gl.load(tile_expert_ptr + tile)
     if expert < E:
         row0 = tile * _BLOCK_M
@@ -163,6 +155,5 @@ def grouped_fp8(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor, s
     cols = BLOCK_K if swiglu else 2 * BLOCK_K
     _grouped_fp8_sm90_kernel[(tile_expert.numel() * (n_out // cols),)](
         a_desc, a_scales, b_desc, scales, tile_expert, out, out if out_scales is None else out_scales,
-        0.0 if limit is None else float(limit), tile_expert.numel(),
-        E=n_experts, N=n, K=k, N_OUT=n_out, SWIGLU=swiglu, HAS_LIMIT=limit is not None, STAGES=STAGES,
-        TILE_GROUP=TILE_GROUP, num_warps=8)
+        0.0 if limit is None else float(limit),
+        E=n_experts, N=n, K=k, N_OUT=n_out, SWIGLU=swiglu, HAS_LIMIT=limit is not None, STAGES=STAGES, num_warps=8)
