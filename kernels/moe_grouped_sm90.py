@@ -28,7 +28,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from minirt.formats import FP8_GROUP
 
 from ._common import INTERPRET, is_sm90
-from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
+from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 
 BLOCK_M = 128                # rows of a tile
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one weight block column
@@ -118,7 +118,6 @@ def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expe
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        cols = col + gl.arange(0, _BLOCK_K, COL_L)
         if SWIGLU:
             g = acc
             u = acc2
@@ -126,14 +125,15 @@ def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expe
                 g = gl.minimum(g, limit)
                 u = gl.minimum(gl.maximum(u, -limit), limit)
             h = g / (1.0 + gl.exp(-g)) * u
-            scale, inv_scale = pow2_scale(gl.max(gl.abs(h), 1), _ACT_MIN_EXPONENT)
+            codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
             # A row's codes through shared memory, 16 contiguous bytes a thread (from the MMA layout: 2).
-            codes = gl.convert_layout(e4m3_bits(h * inv_scale[:, None]).to(gl.uint8), CODES_L)
+            codes = gl.convert_layout(codes.to(gl.uint8), CODES_L)
             code_rows = row0 + gl.arange(0, _BLOCK_M, gl.SliceLayout(1, CODES_L))
             code_cols = col + gl.arange(0, _BLOCK_K, gl.SliceLayout(0, CODES_L))
             gl.store(out_ptr + code_rows.to(gl.int64)[:, None] * N_OUT + code_cols[None, :], codes)
             gl.store(out_scale_ptr + rows.to(gl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)
         else:
+            cols = col + gl.arange(0, _BLOCK_K, COL_L)
             out_rows = out_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :]
             gl.store(out_rows, acc.to(gl.bfloat16))
             gl.store(out_rows + _BLOCK_K, acc2.to(gl.bfloat16))
