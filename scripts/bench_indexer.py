@@ -65,6 +65,27 @@ def parse_variant(text: str) -> IndexerConfig:
     return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=num_warps, num_stages=num_stages)
 
 
+def launch_sweep(name: str, default: IndexerConfig, variants, run, rate, row) -> None:
+    """A launch-shape sweep: run(config) (an error text, or the ms of a correct launch) for the default
+    launch and each variant "block_t,block_s,num_warps,num_stages", each reported as row(label, cell)
+    with rate(ms), then the fastest correct one."""
+    default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
+    timed = {}     # launch -> ms, of the correct ones
+
+    def cell(text):
+        result = run(parse_variant(text))
+        if isinstance(result, str):
+            return result
+        timed[text] = result
+        return rate(result)
+
+    for text in dict.fromkeys([default_text, *variants]):
+        row(f"{name}, {'default' if text == default_text else 'variant'} {text}", attempt(lambda: cell(text)))
+    if timed:
+        best = min(timed, key=timed.get)
+        row(f"{name}: fastest correct launch {best}", rate(timed[best]))
+
+
 def eager_scores(q, k, weights, limit, chunk=128):
     """bf16 matmuls, fp32 relu / weighting / head sum, chunked over queries to bound [c, H, S]."""
     out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
@@ -130,27 +151,18 @@ def decode_sweep(gen, row) -> None:
         limit = torch.full((n_batch, 1), DECODE_SWEEP_KEYS - 1, device="cuda", dtype=torch.int32)
         expected = torch.stack([eager_scores(q[b], k[b], weights[b], limit[b]) for b in range(n_batch)])
         traffic = n_batch * DECODE_SWEEP_KEYS * (4 * D + 4)   # float32 keys read, scores written
-        timed = {}     # launch -> ms, of the correct ones
 
-        def cell(text):
-            config = parse_variant(text)
+        def run(config):
             out = torch.full_like(expected, float("nan"))
             lightning_indexer_scores(q, k, weights, limit, out=out, config=config)
             rel = ((out - expected).norm() / expected.norm()).item()
             if not rel < 1e-5:
                 return f"WRONG (rel err {rel:.2g})"
-            timed[text] = bench_ms(lambda: lightning_indexer_scores(q, k, weights, limit, out=out, config=config))
-            return f"{traffic / timed[text] / 1e6:.0f} GB/s ({timed[text]:.3f} ms)"
+            return bench_ms(lambda: lightning_indexer_scores(q, k, weights, limit, out=out, config=config))
 
-        name = f"float32 decode scores, B {n_batch} x 1 query, S {DECODE_SWEEP_KEYS} each"
-        default = default_config(1, H, D, 4)
-        default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
-        for text in dict.fromkeys([default_text, *DECODE_SWEEP_VARIANTS]):
-            row(f"{name}, {'default' if text == default_text else 'variant'} {text}", attempt(lambda: cell(text)))
-        if timed:
-            best = min(timed, key=timed.get)
-            row(f"{name}: fastest correct launch {best}",
-                f"{traffic / timed[best] / 1e6:.0f} GB/s ({timed[best]:.3f} ms)")
+        launch_sweep(f"float32 decode scores, B {n_batch} x 1 query, S {DECODE_SWEEP_KEYS} each",
+                     default_config(1, H, D, 4), DECODE_SWEEP_VARIANTS, run,
+                     lambda ms: f"{traffic / ms / 1e6:.0f} GB/s ({ms:.3f} ms)", row)
 
 
 def main():

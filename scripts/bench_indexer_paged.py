@@ -33,7 +33,7 @@ import datetime
 import torch
 import triton
 
-from bench_indexer import attempt, bench_ms, parse_variant, split_as_tiles_load
+from bench_indexer import attempt, bench_ms, launch_sweep, parse_variant, split_as_tiles_load
 from ceilings import measure_ceilings, write_report
 
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
@@ -155,28 +155,15 @@ def decode_sweep(fmt: str, gen: torch.Generator, row) -> None:
         limit = torch.full((n_batch, 1), DECODE_SWEEP_LENGTH - 1, dtype=torch.int32, device="cuda")
         expected = eager_scores(q, weights, cache, table, limit, CAPACITY)
         traffic = n_batch * (DECODE_SWEEP_LENGTH * key_bytes + CAPACITY * 4)
-        timed = {}     # launch -> ms, of the correct ones
 
-        def cell(text):
-            config = parse_variant(text)
+        def run(config):
             out = paged_indexer_scores(q, weights, cache, table, limit, config=config)
-            wrong = check(out, expected, fmt)
-            if wrong:
-                return wrong
-            timed[text] = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out,
-                                                                config=config))
-            return f"{traffic / timed[text] / 1e6:.0f} GB/s ({timed[text]:.3f} ms)"
+            return check(out, expected, fmt) or bench_ms(
+                lambda: paged_indexer_scores(q, weights, cache, table, limit, out=out, config=config))
 
-        name = f"decode B {n_batch}, L {DECODE_SWEEP_LENGTH}: scores"
-        default = paged_config(1, H, D, fmt == "fp8")
-        default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
-        for text in [default_text, *DECODE_SWEEP_VARIANTS[fmt]]:
-            kind = "default" if text == default_text else "variant"
-            row(f"{name}, {kind} {text}", fmt, attempt(lambda: cell(text)))
-        if timed:
-            best = min(timed, key=timed.get)
-            row(f"{name}: fastest correct launch {best}", fmt,
-                f"{traffic / timed[best] / 1e6:.0f} GB/s ({timed[best]:.3f} ms)")
+        launch_sweep(f"decode B {n_batch}, L {DECODE_SWEEP_LENGTH}: scores", paged_config(1, H, D, fmt == "fp8"),
+                     DECODE_SWEEP_VARIANTS[fmt], run, lambda ms: f"{traffic / ms / 1e6:.0f} GB/s ({ms:.3f} ms)",
+                     lambda label, cell: row(label, fmt, cell))
 
 
 def main():
