@@ -134,10 +134,9 @@ def _hc_pre_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, p
 
 
 @triton.jit
-def _hc_post_kernel(f_ptr, g_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr,
-                    D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, TWO_TERMS: tl.constexpr):
-    # program_id(1): the slice of D, [d_lo, d_lo + D_SLICE) ∩ [0, D), this program writes. TWO_TERMS: the
-    # sub-layer output is f + g, added in fp32.
+def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.constexpr, HC: tl.constexpr,
+                    D_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # program_id(1): the slice of D, [d_lo, d_lo + D_SLICE) ∩ [0, D), this program writes.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_rows = rows < n_rows
     streams = tl.arange(0, HC)
@@ -148,9 +147,6 @@ def _hc_post_kernel(f_ptr, g_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D:
         valid = cols < D
         f = tl.load(f_ptr + rows[:, None] * D + cols[None, :], mask=in_rows[:, None] & valid[None, :],
                     other=0.0).to(tl.float32)
-        if TWO_TERMS:
-            f += tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=in_rows[:, None] & valid[None, :],
-                         other=0.0).to(tl.float32)
         mixed = post[:, :, None] * f[:, None, :]   # [ROWS, k, BLOCK], plus Σ_j comb[j, k] X[j]
         for j in tl.static_range(HC):
             comb_j = tl.load(comb_ptr + rows[:, None] * HC * HC + j * HC + streams[None, :], mask=in_rows[:, None],
@@ -304,8 +300,7 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return collapsed
 
 
-def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            G: torch.Tensor | None = None) -> torch.Tensor:
+def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """
     mHC's new residual state ``X'[k] = post[k]·F + Σ_j comb[j, k]·X[j]`` (combᵀ · X), in one launch (D split
     across programs when the tokens alone do not fill the GPU).
@@ -313,8 +308,6 @@ def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     Args:
         F: [N, D] float32 or bfloat16, the sub-layer's output (read as fp32); X: [N, hc, D] float32;
             post: [N, hc] and comb [N, hc, hc] float32 (hc_pre's). All contiguous.
-        G: optional [N, D] float32 or bfloat16, contiguous: a second term of the output, F + G added in fp32
-            (the MoE's routed and shared experts, with no sum written in between).
 
     Returns:
         [N, hc, D] float32, a new tensor, every element written.
@@ -323,22 +316,19 @@ def hc_post(F: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
         minirt.errors.InputError: wrong dtypes, shapes or devices.
     """
     N, hc, D = _check_streams(X)
-    for name, term in (("F", F), ("G", G)):
-        if term is not None:
-            _check(name, term, (N, D), (torch.float32, torch.bfloat16))
+    _check("F", F, (N, D), (torch.float32, torch.bfloat16))
     _check("post", post, (N, hc))
     _check("comb", comb, (N, hc, hc))
-    check_device({"F": F, "X": X, "post": post, "comb": comb, **({"G": G} if G is not None else {})})
+    check_device({"F": F, "X": X, "post": post, "comb": comb})
     out = torch.empty_like(X)
     if N:
         rows = rows_per_program(N, hc * _BLOCK)
-        _launch_hc_post(F, X, post, comb, out, rows, _d_slice(D, triton.cdiv(N, rows), X.device), G)
+        _launch_hc_post(F, X, post, comb, out, rows, _d_slice(D, triton.cdiv(N, rows), X.device))
     return out
 
 
-def _launch_hc_post(F, X, post, comb, out, rows: int, d_slice: int, G=None) -> None:
+def _launch_hc_post(F, X, post, comb, out, rows: int, d_slice: int) -> None:
     """hc_post's kernel on checked inputs (N >= 1), d_slice columns of D a program (benchmarks time each)."""
     N, hc, D = X.shape
     _hc_post_kernel[(triton.cdiv(N, rows), triton.cdiv(D, d_slice))](
-        F, F if G is None else G, X, post, comb, out, N, D=D, HC=hc, D_SLICE=d_slice, ROWS=rows, BLOCK=_BLOCK,
-        TWO_TERMS=G is not None)
+        F, X, post, comb, out, N, D=D, HC=hc, D_SLICE=d_slice, ROWS=rows, BLOCK=_BLOCK)

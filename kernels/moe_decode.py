@@ -137,30 +137,42 @@ def _fp4_operand_kernel(a_ptr, stride_a, out_ptr, scale_ptr, K: tl.constexpr, KB
 
 
 @triton.jit
-def _dot_rows_fp4(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr,
-                  KB: tl.constexpr, INTERPRETED: tl.constexpr):
-    """_dot_rows for fp4 weights ([*, K / 2] packed bytes, e8m0 scale bytes [*, K / 32]) on fp8 tensor
-    cores, the activations a row's _fp4_operand_kernel operands (a_ptr) and column scales: a chunk's
-    even and odd inputs each one [R, CHUNK / 2] x [CHUNK / 2, 16] product."""
+def _dot_rows_tc(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr,
+                 KB: tl.constexpr, E2M1: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 [R]: _dot_rows on fp8 tensor cores, the activations a row's _fp4_operand_kernel operands (a_ptr)
+    and column scales: a chunk's even and odd inputs each one [R, CHUNK / 2] x [CHUNK / 2, 16] product.
+    E2M1: fp4 weights ([*, K / 2] packed bytes, e8m0 scale bytes [*, K / 32]); else block-fp8 weights
+    ([*, K] e4m3, float32 128 x 128 block scales: an fp8 shared expert in an fp4 launch), a chunk in two
+    parts of as many bytes as an fp4 chunk (the registers of one)."""
     CHUNK: tl.constexpr = KB * _BLOCK_K
+    PARTS: tl.constexpr = 1 if E2M1 else 2
+    PAIRS: tl.constexpr = CHUNK // (2 * PARTS)      # (even, odd) input pairs a part
     OP_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else tl.float8e4nv
     column = tl.arange(0, _FP4_COLUMNS)
-    operand = a_ptr + column[:, None] * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, :]
+    in_chunk = (column < CHUNK // _FP4_GROUP)[None, :]
     acc = tl.zeros((R,), dtype=tl.float32)
-    for c in range(0, K // CHUNK):
-        packed = tl.load(w_ptr + rows[:, None] * (K // 2) + c * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, :])
-        w_even, w_odd = _e2m1_pairs_as_e4m3(packed, INTERPRETED)
-        a_even = tl.load(operand + c * (2 * _FP4_COLUMNS * (CHUNK // 2))).to(tl.float8e4nv, bitcast=True)
-        a_odd = tl.load(operand + c * (2 * _FP4_COLUMNS * (CHUNK // 2)) + _FP4_COLUMNS * (CHUNK // 2)).to(
-            tl.float8e4nv, bitcast=True)
+    for c in range(0, K // CHUNK * PARTS):
+        chunk = c // PARTS
+        part = c % PARTS
+        if E2M1:
+            packed = tl.load(w_ptr + rows[:, None] * (K // 2) + chunk * PAIRS + tl.arange(0, PAIRS)[None, :])
+            w_even, w_odd = _e2m1_pairs_as_e4m3(packed, INTERPRETED)
+            scale_bytes = tl.load(w_scale_ptr + rows[:, None] * (K // _FP4_GROUP) + chunk * (CHUNK // _FP4_GROUP)
+                                  + column[None, :], mask=in_chunk, other=0).to(tl.int32)
+            # 2^6 x 2^(s - 127) as a float32 from its exponent field s + 6 (the codes hold 2^-6 x the values).
+            w_factors = ((scale_bytes + 6) << 23).to(tl.float32, bitcast=True)
+        else:
+            codes = tl.load(w_ptr + rows[:, None] * K + c * (2 * PAIRS) + tl.arange(0, 2 * PAIRS)[None, :])
+            w_even, w_odd = tl.split(tl.reshape(codes, (R, PAIRS, 2)))
+            w_factors = tl.load(w_scale_ptr + (rows // _BLOCK_K)[:, None] * (K // _BLOCK_K) + chunk * KB
+                                + (column // (_BLOCK_K // _FP4_GROUP))[None, :], mask=in_chunk, other=0.0)
+        operand = (a_ptr + chunk * (2 * _FP4_COLUMNS * (CHUNK // 2)) + column[:, None] * (CHUNK // 2) + part * PAIRS
+                   + tl.arange(0, PAIRS)[None, :])
+        a_even = tl.load(operand).to(tl.float8e4nv, bitcast=True)
+        a_odd = tl.load(operand + _FP4_COLUMNS * (CHUNK // 2)).to(tl.float8e4nv, bitcast=True)
         sums = tl.dot(w_odd.to(tl.float8e4nv, bitcast=True).to(OP_DTYPE), tl.trans(a_odd.to(OP_DTYPE)),
                       tl.dot(w_even.to(tl.float8e4nv, bitcast=True).to(OP_DTYPE), tl.trans(a_even.to(OP_DTYPE))))
-        scale_bytes = tl.load(w_scale_ptr + rows[:, None] * (K // _FP4_GROUP) + c * (CHUNK // _FP4_GROUP)
-                              + column[None, :], mask=(column < CHUNK // _FP4_GROUP)[None, :], other=0).to(tl.int32)
-        # 2^6 x 2^(s - 127) as a float32 from its exponent field s + 6, times the column's activation scale.
-        factors = (((scale_bytes + 6) << 23).to(tl.float32, bitcast=True)
-                   * tl.load(a_scale_ptr + c * _FP4_COLUMNS + column)[None, :])
-        acc += tl.sum(sums * factors, 1)
+        acc += tl.sum(sums * w_factors * tl.load(a_scale_ptr + chunk * _FP4_COLUMNS + column)[None, :], 1)
     return acc
 
 
@@ -183,81 +195,116 @@ def _dot_rows(a_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, h_ptr, limit,
-                    E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                    ROWS: tl.constexpr, KB: tl.constexpr, FP4: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
-    # Program (assignment, block of ROWS columns of h): gate rows [c, c + ROWS) and the matching up
-    # rows of its expert, one [2 ROWS] product.
-    slot = tl.program_id(0)
-    col = tl.program_id(1) * ROWS
-    expert = tl.load(ids_ptr + slot)
-    if (expert >= 0) & (expert < E):
-        token = (slot // TOP_K).to(tl.int64)
-        half = tl.arange(0, 2 * ROWS) // ROWS
-        rows = expert.to(tl.int64) * (2 * I) + half * I + col + tl.arange(0, 2 * ROWS) % ROWS
-        if FP4:
-            acc = _dot_rows_fp4(x_ptr + token * stride_xt, x_scale_ptr + token * (D // (KB * _BLOCK_K) * _FP4_COLUMNS),
-                                w_ptr, w_scale_ptr, rows, D, 2 * ROWS, KB, INTERPRETED)
-        else:
-            acc = _dot_rows(x_ptr + token * stride_xt, w_ptr, w_scale_ptr, rows, D, 2 * ROWS, KB)
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, ROWS)), (1, 0)))
-        if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(h_ptr + slot.to(tl.int64) * I + col + tl.arange(0, ROWS), h)
+def _dot_rows_of(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, rows, K: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
+                 TC: tl.constexpr, E2M1: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A launch's products: on tensor cores (TC: an fp4 launch, whose activations are operands) or FMAs."""
+    if TC:
+        return _dot_rows_tc(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, rows, K, R, KB, E2M1, INTERPRETED)
+    else:
+        return _dot_rows(a_ptr, w_ptr, w_scale_ptr, rows, K, R, KB)
 
 
 @triton.jit
-def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, y_ptr, row_of_slot_ptr,
-                 E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, KB: tl.constexpr,
-                 FP4: tl.constexpr, INTERPRETED: tl.constexpr):
-    # Program (assignment, block of ROWS output columns): rows [c, c + ROWS) of its expert's W2.
-    slot = tl.program_id(0)
+def _swiglu_rows(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, first_row, col, h_ptr, limit, D: tl.constexpr,
+                 I: tl.constexpr, ROWS: tl.constexpr, KB: tl.constexpr, TC: tl.constexpr, E2M1: tl.constexpr,
+                 HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """h[col, col + ROWS) of one token and expert (its W13 from row first_row): gate rows and the matching
+    up rows, one [2 ROWS] product, then silu(g) * u (V4: silu(min(g, limit)) * clamp(u, -limit, limit))."""
+    half = tl.arange(0, 2 * ROWS) // ROWS
+    rows = first_row + half * I + col + tl.arange(0, 2 * ROWS) % ROWS
+    acc = _dot_rows_of(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, D, 2 * ROWS, KB, TC, E2M1, INTERPRETED)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, ROWS)), (1, 0)))
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    tl.store(h_ptr + col + tl.arange(0, ROWS), gate / (1.0 + tl.exp(-gate)) * up)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shared_ptr, shared_scale_ptr, h_ptr,
+                    limit, n_shared, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                    ROWS: tl.constexpr, KB: tl.constexpr, FP4: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                    HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
+    # Program (row r of h, block of ROWS columns): rows r < n_shared (HAS_SHARED) the shared expert on token r
+    # (first: its programs read the most), then assignment r - n_shared.
+    r = tl.program_id(0)
     col = tl.program_id(1) * ROWS
-    expert = tl.load(ids_ptr + slot)
-    valid = (expert >= 0) & (expert < E)
-    if valid:
-        rows = expert.to(tl.int64) * D + col + tl.arange(0, ROWS)
-        if FP4:
-            y = _dot_rows_fp4(h_ptr + slot.to(tl.int64) * stride_h,
-                              h_scale_ptr + slot.to(tl.int64) * (I // (KB * _BLOCK_K) * _FP4_COLUMNS),
-                              w_ptr, w_scale_ptr, rows, I, ROWS, KB, INTERPRETED)
-        else:
-            y = _dot_rows(h_ptr + slot.to(tl.int64) * stride_h, w_ptr, w_scale_ptr, rows, I, ROWS, KB)
-        tl.store(y_ptr + slot.to(tl.int64) * D + col + tl.arange(0, ROWS), y.to(tl.bfloat16))
-    if tl.program_id(1) == 0:
-        tl.store(row_of_slot_ptr + slot, tl.where(valid, slot, -1))
+    x_scales = D // (KB * _BLOCK_K) * _FP4_COLUMNS    # a token's operand column scales (fp4 launches)
+    h_row = h_ptr + r.to(tl.int64) * I
+    if HAS_SHARED and r < n_shared:
+        token = r.to(tl.int64)
+        _swiglu_rows(x_ptr + token * stride_xt, x_scale_ptr + token * x_scales, shared_ptr, shared_scale_ptr, 0, col,
+                     h_row, limit, D, I, ROWS, KB, FP4, False, HAS_LIMIT, INTERPRETED)
+    else:
+        slot = r - n_shared
+        expert = tl.load(ids_ptr + slot)
+        if (expert >= 0) & (expert < E):
+            token = (slot // TOP_K).to(tl.int64)
+            _swiglu_rows(x_ptr + token * stride_xt, x_scale_ptr + token * x_scales, w_ptr, w_scale_ptr,
+                         expert.to(tl.int64) * (2 * I), col, h_row, limit, D, I, ROWS, KB, FP4, FP4, HAS_LIMIT,
+                         INTERPRETED)
 
 
-def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, experts,
-                               swiglu_limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shared_ptr, shared_scale_ptr, y_ptr,
+                 row_of_slot_ptr, n_shared, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr,
+                 KB: tl.constexpr, FP4: tl.constexpr, HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
+    # Program (row r of h and y, block of ROWS output columns): rows [c, c + ROWS) of the shared expert's W2
+    # (r < n_shared, HAS_SHARED) or of assignment r - n_shared's expert's.
+    r = tl.program_id(0)
+    col = tl.program_id(1) * ROWS
+    h_row = h_ptr + r.to(tl.int64) * stride_h
+    h_scales = h_scale_ptr + r.to(tl.int64) * (I // (KB * _BLOCK_K) * _FP4_COLUMNS)
+    y_row = y_ptr + r.to(tl.int64) * D + col + tl.arange(0, ROWS)
+    if HAS_SHARED and r < n_shared:
+        y = _dot_rows_of(h_row, h_scales, shared_ptr, shared_scale_ptr, col + tl.arange(0, ROWS).to(tl.int64), I,
+                         ROWS, KB, FP4, False, INTERPRETED)
+        tl.store(y_row, y.to(tl.bfloat16))
+    else:
+        slot = r - n_shared
+        expert = tl.load(ids_ptr + slot)
+        valid = (expert >= 0) & (expert < E)
+        if valid:
+            y = _dot_rows_of(h_row, h_scales, w_ptr, w_scale_ptr, expert.to(tl.int64) * D + col + tl.arange(0, ROWS),
+                             I, ROWS, KB, FP4, FP4, INTERPRETED)
+            tl.store(y_row, y.to(tl.bfloat16))
+        if tl.program_id(1) == 0:
+            tl.store(row_of_slot_ptr + slot, tl.where(valid, r, -1))
+
+
+def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, experts, swiglu_limit: float | None,
+                               shared=None) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    Every assignment's expert output, for moe_experts' combine (its inputs already validated).
+    Every assignment's expert output (and the shared expert's), for moe_experts' combine (its inputs already
+    validated).
 
     Args:
         x: [T, D] bfloat16, float16 or float32, unit stride along D.
         expert_ids: [T, top_k] int32 or int64; ids outside [0, E) are skipped.
         experts: ExpertWeights (fp8 or fp4) of hidden size D.
         swiglu_limit: V4's clamp, or None.
+        shared: None, or an fp8 ExpertWeights of one expert of the same sizes, run on every token in the same
+            launches (V4's shared expert: its programs beside the routed ones').
 
     Returns:
-        (y [T * top_k, D] bfloat16: row t * top_k + j the expert output of slot j of token t, rows of
-        skipped slots unwritten; row_of_slot [T * top_k] int32: the slot's y row, -1 if skipped).
+        (y [S + T * top_k, D] bfloat16, S = T with shared else 0: rows [0, S) the shared expert's output per
+        token, row S + t * top_k + j the expert output of slot j of token t, rows of skipped slots unwritten;
+        row_of_slot [T * top_k] int32: the slot's y row, -1 if skipped).
     """
     n_tokens, top_k = expert_ids.shape
-    n_slots = n_tokens * top_k
+    n_shared = n_tokens if shared is not None else 0
+    n_rows = n_shared + n_tokens * top_k
     d, i, n_experts = experts.hidden_size, experts.intermediate_size, experts.n_experts
     fp4 = experts.format == "fp4"
     ids = flat_of(expert_ids)
+    shared = shared if shared is not None else experts    # (no shared rows: never read)
 
     def step(k):    # k blocks a step: the largest power of two up to STEP_BLOCKS that divides them
         return max(kb for kb in (1, 2, 4, 8, 16) if kb <= STEP_BLOCKS and (k // FP8_GROUP) % kb == 0)
 
-    h = torch.empty((n_slots, i), dtype=torch.float32, device=x.device)
-    y = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
-    row_of_slot = torch.empty(n_slots, dtype=torch.int32, device=x.device)
+    h = torch.empty((n_rows, i), dtype=torch.float32, device=x.device)
+    y = torch.empty((n_rows, d), dtype=torch.bfloat16, device=x.device)
+    row_of_slot = torch.empty(n_tokens * top_k, dtype=torch.int32, device=x.device)
     gate_up_rows, down_rows = (FP4_GATE_UP_ROWS, FP4_DOWN_ROWS) if fp4 else (GATE_UP_ROWS, DOWN_ROWS)
 
     def operands(a, k):   # the products' activations: (values or fp4 operands, row stride, column scales)
@@ -270,12 +317,13 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
                                                                  num_warps=NUM_WARPS)
         return out, out.stride(0), scales
 
-    _gate_up_kernel[(n_slots, i // gate_up_rows)](
-        *operands(x, d), ids, experts.w13, experts.w13_scales, h,
-        0.0 if swiglu_limit is None else float(swiglu_limit), E=n_experts, D=d, I=i, TOP_K=top_k,
-        ROWS=gate_up_rows, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None,
+    _gate_up_kernel[(n_rows, i // gate_up_rows)](
+        *operands(x, d), ids, experts.w13, experts.w13_scales, shared.w13, shared.w13_scales, h,
+        0.0 if swiglu_limit is None else float(swiglu_limit), n_shared, E=n_experts, D=d, I=i, TOP_K=top_k,
+        ROWS=gate_up_rows, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=n_shared > 0,
         INTERPRETED=INTERPRET, num_warps=NUM_WARPS)
-    _down_kernel[(n_slots, d // down_rows)](
-        *operands(h, i), ids, experts.w2, experts.w2_scales, y, row_of_slot, E=n_experts, D=d, I=i,
-        ROWS=down_rows, KB=step(i), FP4=fp4, INTERPRETED=INTERPRET, num_warps=NUM_WARPS)
+    _down_kernel[(n_rows, d // down_rows)](
+        *operands(h, i), ids, experts.w2, experts.w2_scales, shared.w2, shared.w2_scales, y, row_of_slot, n_shared,
+        E=n_experts, D=d, I=i, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0, INTERPRETED=INTERPRET,
+        num_warps=NUM_WARPS)
     return y, row_of_slot

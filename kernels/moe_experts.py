@@ -698,9 +698,11 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, out_ptr, n_tokens, stride_ot,
-                    D: tl.constexpr, TOP_K: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Program (token block, column block): per token the weighted sum of its slots' expert rows, in slot order.
+def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, shared_ptr, out_ptr, n_tokens, stride_ot,
+                    D: tl.constexpr, TOP_K: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_SHARED: tl.constexpr):
+    # Program (token block, column block): per token the weighted sum of its slots' expert rows, in slot
+    # order, then its shared expert row (weight 1).
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (tokens < n_tokens)[:, None] & (cols < D)[None, :]
@@ -710,6 +712,8 @@ def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, out_ptr, n_tokens, stri
         weight = tl.load(weights_ptr + tokens * TOP_K + j, mask=tokens < n_tokens, other=0.0)
         y = tl.load(y_ptr + row[:, None] * D + cols[None, :], mask=mask & (row >= 0)[:, None], other=0.0)
         acc += tl.where(row >= 0, weight, 0.0)[:, None] * y.to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + tokens[:, None] * D + cols[None, :], mask=mask).to(tl.float32)
     tl.store(out_ptr + tokens[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -777,11 +781,13 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, *,
-                swiglu_limit: Optional[float] = None, config: Optional[MoeConfig] = None) -> torch.Tensor:
+                swiglu_limit: Optional[float] = None, config: Optional[MoeConfig] = None,
+                shared: Optional[ExpertWeights] = None) -> torch.Tensor:
     """
-    The routed experts' weighted sum of a MoE layer:
+    The routed experts' weighted sum of a MoE layer, and its shared expert if given:
 
         out[t] = sum_j weights[t, j] * W2[e] . swiglu(W1[e] . x[t], W3[e] . x[t]),  e = expert_ids[t, j]
+                 + shared's W2 . swiglu(W1 . x[t], W3 . x[t])
 
     swiglu(g, u) = silu(g) * u, or with swiglu_limit L (DeepSeek-V4) silu(min(g, L)) * clamp(u, -L, L).
     x is quantised to fp8 per token and 128 columns (fp8_gemm.quantize_act_fp8's rule, bit for bit)
@@ -811,6 +817,10 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             else default_config (DECODE_CONFIG for at most 16 assignments per expert on average, else PREFILL_CONFIG,
             or PREFILL_CONFIG_FP4 for fp4 experts). PREFILL_CONFIG's products of fp8 experts run in the
             Gluon kernel of moe_grouped_sm90 on sm_90 GPUs (128-row tiles, the same products and promotion).
+        shared: keyword-only, None or an fp8 ExpertWeights of one expert with the same hidden and intermediate
+            sizes (DeepSeek-V4's shared expert). At T 1 on the per-assignment path its programs run in the
+            routed experts' launches (fp4 experts: its e4m3 weights on the same tensor-core products), else
+            in its own grouped GEMMs (which read it once, where per-assignment products would read it T times).
 
     Returns:
         [T, D] bfloat16, every element written. T = 0 gives an empty tensor.
@@ -837,6 +847,13 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             or tuple(weights.shape) != (n_tokens, top_k):
         raise InputError(f"weights must be a float32 tensor [{n_tokens}, {top_k}], got "
                          f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
+    if shared is not None and not (isinstance(shared, ExpertWeights) and shared.format == "fp8"
+                                   and shared.n_experts == 1 and shared.hidden_size == d
+                                   and shared.intermediate_size == i):
+        got = (f"{shared.format}, {shared.n_experts} experts, hidden size {shared.hidden_size}, intermediate size "
+               f"{shared.intermediate_size}" if isinstance(shared, ExpertWeights) else type(shared).__name__)
+        raise InputError(f"shared must be None or an fp8 ExpertWeights of 1 expert, hidden size {d} and "
+                         f"intermediate size {i}, got {got}")
     per_assignment = config is None and uses_per_assignment(n_tokens * top_k, n_experts, experts.format)
     if config is None:
         config = default_config(n_tokens * top_k, n_experts, experts.format)
@@ -844,7 +861,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             or (config.fp4_e4m3 and config.fp4_fold):
         raise InputError(f"config must be a MoeConfig with block_n {BLOCK_K}, block_m 16, 32, 64 or 128 and at most "
                          f"one of fp4_e4m3 and fp4_fold, got {config!r}")
-    check_device({"x": x, "expert_ids": expert_ids, "weights": weights, "experts.w13": experts.w13})
+    check_device({"x": x, "expert_ids": expert_ids, "weights": weights, "experts.w13": experts.w13,
+                  **({"shared.w13": shared.w13} if shared is not None else {})})
     if x.device.type == "cuda" and _capability(x.device) < (9, 0):
         raise InputError("moe_experts needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")
     out = torch.empty((n_tokens, d), dtype=torch.bfloat16, device=x.device)
@@ -852,9 +870,16 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
+    if per_assignment and shared is not None and uses_per_assignment(n_tokens, 1, shared.format):
+        # One token: the shared expert's programs join the routed ones' launches.
+        y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit, shared)
+        return _combine(y, row_of_slot, weights, out, y[:n_tokens])
+    if shared is not None:   # more tokens: its own grouped GEMMs read it once (per assignment: once a token)
+        shared = moe_experts(x, torch.zeros((n_tokens, 1), dtype=torch.int32, device=x.device),
+                             torch.ones((n_tokens, 1), device=x.device), shared, swiglu_limit=swiglu_limit)
     if per_assignment:
         y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
-        return _combine(y, row_of_slot, weights, out)
+        return _combine(y, row_of_slot, weights, out, shared)
     fp4 = experts.format == "fp4"
     sm90 = config is PREFILL_CONFIG and moe_grouped_sm90.takes(x.device, experts.format, d, i)
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts,
@@ -874,14 +899,17 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                       fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config)
         _grouped_gemm(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
                       fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config)
-    return _combine(y, row_of_slot, weights, out)
+    return _combine(y, row_of_slot, weights, out, shared)
 
 
-def _combine(y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [T, D] = the weighted sums of each token's slots' rows of y (_combine_kernel)."""
+def _combine(y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+             shared_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out [T, D] = the weighted sums of each token's slots' rows of y (_combine_kernel), plus shared_rows
+    [T, D] bfloat16 (contiguous) if given."""
     n_tokens, top_k = weights.shape
     tokens = rows_per_program(n_tokens, _COMBINE_BLOCK)
     _combine_kernel[(triton.cdiv(n_tokens, tokens), triton.cdiv(out.shape[1], _COMBINE_BLOCK))](
-        y, row_of_slot, weights.contiguous(), out, n_tokens, out.stride(0), D=out.shape[1], TOP_K=top_k, TOKENS=tokens,
-        BLOCK_D=_COMBINE_BLOCK)
+        y, row_of_slot, weights.contiguous(), y if shared_rows is None else shared_rows, out, n_tokens,
+        out.stride(0), D=out.shape[1], TOP_K=top_k, TOKENS=tokens, BLOCK_D=_COMBINE_BLOCK,
+        HAS_SHARED=shared_rows is not None)
     return out

@@ -21,15 +21,16 @@ Tables:
   beyond the weights, and the times of any extra launch shapes (--configs: block_m, num_warps,
   num_stages, then flags: "swap" for the decode orientation, "e4m3" for fp4 weights on fp8 tensor
   cores 32 inputs at a time, "fold" for them with their scales folded in (whole k blocks), "splitN" for split-K at most N; block_m < 64 timed where the decode shape is the default,
-  the others where the prefill one is, and also in the grouped GEMM table). Target (decode, T 1): the 8 routed experts plus a shared expert of the same
-  size (fp8_gemm, V3.2's shared expert) read at >= 2.5 TB/s: the "layer" column.
+  the others where the prefill one is, and also in the grouped GEMM table). Target (decode, T 1): the routed experts plus the shared
+  expert read at >= 2.5 TB/s: the "layer" column. The shared expert runs as each model runs it: V3.2's as fp8_gemm
+  products (its dense MLP), V4-Flash's (one fp8 expert) in moe_experts' own launches (shared=).
 - decode paths (T with at most 16 assignments per expert): moe_experts through the grouped GEMMs
   (DECODE_CONFIG) beside moe_decode's per-assignment products (taken by default while
   T * top_k <= E / 4 for fp8, 1.5 E for fp4), each with GB/s of the active experts' weights (x copy ceiling) and the two
   results' relative difference, times of CUDA-graph replays (graph_ms: as decode steps run, without
   Python's launch costs); --decode-shapes times more launch shapes of the latter
   (gate/up rows, down rows, k blocks a step; fp8 experts' only). Targets: at T 1 the routed experts and the shared
-  expert (fp8_gemm, in the same graph) at >= 2.5 TB/s, and T 64 in at most 8 x T 1's time (the
+  expert (as above, in the same graph) at >= 2.5 TB/s, and T 64 in at most 8 x T 1's time (the
   "vs 8 x T 1" column; T 64 has ~28 times T 1's active experts for V3.2).
 
 Each model's decode and prefill launch shapes are first checked against each other, and V3.2's
@@ -42,7 +43,7 @@ import argparse
 import datetime
 import importlib
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.testing import do_bench
@@ -261,10 +262,11 @@ def per_assignment(model, experts, x, ids, weights, shape=None):
         moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS = saved
 
 
-def bench_decode_paths(model, experts, x, ids, weights, nbytes, gbps_ceiling, shapes, first_ms, shared,
+def bench_decode_paths(model, experts, x, ids, weights, nbytes, gbps_ceiling, shapes, first_ms, layer,
                        decode_lines):
     """One row of the decode paths table; returns the per-assignment path's ms (T = 1: the
-    reference of the T 64 target). shared: (bytes, fn running the shared expert) at T 1, else None."""
+    reference of the T 64 target). layer: (the shared expert's bytes, fn running the routed and the shared
+    experts) at T 1, else None."""
     grouped = lambda: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit,   # noqa: E731
                                       config=moe.DECODE_CONFIG)
     new = lambda: per_assignment(model, experts, x, ids, weights)   # noqa: E731
@@ -273,9 +275,9 @@ def bench_decode_paths(model, experts, x, ids, weights, nbytes, gbps_ceiling, sh
     n_tokens = x.shape[0]
     gbps = lambda ms: f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f})"   # noqa: E731
     target = "-"
-    if shared is not None:
-        shared_bytes, shared_fn = shared
-        layer_ms = graph_ms(lambda: (new(), shared_fn()))
+    if layer is not None:
+        shared_bytes, layer_fn = layer
+        layer_ms = graph_ms(layer_fn)
         layer_gbps = (nbytes + shared_bytes) / layer_ms / 1e6
         target = f"{layer_gbps:.0f} ({'met' if layer_gbps >= TARGET_DECODE_GBPS else 'MISSED'})"
     vs_first = "-"
@@ -296,9 +298,11 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
     gen = torch.Generator(DEVICE).manual_seed(0)
     experts = random_experts(model, gen)
     per_expert = experts.nbytes // experts.n_experts
+    # The shared expert: V3.2's a dense MLP of fp8_gemm products, V4-Flash's one fp8 expert passed to moe_experts.
     shared = (quantize_block_fp8(0.02 * torch.randn(2 * model.inter, model.hidden, generator=gen, device=DEVICE)),
               quantize_block_fp8(0.02 * torch.randn(model.hidden, model.inter, generator=gen, device=DEVICE)))
     shared_bytes = sum(w.numel() + s.numel() * 4 for w, s in shared)
+    shared_expert = random_experts(replace(model, experts=1, fmt="fp8"), gen) if model.fmt == "fp4" else None
     checked = False
     first_ms = None
     for n_tokens in tokens:
@@ -329,25 +333,30 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         active = int(torch.unique(ids).numel())
         nbytes = active * per_expert
         flops = 2 * ids.numel() * 3 * model.hidden * model.inter
-        layer = "-"
+        layer, layer_run = "-", None
         if n_tokens == 1:
-            x_fp8, x_scales = quantize_act_fp8(x)
-            gu = fp8_gemm(x_fp8, x_scales, *shared[0])
-            h_fp8, h_scales = quantize_act_fp8(torch.nn.functional.silu(gu[:, :model.inter]) * gu[:, model.inter:])
-            shared_ms = bench_ms(lambda: fp8_gemm(x_fp8, x_scales, *shared[0])) \
-                + bench_ms(lambda: fp8_gemm(h_fp8, h_scales, *shared[1]))
-            layer_gbps = (nbytes + shared_bytes) / (ms + shared_ms) / 1e6
-            met = "met" if layer_gbps >= TARGET_DECODE_GBPS else "MISSED"
-            layer = f"{layer_gbps:.0f} ({active} + 1 experts, {(nbytes + shared_bytes) / 1e6:.0f} MB; {met})"
-        if decode:
-            def shared_expert():
-                gate_up = fp8_gemm(x_fp8, x_scales, *shared[0])
-                h = torch.nn.functional.silu(gate_up[:, :model.inter]) * gate_up[:, model.inter:]
-                return fp8_gemm(*quantize_act_fp8(h), *shared[1])
+            if shared_expert is not None:
+                layer_fn = lambda: moe.moe_experts(x, ids, weights, experts, swiglu_limit=model.limit,  # noqa: E731
+                                                   shared=shared_expert)
+                layer_run, layer_ms = (shared_expert.nbytes, layer_fn), bench_ms(layer_fn)
+            else:
+                def layer_fn():
+                    gate_up = fp8_gemm(x_fp8, x_scales, *shared[0])
+                    h = torch.nn.functional.silu(gate_up[:, :model.inter]) * gate_up[:, model.inter:]
+                    return run(), fp8_gemm(*quantize_act_fp8(h), *shared[1])
 
-            shared_run = (shared_bytes, shared_expert) if n_tokens == 1 else None
+                x_fp8, x_scales = quantize_act_fp8(x)
+                gu = fp8_gemm(x_fp8, x_scales, *shared[0])
+                h_fp8, h_scales = quantize_act_fp8(torch.nn.functional.silu(gu[:, :model.inter]) * gu[:, model.inter:])
+                layer_run = (shared_bytes, layer_fn)
+                layer_ms = ms + bench_ms(lambda: fp8_gemm(x_fp8, x_scales, *shared[0])) \
+                    + bench_ms(lambda: fp8_gemm(h_fp8, h_scales, *shared[1]))
+            layer_bytes = nbytes + layer_run[0]
+            met = "met" if layer_bytes / layer_ms / 1e6 >= TARGET_DECODE_GBPS else "MISSED"
+            layer = f"{layer_bytes / layer_ms / 1e6:.0f} ({active} + 1 experts, {layer_bytes / 1e6:.0f} MB; {met})"
+        if decode:
             ms_new = bench_decode_paths(model, experts, x, ids, weights, nbytes, gbps_ceiling, shapes, first_ms,
-                                        shared_run, decode_lines)
+                                        layer_run, decode_lines)
             first_ms = ms_new if n_tokens == 1 else first_ms
         row = (f"| {model.name} | {n_tokens} | {ms:.3f} | {flops / ms / 1e9:.1f} ({flops / ms / 1e9 / tflops_ceiling:.2f}) | "
                f"{nbytes / ms / 1e6:.0f} ({nbytes / ms / 1e6 / gbps_ceiling:.2f}) | {active} | {layer} | {peak_mb:.0f} | {variants} |")

@@ -342,6 +342,55 @@ def test_single_assignment_takes_the_per_assignment_path(poisoned, monkeypatch):
         assert rel_error(out, ref_moe(x, ids, ones, dense, 10.0)) < EXPERTS_TOL
 
 
+@pytest.mark.parametrize("fmt, n_tokens, config", [
+    ("fp4", 1, None),            # the shared expert's programs in the routed launches (e4m3 on the fp4 products)
+    ("fp8", 1, None),            # the same with FMAs
+    ("fp4", 3, None),            # routed per assignment, the shared expert in its own grouped GEMMs
+    ("fp8", 3, DECODE_CONFIG),   # both grouped
+])
+def test_moe_experts_with_shared_expert(poisoned, monkeypatch, fmt, n_tokens, config):
+    """shared=: every token's shared expert (weight 1) added to the routed experts' sum, against the oracle, and
+    within a few bf16 ulps of the two computed apart (bf16 each, added in fp32); the one-token path passes it into
+    the per-assignment launches."""
+    gen = generator(12)
+    e, d, i, limit = 24, 512, 384, 0.5   # fp4 gate/up: 1 chunk of 4 k blocks (fp8 parts of 2); down: 3 chunks of 1
+    experts, dense = make_experts(fmt, gen, e, d, i)
+    shared, shared_dense = make_experts("fp8", gen, 1, d, i)
+    x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
+    expert_ids = torch.tensor([[e - 1, 1], [-1, e], [1, 6]], device=DEVICE)[:n_tokens]
+    weights = torch.rand(n_tokens, 2, generator=gen, device=DEVICE) + 0.5
+    zeros = torch.zeros(n_tokens, 1, dtype=torch.int32, device=DEVICE)
+    ones = torch.ones(n_tokens, 1, device=DEVICE)
+    calls = []
+    per_assignment = moe_decode.expert_rows_per_assignment
+    monkeypatch.setattr(sys.modules["minirt.kernels.moe_experts"], "expert_rows_per_assignment",
+                        lambda *args: calls.append(len(args) > 4 and args[4] is not None) or per_assignment(*args))
+    out = moe_experts(x, expert_ids, weights, experts, swiglu_limit=limit, config=config, shared=shared)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert (True in calls) == (n_tokens == 1 and config is None)
+    routed_ref = ref_moe(x, expert_ids, weights, dense, limit)
+    ref = routed_ref + ref_moe(x, zeros, ones, shared_dense, limit)
+    assert rel_error(out, ref) < EXPERTS_TOL
+    assert rel_error(out, routed_ref) > 10 * EXPERTS_TOL
+    apart = (moe_experts(x, expert_ids, weights, experts, swiglu_limit=limit, config=config).float()
+             + moe_experts(x, zeros, ones, shared, swiglu_limit=limit).float())
+    ulp = torch.finfo(torch.bfloat16).eps * (apart.abs() + apart.pow(2).mean(1, keepdim=True).sqrt())
+    assert ((out.float() - apart).abs() <= 4 * ulp).all()
+
+
+def test_moe_experts_rejects_a_bad_shared_expert():
+    gen = generator(13)
+    experts, _ = make_experts("fp4", gen, 2, 256, 128)
+    x = torch.randn(1, 256, device=DEVICE).bfloat16()
+    ids, weights = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), torch.ones(1, 2, device=DEVICE)
+    for bad, what in ((make_experts("fp4", gen, 1, 256, 128)[0], "fp4, 1 experts"),
+                      (make_experts("fp8", gen, 2, 256, 128)[0], "fp8, 2 experts"),
+                      (make_experts("fp8", gen, 1, 256, 256)[0], ".*intermediate size 256"),
+                      (experts.w13, "Tensor")):
+        with pytest.raises(InputError, match=f"shared must be .*got {what}"):
+            moe_experts(x, ids, weights, experts, shared=bad)
+
+
 @pytest.mark.parametrize("limit", [None, 0.5])
 def test_prefill_default_path_fp8(poisoned, monkeypatch, limit):
     """fp8 experts at a prefill size with moe_experts' own launch shape: on an sm_90 GPU both products run in

@@ -20,7 +20,7 @@ from .config import DeepseekV4Config, LayerKind
 from ...kernels import mhc
 from ...kernels.norm_rope import norm_rope
 from ...kernels.v4_step_indices import decode_step_indices
-from .layers import V4Layer, V4Step, shared_route
+from .layers import V4Layer, V4Step
 from .reference import rope_cos_sin
 
 # Prompt tokens per prefill step by default. Larger than V3.2's 2048: the fp4 experts' prefill GEMMs decode
@@ -74,9 +74,8 @@ class EngineV4(KernelRuntime):
         positions = torch.arange(max_seq_len, device=self.device)
         self._rope = {family: rope_cos_sin(self.cfg, kind, positions, torch.float32)
                       for family, kind in (("main", LayerKind.SWA), ("compress", LayerKind.CSA))}
-        # What steps slice rather than compute: the shared expert's routing, and a decode step's rows
-        # (sequences 0 .. b−1), their first compressed-cache row per kind and HCA's entry ids.
-        self._shared_route = shared_route(max(max_batch, self.prefill_chunk), self.device)
+        # What steps slice rather than compute: a decode step's rows (sequences 0 .. b−1), their first
+        # compressed-cache row per kind and HCA's entry ids.
         rows = torch.arange(max_batch, device=self.device)
         self._decode_rows = {"seq": rows}
         for kind in {k for k in self.cfg.layer_kinds[: self.num_layers] if k != LayerKind.SWA}:
@@ -104,8 +103,7 @@ class EngineV4(KernelRuntime):
         return X
 
     def _step(self, tokens, positions, seq, window_slots, **prefill) -> V4Step:
-        return V4Step(tokens, positions, seq, self._rope, self.cache, window_slots, shared_route=self._shared_route,
-                      **prefill)
+        return V4Step(tokens, positions, seq, self._rope, self.cache, window_slots, **prefill)
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False,

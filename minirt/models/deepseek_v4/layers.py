@@ -74,8 +74,7 @@ class V4Step:
     segment takes the slot). Prefill only: segments (host), stash (the prefill's bf16 kv rows), window_rows
     [N] (stash rows), entry_stash / entry_base (per ratio: the prefill's bf16 compressed entries and each
     token's sequence's first row). topk_override: per layer None or [N, k] entry ids replacing the
-    indexer's choice. trace: per-layer intermediates of a prefill. shared_route: ``shared_route``'s
-    tensors for at least N tokens (made once per cache, sliced). shared: what every layer (of a kind)
+    indexer's choice. trace: per-layer intermediates of a prefill. shared: what every layer (of a kind)
     derives from the step alike (:meth:`once`); a decode step's come with it from the engine ("window",
     ("first", kind), ("entries", HCA), "last_visible": ``decode_step_indices`` and per-cache tables).
     """
@@ -93,7 +92,6 @@ class V4Step:
     entry_base: dict[int, Tensor] | None = None
     topk_override: list[Tensor | None] | None = None
     trace: PrefillTrace | None = None
-    shared_route: tuple[Tensor, Tensor] | None = None
     shared: dict = field(default_factory=dict)
 
     @property
@@ -426,8 +424,8 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """The MoE FFN on x [N, D] (ffn_norm applied; fp32 holding bf16 values, or bf16): [N, D] fp32 = routed
-    experts + shared expert. ``tp``: ``w`` holds this rank's routed experts (``expert_range``); every rank
+    """The MoE FFN on x [N, D] (ffn_norm applied; fp32 holding bf16 values, or bf16): [N, D] bf16 = routed
+    experts + shared expert, summed in fp32 and rounded once. ``tp``: ``w`` holds this rank's routed experts (``expert_range``); every rank
     routes every token and ``expert_parallel_moe`` dispatches them (its sum of the ranks' partials is
     rounded to bf16)."""
 
@@ -448,13 +446,8 @@ class MoE(nn.Module):
                                          [shared[2]], [shared_scales[2]])
 
     def forward(self, x: Tensor, tokens: Tensor) -> Tensor:
-        routed, shared = self.terms(x, tokens)
-        return routed.float() if shared is None else routed.float().add_(shared)
-
-    def terms(self, x: Tensor, tokens: Tensor, shared_route: tuple[Tensor, Tensor] | None = None
-              ) -> tuple[Tensor, Tensor | None]:
-        """The output's two terms, [N, D] bf16 each, for ``hc_post`` to add in fp32: (routed experts, shared
-        expert), or over ``tp`` (routed + shared, None). shared_route: ``V4Step.shared_route`` (or made here)."""
+        """[N, D] bf16: the routed experts' weighted sum plus the shared expert (one ``moe_experts`` call; over
+        ``tp``, ``expert_parallel_moe``)."""
         cfg = self.cfg
         logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.gate)
         route = dict(scoring=cfg.scoring_func, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
@@ -464,23 +457,18 @@ class MoE(nn.Module):
             weights, ids = route_topk(logits, self.bias, top_k=cfg.num_experts_per_tok, **route)
         if self.tp.world > 1:  # dispatched in bf16, as the ranks' partials are summed
             return expert_parallel_moe(x.to(torch.bfloat16), None, self._routed, self._shared, (weights, ids),
-                                       cfg.n_routed_experts, self.tp), None
-        return self._routed(x, ids, weights), self._shared(x, shared_route)
+                                       cfg.n_routed_experts, self.tp)
+        return moe_experts(x, ids, weights, self.experts, swiglu_limit=cfg.swiglu_limit, shared=self.shared)
 
     def _routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """[T, D] bf16: this rank's experts' weighted sum (slots of other experts: id -1, skipped)."""
         return moe_experts(x, ids, weights, self.experts, swiglu_limit=self.cfg.swiglu_limit)
 
-    def _shared(self, x: Tensor, route: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """[T, D] bf16: the shared expert, every token weight 1 (route: ids [≥ T, 1] zeros, weights ones)."""
-        ids, one = route if route is not None else shared_route(x.shape[0], x.device)
-        return moe_experts(x, ids[: x.shape[0]], one[: x.shape[0]], self.shared, swiglu_limit=self.cfg.swiglu_limit)
-
-
-def shared_route(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The shared expert's routing for up to ``rows`` tokens: (expert ids [rows, 1] int32 zeros, weights
-    [rows, 1] fp32 ones)."""
-    return torch.zeros(rows, 1, dtype=torch.int32, device=device), torch.ones(rows, 1, device=device)
+    def _shared(self, x: Tensor) -> Tensor:
+        """[T, D] bf16: the shared expert (every token weight 1)."""
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+        return moe_experts(x, ids, torch.ones(x.shape[0], 1, device=x.device), self.shared,
+                           swiglu_limit=self.cfg.swiglu_limit)
 
 
 class V4Layer(nn.Module):
@@ -505,8 +493,7 @@ class V4Layer(nn.Module):
         X = mhc.hc_post(self.attn(*rmsnorm_bf16(collapsed, self.attn_norm, eps, fp8=True), step), X, post, comb)
         collapsed, post, comb = mhc.hc_pre(X, *self.hc["ffn"], **mix)
         x, _ = rmsnorm_bf16(collapsed, self.ffn_norm, eps)
-        routed, shared = self.ffn.terms(x, step.tokens, step.shared_route)
-        X = mhc.hc_post(routed, X, post, comb, shared)
+        X = mhc.hc_post(self.ffn(x, step.tokens), X, post, comb)
         if step.trace is not None:
             step.trace.record("hidden", self.index, X)
         return X
