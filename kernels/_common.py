@@ -5,6 +5,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .. import formats
 from ..errors import InputError
@@ -18,6 +19,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # of µs of Python whatever its block size: a row-wise kernel takes many rows per program when interpreted
 # (up to this many elements per op), one row per program when compiled (as many programs as rows).
 INTERPRETED_BLOCK_ELEMENTS = 1 << 18
+
+# Programmatic dependent launch (PDL): a kernel launched with launch_pdl=True may start while the previous
+# kernel on the stream still runs (its launch and first instructions overlap that kernel's tail); it must
+# call wait_for_inputs() before reading or writing anything. CUDA graphs keep the dependency as a
+# programmatic edge.
+_INTERPRET = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def wait_for_inputs():
+    """Wait until the previous kernel on the stream has finished and its writes are visible (a kernel launched
+    with launch_pdl=True may have started before; otherwise, and interpreted, a no-op)."""
+    if not _INTERPRET:
+        gdc_wait()
 
 
 def rows_per_program(n_rows: int, row_elements: int) -> int:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from minirt.formats import FP8_GROUP
 
-from ._common import INTERPRET, flat_of
+from ._common import INTERPRET, flat_of, wait_for_inputs
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows, pow2_scale
 
 _BLOCK_K = tl.constexpr(FP8_GROUP)
@@ -115,6 +115,7 @@ def _fp4_operand_kernel(a_ptr, stride_a, out_ptr, scale_ptr, K: tl.constexpr, KB
     rule) as the chunk's two block-diagonal e4m3 operands, even inputs then odd ones, each stored
     [16, CHUNK / 2] (column g, rows 16g .. 16g + 15: group g's codes; zero elsewhere and in columns
     >= CHUNK / 32), and each column's activation scale (0 past the groups)."""
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     CHUNK: tl.constexpr = KB * _BLOCK_K
@@ -227,6 +228,7 @@ def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, 
                     HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
     # Program (row r of h, block of ROWS columns): rows r < n_shared (HAS_SHARED) the shared expert on token r
     # (first: its programs read the most), then assignment r - n_shared.
+    wait_for_inputs()
     r = tl.program_id(0)
     col = tl.program_id(1) * ROWS
     x_scales = D // (KB * _BLOCK_K) * _FP4_COLUMNS    # a token's operand column scales (fp4 launches)
@@ -251,6 +253,7 @@ def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shar
                  KB: tl.constexpr, FP4: tl.constexpr, HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
     # Program (row r of h and y, block of ROWS output columns): rows [c, c + ROWS) of the shared expert's W2
     # (r < n_shared, HAS_SHARED) or of assignment r - n_shared's expert's.
+    wait_for_inputs()
     r = tl.program_id(0)
     col = tl.program_id(1) * ROWS
     h_row = h_ptr + r.to(tl.int64) * stride_h
@@ -314,16 +317,16 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
         out = torch.empty((a.shape[0], 16 * k), dtype=torch.uint8, device=a.device)
         scales = torch.empty((a.shape[0], k // (FP8_GROUP * kb) * 16), dtype=torch.float32, device=a.device)
         _fp4_operand_kernel[(a.shape[0], k // (FP8_GROUP * kb))](a, a.stride(0), out, scales, K=k, KB=kb,
-                                                                 num_warps=NUM_WARPS)
+                                                                 num_warps=NUM_WARPS, launch_pdl=True)
         return out, out.stride(0), scales
 
     _gate_up_kernel[(n_rows, i // gate_up_rows)](
         *operands(x, d), ids, experts.w13, experts.w13_scales, shared.w13, shared.w13_scales, h,
         0.0 if swiglu_limit is None else float(swiglu_limit), n_shared, E=n_experts, D=d, I=i, TOP_K=top_k,
         ROWS=gate_up_rows, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=n_shared > 0,
-        INTERPRETED=INTERPRET, num_warps=NUM_WARPS)
+        INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
     _down_kernel[(n_rows, d // down_rows)](
         *operands(h, i), ids, experts.w2, experts.w2_scales, shared.w2, shared.w2_scales, y, row_of_slot, n_shared,
         E=n_experts, D=d, I=i, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0, INTERPRETED=INTERPRET,
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, launch_pdl=True)
     return y, row_of_slot

@@ -53,7 +53,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import INTERPRET, check_device, rows_per_program
+from ._common import INTERPRET, check_device, rows_per_program, wait_for_inputs
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
 from . import moe_grouped_sm90
@@ -703,6 +703,7 @@ def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, shared_ptr, out_ptr, n_
                     HAS_SHARED: tl.constexpr):
     # Program (token block, column block): per token the weighted sum of its slots' expert rows, in slot
     # order, then its shared expert row (weight 1).
+    wait_for_inputs()
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (tokens < n_tokens)[:, None] & (cols < D)[None, :]
@@ -911,5 +912,5 @@ def _combine(y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, 
     _combine_kernel[(triton.cdiv(n_tokens, tokens), triton.cdiv(out.shape[1], _COMBINE_BLOCK))](
         y, row_of_slot, weights.contiguous(), y if shared_rows is None else shared_rows, out, n_tokens,
         out.stride(0), D=out.shape[1], TOP_K=top_k, TOKENS=tokens, BLOCK_D=_COMBINE_BLOCK,
-        HAS_SHARED=shared_rows is not None)
+        HAS_SHARED=shared_rows is not None, launch_pdl=True)
     return out

@@ -7,7 +7,10 @@ slot, with the activations quantised where the kernels quantise them (x and the 
 minirt.formats.quantize_groups). Inputs are fresh seeded random values; every buffer the kernels
 allocate is NaN-poisoned (torch.empty filled) so that an element left unwritten shows.
 """
+import ast
+import inspect
 import sys
+import textwrap
 from dataclasses import replace
 
 import pytest
@@ -376,6 +379,22 @@ def test_moe_experts_with_shared_expert(poisoned, monkeypatch, fmt, n_tokens, co
              + moe_experts(x, zeros, ones, shared, swiglu_limit=limit).float())
     ulp = torch.finfo(torch.bfloat16).eps * (apart.abs() + apart.pow(2).mean(1, keepdim=True).sqrt())
     assert ((out.float() - apart).abs() <= 4 * ulp).all()
+
+
+def test_kernels_launched_early_wait_for_their_inputs_first():
+    """Every kernel launched with launch_pdl=True (it may start while the previous kernel still runs) calls
+    wait_for_inputs() before anything else."""
+    launched = []
+    for module in (moe_decode, sys.modules["minirt.kernels.moe_experts"]):
+        for call in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(call, ast.Call) and any(k.arg == "launch_pdl" for k in call.keywords):
+                kernel = getattr(module, call.func.value.id)   # kernel[grid](...)
+                body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
+                body = body[1:] if isinstance(body[0].value, ast.Constant) else body   # (its docstring)
+                first = body[0]
+                assert isinstance(first, ast.Expr) and ast.unparse(first) == "wait_for_inputs()", kernel.fn.__name__
+                launched.append(kernel.fn.__name__)
+    assert {"_fp4_operand_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"} <= set(launched)
 
 
 def test_moe_experts_rejects_a_bad_shared_expert():
