@@ -166,3 +166,13 @@ def softmax_rows(m_i, l_i):
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse2 = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
     return has_keys, l_safe, lse2
+
+
+@triton.jit
+def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """A MoE expert's silu(gate) * up in float32; HAS_LIMIT (DeepSeek-V4's clamp):
+    silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate / (1.0 + tl.exp(-gate)) * up

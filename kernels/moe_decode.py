@@ -32,7 +32,7 @@ import triton.language as tl
 
 from minirt.formats import FP8_GROUP
 
-from ._common import INTERPRET, flat_of, wait_for_inputs
+from ._common import INTERPRET, flat_of, swiglu, wait_for_inputs
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows, pow2_scale
 
 _BLOCK_K = tl.constexpr(FP8_GROUP)
@@ -210,15 +210,12 @@ def _swiglu_rows(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, first_row, col, h_ptr, 
                  I: tl.constexpr, ROWS: tl.constexpr, KB: tl.constexpr, TC: tl.constexpr, E2M1: tl.constexpr,
                  HAS_LIMIT: tl.constexpr, INTERPRETED: tl.constexpr):
     """h[col, col + ROWS) of one token and expert (its W13 from row first_row): gate rows and the matching
-    up rows, one [2 ROWS] product, then silu(g) * u (V4: silu(min(g, limit)) * clamp(u, -limit, limit))."""
+    up rows, one [2 ROWS] product, then swiglu (V4's clamp with HAS_LIMIT)."""
     half = tl.arange(0, 2 * ROWS) // ROWS
     rows = first_row + half * I + col + tl.arange(0, 2 * ROWS) % ROWS
     acc = _dot_rows_of(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, D, 2 * ROWS, KB, TC, E2M1, INTERPRETED)
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, ROWS)), (1, 0)))
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    tl.store(h_ptr + col + tl.arange(0, ROWS), gate / (1.0 + tl.exp(-gate)) * up)
+    tl.store(h_ptr + col + tl.arange(0, ROWS), swiglu(gate, up, limit, HAS_LIMIT))
 
 
 @triton.jit

@@ -53,7 +53,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import INTERPRET, check_device, rows_per_program, wait_for_inputs
+from ._common import INTERPRET, check_device, rows_per_program, swiglu, wait_for_inputs
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _arrival_counters, _capability, _num_sms
 from . import moe_grouped_sm90
@@ -592,10 +592,7 @@ def _store_tile(acc, acc_up, out_ptr, out_scale_ptr, offs_m, col, limit, N_OUT: 
     offs_n = col + tl.arange(0, BLOCK_N)
     out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N_OUT
     if SWIGLU:
-        if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
-            acc = tl.minimum(acc, limit)
-            acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-        h = acc / (1.0 + tl.exp(-acc)) * acc_up
+        h = swiglu(acc, acc_up, limit, HAS_LIMIT)
         codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
         tl.store(out_rows + _split_columns(offs_n, SPLIT_COLS)[None, :], codes.to(tl.uint8))
         tl.store(out_scale_ptr + offs_m.to(tl.int64) * (N_OUT // _BLOCK_K) + col // _BLOCK_K, scale)

@@ -27,7 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from minirt.formats import FP8_GROUP
 
-from ._common import INTERPRET, is_sm90
+from ._common import INTERPRET, is_sm90, swiglu
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 
 BLOCK_M = 128                # rows of a tile
@@ -119,13 +119,7 @@ def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expe
             mbarrier.invalidate(ready.index(i))
 
         if SWIGLU:
-            g = acc
-            u = acc2
-            if HAS_LIMIT:    # V4: silu(min(g, limit)) * clamp(u, -limit, limit)
-                g = gl.minimum(g, limit)
-                u = gl.minimum(gl.maximum(u, -limit), limit)
-            h = g / (1.0 + gl.exp(-g)) * u
-            codes, scale = pow2_quantize_rows(h, _ACT_MIN_EXPONENT)
+            codes, scale = pow2_quantize_rows(swiglu(acc, acc2, limit, HAS_LIMIT), _ACT_MIN_EXPONENT)
             # A row's codes through shared memory, 16 contiguous bytes a thread (from the MMA layout: 2).
             codes = gl.convert_layout(codes.to(gl.uint8), CODES_L)
             code_rows = row0 + gl.arange(0, _BLOCK_M, gl.SliceLayout(1, CODES_L))
