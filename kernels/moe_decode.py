@@ -9,7 +9,11 @@ Over every (token, slot) assignment t * top_k + j of the batch:
    helper), then silu(g) * u (V4's clamp optional) stored in float32, [T * top_k, I];
 2. down: rows [r, r + ROWS) of W2[e] against that row of h, quantised per 128 columns (as the
    grouped GEMM's epilogue quantises it: the same helper on the same float32 values), to bf16 y
-   [T * top_k, D], and each slot's y row (the slot itself, or -1 if skipped) for moe_experts' combine.
+   [T * top_k, D], and each slot's y row (-1 if skipped) for moe_experts' combine.
+
+A shared expert (V4's, one fp8 expert) may join both launches: its T rows of h and y come first, its
+programs before the assignments'. The launches (and moe_experts' combine after them) use programmatic
+dependent launch: each kernel may start while the one before ends, and waits for its inputs first.
 
 fp8 weights (V3.2): FMAs in float32 (no tensor cores: a product has one token), the activations
 quantised in the program; each k block of 128 inputs summed in float32 and scaled by its activation
