@@ -180,18 +180,24 @@ class StreamConfig:
     STREAM_PROGRAMS_PER_SM resident programs per SM are estimated to finish first (short weights
     such as the fused q_a / wk / kv_a projection: many splits; long ones: few full waves), 1 never
     splits.
-    num_stages: software pipeline depth: num_stages - 1 k blocks of weight rows in flight per
-    program. Default: 128 rows x 128 x 4 = 64 KB per program, two programs per SM (5 stages of
-    16 + 2 KB take 90 KB of shared memory), i.e. 128 KB per SM against the ~64 KB that H200's
-    bandwidth x loaded latency (4.2 TB/s x ~2 us / 132 SMs) needs. 16 KB per k block also gives
-    each iteration ~1 us at full bandwidth, the time the next block's scales have to arrive (they
+    num_stages: software pipeline depth: num_stages - 1 stages of weight rows in flight per program.
+    k_step: k blocks each stage loads, 1 or 2 (2: every weight row's two adjacent 128-byte pieces
+    requested together; a split then holds an even number of k blocks). The same sums in the same
+    order either way.
+    Default: 64 rows x 256 bytes = 16 KB a stage, 3 stages (60 KB of shared memory with the
+    activations'). Rows of 256 bytes read faster than 128: on an H100 a plain read of a weight in
+    16 KB tiles ran at 2740-2890 GB/s in tiles of 128 rows x 128 bytes and 2900-2970 in 64 x 256,
+    and V3.2's decode GEMMs (M 1) went from 0.674 to 0.641 ms a step (128 rows, 1 k block, 5
+    stages before), V4-Flash's from 0.234 to 0.207 (docs/perf/gemm.md). 16 KB a stage also gives
+    each iteration ~1 us at full bandwidth, the time the next stage's scales have to arrive (they
     are loaded one iteration ahead).
     """
 
-    block_n: int = 128
+    block_n: int = 64
     split_k: Optional[int] = None
     num_warps: int = 4
-    num_stages: int = 5
+    num_stages: int = 3
+    k_step: int = 2
 
 
 STREAM_CONFIG = StreamConfig()
@@ -199,10 +205,10 @@ STREAM_CONFIG = StreamConfig()
 # stream the weight once. More would read it once per 16 tokens; _scaled_mm (or the tile kernel) then
 # does better.
 STREAM_MAX_M = 16
-# Automatic split-K counts this many resident programs per SM (each takes num_stages x (block_n + 16)
-# x 128 bytes of shared memory, 90 KB by default) and picks the split whose waves of resident
-# programs finish first: a launch of 280 programs on 264 slots (V3.2's o_proj at 5 splits) takes two
-# full program times, one of 224 (4 splits) one and a bit. It keeps >= 2 k blocks per program and the
+# Automatic split-K counts this many resident programs per SM (each takes num_stages x k_step x
+# (block_n + 16) x 128 bytes of shared memory, 60 KB by default) and picks the split whose waves of
+# resident programs finish first: a launch of 336 programs on 264 slots (V3.2's o_proj in 64-row
+# blocks at 3 splits) takes two full program times, one of 224 (2 splits) one and a bit. It keeps >= 2 k blocks per program and the
 # fp32 partials' traffic (splits x N x M values, 8 bytes each: written once, read once) <= 1/8 of the
 # weight's N x K bytes; a program's fixed cost (scales, pipeline fill, partial store) is counted as
 # _STREAM_PROGRAM_OVERHEAD k blocks.
@@ -220,7 +226,7 @@ def _fp8_stream_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partial_ptr, arrivals_ptr,
     M, N, K, n_k_blocks, k_blocks_per_split, group_rows,
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr, SPLIT_K: tl.constexpr,
     INTERPRETED: tl.constexpr, INTERPRETED_ITERS: tl.constexpr, INTERPRETED_SPLITS: tl.constexpr,
 ):
     # Program (tile_n, split) of a (tiles, splits) grid: weight rows [tile_n * BLOCK_N, +BLOCK_N) (one 128-row scale block), k
@@ -240,32 +246,56 @@ def _fp8_stream_kernel(
     a_scale_rows = a_scale_ptr + group * n_k_blocks * stride_sak + offs_m * stride_sam
     b_scale_row = b_scale_ptr + (tile_n * BLOCK_N // BLOCK) * stride_sbn
 
+    # STEP (1 or 2) k blocks an iteration: with 2, each weight row's two adjacent 128-byte pieces are
+    # requested together (DRAM reads them at a higher rate than 128-byte pieces of twice the rows).
     kb_start = split * k_blocks_per_split
-    n_iters = tl.minimum(k_blocks_per_split, n_k_blocks - kb_start)
+    n_blocks = tl.minimum(k_blocks_per_split, n_k_blocks - kb_start)
+    n_iters = tl.cdiv(n_blocks, STEP)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # The scales of the next k block are loaded one iteration ahead: the pipeliner prefetches only
+    # The scales of the next k blocks are loaded one iteration ahead: the pipeliner prefetches only
     # the MMA operands, and a scale load waited on in its own iteration would hold back the next
     # weight load by its latency every k block.
     a_scale = tl.load(a_scale_rows + kb_start * stride_sak, mask=m_mask, other=0.0)
     b_scale = tl.load(b_scale_row + kb_start * stride_sbk)
-    # The interpreter cannot loop to a runtime bound: it runs k_blocks_per_split iterations, and the
-    # ones past the last k block add zeros (their k columns and scales are masked).
+    if STEP == 2:
+        a_scale2 = tl.load(a_scale_rows + (kb_start + 1) * stride_sak, mask=m_mask & (n_blocks > 1), other=0.0)
+        b_scale2 = tl.load(b_scale_row + (kb_start + 1) * stride_sbk, mask=n_blocks > 1, other=0.0)
+    else:
+        a_scale2, b_scale2 = a_scale, b_scale   # (unused)
+    # The interpreter cannot loop to a runtime bound: it runs INTERPRETED_ITERS iterations, and the
+    # k blocks past the split's last add zeros (their k columns and scales are masked).
     for i in range(0, INTERPRETED_ITERS if INTERPRETED else n_iters):
-        kb = kb_start + i
+        kb = kb_start + i * STEP
         cols = kb * BLOCK + offs_k
-        k_mask = cols < K
+        k_mask = (cols < K) & (i * STEP < n_blocks)
         w = tl.load(b_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
         a = tl.load(a_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if STEP == 2:
+            # (A split's k blocks are even but for the last split's: its missing block is past K.)
+            k_mask2 = (cols + BLOCK < K) & (i * STEP + 1 < n_blocks)
+            w2 = tl.load(b_rows + BLOCK + cols[None, :], mask=n_mask[:, None] & k_mask2[None, :], other=0.0,
+                         eviction_policy="evict_first")
+            a2 = tl.load(a_rows + BLOCK + cols[None, :], mask=m_mask[:, None] & k_mask2[None, :], other=0.0)
         scale = a_scale * b_scale
-        has_next = i + 1 < n_iters
-        a_scale = tl.load(a_scale_rows + (kb + 1) * stride_sak, mask=m_mask & has_next, other=0.0)
-        b_scale = tl.load(b_scale_row + (kb + 1) * stride_sbk, mask=has_next, other=0.0)
+        scale2 = a_scale2 * b_scale2
+        has_next = (i + 1) * STEP < n_blocks
+        a_scale = tl.load(a_scale_rows + (kb + STEP) * stride_sak, mask=m_mask & has_next, other=0.0)
+        b_scale = tl.load(b_scale_row + (kb + STEP) * stride_sbk, mask=has_next, other=0.0)
+        if STEP == 2:
+            has_next2 = (i + 1) * STEP + 1 < n_blocks
+            a_scale2 = tl.load(a_scale_rows + (kb + 3) * stride_sak, mask=m_mask & has_next2, other=0.0)
+            b_scale2 = tl.load(b_scale_row + (kb + 3) * stride_sbk, mask=has_next2, other=0.0)
         if INTERPRETED:
             w = w.to(tl.float32)
             a = a.to(tl.float32)
         # One k block per MMA chain (b . a^T: weight rows x tokens), scaled into fp32 (promotion).
         acc += tl.dot(w, tl.trans(a)) * scale[None, :]
+        if STEP == 2:
+            if INTERPRETED:
+                w2 = w2.to(tl.float32)
+                a2 = a2.to(tl.float32)
+            acc += tl.dot(w2, tl.trans(a2)) * scale2[None, :]
 
     out_tile = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_m.to(tl.int64)[None, :] * stride_om
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -393,11 +423,13 @@ def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int,
 
         def estimate(splits: int) -> tuple[int, int]:
             per_split = cdiv(n_k_blocks, splits)
+            per_split += per_split % config.k_step
             programs = tiles * cdiv(n_k_blocks, per_split)
             return cdiv(programs, slots) * (per_split + _STREAM_PROGRAM_OVERHEAD), splits
 
         split = min(range(1, most + 1), key=estimate)
-    return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+    per_split = cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
+    return per_split + per_split % config.k_step
 
 
 # Split-K arrival counters per (device, stream): zero between launches (the last program of a row
@@ -428,8 +460,8 @@ def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, kept: Kept, gro
             m, n, k, n_k_blocks, per_split, n // groups,
             a.stride(0), b.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
             b_scales.stride(1), out.stride(0), out.stride(1)), dict(
-            BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, SPLIT_K=splits > 1,
-            INTERPRETED=INTERPRET, INTERPRETED_ITERS=per_split if INTERPRET else 0,
+            BLOCK_M=STREAM_MAX_M, BLOCK_N=config.block_n, BLOCK=BLOCK_K, STEP=config.k_step, SPLIT_K=splits > 1,
+            INTERPRETED=INTERPRET, INTERPRETED_ITERS=cdiv(per_split, config.k_step) if INTERPRET else 0,
             INTERPRETED_SPLITS=splits if INTERPRET else 0,
             num_warps=config.num_warps, num_stages=config.num_stages))
     grid, partials_shape, tiles, integers, constexprs = kept.args
@@ -682,6 +714,8 @@ def _check_gemm(a, a_scales, b, b_scales, out_dtype, config, out, groups: int = 
             raise InputError(f"the stream kernel (StreamConfig) takes M <= {STREAM_MAX_M}, got M = {m}")
         if config.block_n not in (16, 32, 64, 128):
             raise InputError(f"StreamConfig.block_n must be 16, 32, 64 or 128, got {config.block_n}")
+        if config.k_step not in (1, 2):
+            raise InputError(f"StreamConfig.k_step must be 1 or 2, got {config.k_step}")
     elif config is not None and not isinstance(config, Fp8GemmConfig):
         raise InputError(f"config must be an Fp8GemmConfig, a StreamConfig or None, got {type(config).__name__}")
     tensors = {"a": a, "a_scales": a_scales, "b": b, "b_scales": b_scales}

@@ -78,8 +78,9 @@ def main() -> None:
     parser.add_argument("path")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--weights", default=None, help="fp8 or bf16 (default: minirt.load's)")
     args = parser.parse_args()
-    engine = minirt.load(args.path, device=args.device)
+    engine = minirt.load(args.path, device=args.device, **({"weights": args.weights} if args.weights else {}))
     engine.use_cuda_graph = False
     engine.prefill([[1 + i, 2, 3, 4, 5, 6, 7][: 5 + i % 3] for i in range(args.batch)])
     tokens = torch.arange(args.batch, device=args.device) + 3

@@ -1,5 +1,6 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
-few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and per-assignment decode products, the decode's split merge, the indexer's scores kernels (paged, and V4's CSA
+few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and per-assignment decode products, the decode's split merge, fp8_gemm's
+weight-streaming kernel, the indexer's scores kernels (paged, and V4's CSA
 decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp
 partition's register budget and each kernel's spill instructions and 2-byte global accesses.
 
@@ -20,6 +21,7 @@ import os
 # without a GPU unless told otherwise, before its kernels are defined.
 os.environ["TRITON_INTERPRET"] = "0"
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -38,6 +40,7 @@ from minirt.kernels import indexer_cache, lightning_indexer  # noqa: E402
 from minirt.kernels._launch import Kept  # noqa: E402
 from minirt.kernels import ExpertWeights, moe_experts  # noqa: E402
 from minirt.kernels.decode_topk import decode_topk  # noqa: E402
+from minirt.kernels.fp8_gemm import fp8_gemm  # noqa: E402
 from minirt.kernels import sparse_mla_decode as decode  # noqa: E402
 from minirt.kernels import moe_grouped_sm90  # noqa: E402
 from minirt.kernels import sparse_mla_decode_model1_sm90  # noqa: E402
@@ -216,6 +219,23 @@ def recorded_moe_decode_launches():
     return launches
 
 
+def recorded_stream_launches():
+    """[(name, kernel, args, kwargs)]: fp8_gemm's weight-streaming kernel at one token with its default launch,
+    on V3.2's o_proj (7168 x 16384, split-K) and fused q_b + wq_b (32768 x 1536, unsplit)."""
+    module = sys.modules[fp8_gemm.__module__]
+    kernel, recorder, check_device = module._fp8_stream_kernel, Recorder(), module.check_device
+    module._fp8_stream_kernel, module.check_device = recorder, lambda tensors: None   # (CPU tensors)
+    try:
+        for n, k, split_k in ((7168, 16384, None), (32768, 1536, 1)):
+            fp8_gemm(torch.empty((1, k), dtype=torch.float8_e4m3fn), torch.empty((1, k // 128)),
+                     torch.empty((n, k), dtype=torch.float8_e4m3fn), torch.empty((n // 128, k // 128)),
+                     config=dataclasses.replace(module.STREAM_CONFIG, split_k=split_k))
+    finally:
+        module._fp8_stream_kernel, module.check_device = kernel, check_device
+    return [(f"fp8_gemm stream kernel, 1 token, {what}", kernel, *call)
+            for what, call in zip(("o_proj, split-K", "q_b + wq_b, unsplit"), recorder.calls)]
+
+
 def recorded_topk_launches():
     """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of 163840 scores, top 2048."""
     module = sys.modules[decode_topk.__module__]
@@ -298,6 +318,9 @@ def main() -> int:
         failing |= report(f"indexer scores over {'fp8' if fp8 else 'exact'} paged keys, b {n_batch} x t {n_queries}",
                           *recorded_indexer_launch(fp8, n_queries, n_batch))
     failing |= report("indexer scores over exact V4 CSA keys, b 16 x t 1", *recorded_csa_decode_launch())
+    # (Its accumulator holds weight rows x tokens: a program stores its 64 bf16 outputs of a token 2 bytes at a time.)
+    for name, kernel, args, kwargs in recorded_stream_launches():
+        failing |= report(name, kernel, args, kwargs, narrow_allowed=True)
     for name, kernel, args, kwargs in recorded_topk_launches():
         failing |= report(f"decode_topk {name}, 16 rows of 163840, top 2048", kernel, args, kwargs)
     return 1 if failing else 0

@@ -199,9 +199,13 @@ def test_fp8_gemm_matches_dequantised_product(config, m, n, k):
 @pytest.mark.parametrize("m, n, k, config", [
     (1, 576, 7168, StreamConfig(split_k=1)),        # kv_a_proj at decode, one program per row block
     (16, 128, 7168, StreamConfig(split_k=5)),       # 56 k blocks in splits of 12, 12, 12, 12, 8
-    (3, 200, 320, StreamConfig(block_n=32, split_k=3)),  # 2.5 k blocks, one per split; ragged N
+    (3, 200, 320, StreamConfig(block_n=32, split_k=3, k_step=1)),  # 2.5 k blocks, one per split; ragged N
     (7, 128, 1024, None),                           # wk-like: 2 row blocks, automatic split-K
-    (16, 256, 384, StreamConfig(block_n=128, split_k=1)),
+    (16, 256, 384, StreamConfig(block_n=128, split_k=1, k_step=1, num_stages=5)),  # the launch before k_step
+    # Two k blocks a stage: 9 k blocks in splits of 4, 4, 1 (the last stage of the last split half past K)
+    (2, 192, 1152, StreamConfig(block_n=64, split_k=3, k_step=2)),
+    (5, 320, 1088, StreamConfig(block_n=128, split_k=1, k_step=2)),  # 8.5 k blocks: a partial last one
+    (1, 200, 640, StreamConfig(block_n=32, split_k=2, k_step=2)),    # mma.sync rows, splits of 4 and 1
 ])
 def test_stream_matches_dequantised_product(m, n, k, config):
     """The weight-streaming kernel (M <= 16) against the fp64 product, split-K off and on, with
@@ -266,17 +270,19 @@ def test_stream_split_k_is_deterministic():
 
 
 @pytest.mark.parametrize("n, k, splits", [
-    (7168, 16384, 4),      # o_proj: 56 row blocks x 4 = 224 programs, one wave (5 splits = 280: two)
-    (36864, 7168, 4),      # gate + up fused: 288 row blocks, more than a wave unsplit
-    (7168, 18432, 9),      # down_proj: 504 programs of 16 k blocks
-    (2240, 7168, 14),      # q_a + wk + kv_a fused: 18 row blocks, 4 k blocks a program
-    (32768, 1536, 1),      # q_b + wq_b fused: 256 row blocks fill 264 slots unsplit
+    (7168, 16384, 2),      # o_proj: 112 row blocks of 64 x 2 = 224 programs, one wave (3 splits = 336: two)
+    (36864, 7168, 4),      # gate + up fused: 576 row blocks, more than a wave unsplit
+    (7168, 18432, 7),      # down_proj: 784 programs of 22 k blocks
+    (2240, 7168, 7),       # q_a + wk + kv_a fused: 35 row blocks, 8 k blocks a program
+    (32768, 1536, 1),      # q_b + wq_b fused: 512 row blocks, unsplit
 ])
 def test_stream_auto_split_fills_whole_waves(monkeypatch, n, k, splits):
-    """Automatic split-K on an H200 (132 SMs) for V3.2's decode GEMMs at M = 1: the split whose waves
-    of resident programs (2 per SM) are estimated to finish first."""
+    """Automatic split-K on an H200 (132 SMs) for V3.2's decode GEMMs at M = 1 with the default launch
+    (64-row programs, 2 k blocks a stage): the split whose waves of resident programs (2 per SM) are
+    estimated to finish first, each split an even number of k blocks."""
     monkeypatch.setattr(fp8_gemm_module, "_num_sms", lambda device: 132)
-    per_split = fp8_gemm_module._stream_k_blocks_per_split(StreamConfig(), 1, k, -(-n // 128), torch.device("cuda"))
+    per_split = fp8_gemm_module._stream_k_blocks_per_split(StreamConfig(), 1, k, -(-n // 64), torch.device("cuda"))
+    assert per_split % 2 == 0
     assert -(-(k // 128) // per_split) == splits
 
 
@@ -379,6 +385,8 @@ def test_fp8_gemm_empty_and_bad_input():
         fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, out=torch.zeros(4, 128, device=DEVICE))
     with pytest.raises(InputError, match="block_n"):
         fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, config=StreamConfig(block_n=256))
+    with pytest.raises(InputError, match="k_step must be 1 or 2"):
+        fp8_gemm(a_fp8, a_scales, w_fp8, w_scales, config=StreamConfig(k_step=4))
     with pytest.raises(InputError, match="M <= 16"):
         a17, a17_scales = random_activations(gen, 17, 256)
         fp8_gemm(a17, a17_scales, w_fp8, w_scales, config=StreamConfig())
