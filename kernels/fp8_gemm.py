@@ -52,16 +52,23 @@ _QUANT_GROUPS = 8
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_groups"])
-def _quantize_act_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_groups, stride_xm, stride_qm, stride_sm,
-                         ROWS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    # Program (row block, group block): ROWS rows x GROUPS groups, one group per tile row.
+def _quantize_act_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, n_rows, n_groups, stride_xm, stride_um, stride_qm, stride_sm,
+                         ROWS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                         SWIGLU: tl.constexpr):
+    # Program (row block, group block): ROWS rows x GROUPS groups, one group per tile row. SWIGLU: x is
+    # the gate, and what is quantised is silu(x) * up, each rounded to x's dtype as torch rounds them.
     tile = tl.arange(0, ROWS * GROUPS)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tile // GROUPS
     groups = tl.program_id(1) * GROUPS + tile % GROUPS
     mask = (rows < n_rows) & (groups < n_groups)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols, mask=mask[:, None], other=0.0).to(tl.float32)
-    codes, scale = pow2_quantize_rows(x, MIN_EXPONENT)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols, mask=mask[:, None], other=0.0)
+    if SWIGLU:
+        up = tl.load(up_ptr + rows[:, None] * stride_um + cols, mask=mask[:, None], other=0.0).to(tl.float32)
+        gate = x.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+        x = (silu * up).to(x.dtype)
+    codes, scale = pow2_quantize_rows(x.to(tl.float32), MIN_EXPONENT)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols, codes.to(tl.uint8), mask=mask[:, None])
     tl.store(scale_ptr + rows * stride_sm + groups, scale, mask=mask)
 
@@ -87,27 +94,64 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         minirt.errors.InputError: wrong rank, dtype, K, or a device the kernels cannot use.
     """
     kept = per_signature(_QUANTISATIONS, lambda: described(x), lambda: _check_act(x) or Kept())
+    return _quantize(x, None, kept)
+
+
+def swiglu_quantize_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    The SwiGLU of a dense MLP, quantised for its down projection in one launch:
+    quantize_act_fp8(F.silu(gate) * up), with silu(gate) and the product each rounded to gate's dtype
+    as torch rounds them (silu's exp may differ from torch's in its last bit).
+
+    Args:
+        gate, up: [M, K] of one dtype (bfloat16, float16 or float32) and shape, finite, K a multiple
+            of 128, last dims contiguous (e.g. the two halves of a fused gate + up product).
+
+    Returns:
+        (x_fp8 [M, K] float8_e4m3fn, scales [M, K / 128] float32), as quantize_act_fp8 returns them.
+
+    Raises:
+        minirt.errors.InputError: gate as quantize_act_fp8 refuses x; up of another shape or dtype.
+    """
+    kept = per_signature(_QUANTISATIONS, lambda: (described(gate), described(up)),
+                         lambda: _check_swiglu(gate, up) or Kept())
+    return _quantize(gate, up, kept)
+
+
+def _quantize(x, up, kept: Kept) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_act_fp8(x) (up None) or swiglu_quantize_fp8(x, up), checked; kept: the call signature's Kept."""
     if kept.args is None:
         copy = x.stride(1) != 1
         m, k = x.shape
         n_groups = k // FP8_GROUP
         rows = rows_per_program(m, _QUANT_GROUPS * FP8_GROUP)
         kept.args = (copy, (m, n_groups), x.numel() > 0, (cdiv(m, rows), cdiv(n_groups, _QUANT_GROUPS)), (
-            m, n_groups, k if copy else x.stride(0), k, n_groups), dict(
-            ROWS=rows, GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT))
+            m, n_groups, k if copy else x.stride(0), 0 if up is None else up.stride(0), k, n_groups), dict(
+            ROWS=rows, GROUPS=_QUANT_GROUPS, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT, SWIGLU=up is not None))
     copy, scale_shape, launched, grid, integers, constexprs = kept.args
     if copy:
         x = x.contiguous()
     x_fp8 = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
     if launched:
-        launch(_quantize_act_kernel, grid, (x, x_fp8.view(torch.uint8), scales, *integers), constexprs, kept.compiled)
+        launch(_quantize_act_kernel, grid, (x, x if up is None else up, x_fp8.view(torch.uint8), scales, *integers),
+               constexprs, kept.compiled)
     return x_fp8, scales
 
 
-# Call signature of quantize_act_fp8 (x's class, dtype, shape, strides, device, alignment) -> its Kept (args: the
-# launch): a signature seen before passed the checks.
+# Call signature of quantize_act_fp8 (x's class, dtype, shape, strides, device, alignment) or of
+# swiglu_quantize_fp8 (gate's and up's) -> its Kept (args: the launch): a signature seen before passed the checks.
 _QUANTISATIONS: dict = {}
+
+
+def _check_swiglu(gate, up) -> None:
+    _check_act(gate)
+    if not isinstance(up, torch.Tensor) or up.shape != gate.shape or up.dtype != gate.dtype:
+        raise InputError(f"up must be a {gate.dtype} tensor of gate's shape {list(gate.shape)}, got "
+                         f"{getattr(up, 'dtype', type(up).__name__)} {list(getattr(up, 'shape', ()))}")
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        raise InputError("gate and up must have unit stride along their last dim")
+    check_device({"gate": gate, "up": up})
 
 
 def _check_act(x) -> None:

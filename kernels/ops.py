@@ -17,7 +17,7 @@ import torch
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from .decode_topk import decode_topk
-from .fp8_gemm import fp8_gemm, quantize_act_fp8
+from .fp8_gemm import fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8
 from .indexer_cache import paged_indexer_scores, write_index_keys
 from .kv_cache_fp8 import write_kv_fp8
 from .kv_cache_model1 import write_kv_model1
@@ -65,6 +65,7 @@ for _op in (write_kv_fp8_op, write_kv_model1_op, write_index_keys_op):
 indexer_topk_op = _registered(indexer_topk)  # [..., topk] int32
 decode_topk_op = _registered(decode_topk)    # [..., topk] int32
 quantize_act_fp8_op = _registered(quantize_act_fp8)  # (x_fp8 [M, K], scales [M, K / 128])
+swiglu_quantize_fp8_op = _registered(swiglu_quantize_fp8)  # the same, of silu(gate) * up
 
 
 @_fake(indexer_topk_op)
@@ -74,7 +75,8 @@ def _(scores, topk):
 
 
 @_fake(quantize_act_fp8_op)
-def _(x):
+@_fake(swiglu_quantize_fp8_op)
+def _(x, up=None):
     m, k = x.shape
     return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // FP8_GROUP, dtype=torch.float32)
 

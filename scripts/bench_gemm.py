@@ -1,6 +1,6 @@
 """Benchmark minirt's block-scaled fp8 GEMM and fused MLA head projections on DeepSeek-V3.2's shapes.
 
-    python3 scripts/bench_gemm.py [--out results.md] [--variants 128,128,8,3 64,128,4,4,swap stream:64,4,4 ...]
+    python3 scripts/bench_gemm.py [--out results.md] [--variants 128,128,8,3 64,128,4,4,swap stream:128,4,5 ...]
                                   [--decode-only]
 
 Linear layers: every block-fp8 weight of a V3.2 dense layer used as a GEMM (shapes from
@@ -115,11 +115,11 @@ def dequantize(values, scales):
 
 def parse_variant(text: str):
     """An extra fp8_gemm launch: "block_m,block_n,num_warps,num_stages[,swap]" (the tile kernel) or
-    "stream:block_n,num_warps,num_stages[,split_k]" (the stream kernel, decode rows only)."""
+    "stream:block_n,num_warps,num_stages[,k_step[,split_k]]" (the stream kernel, decode rows only)."""
     if text.startswith("stream:"):
         parts = [int(x) for x in text[len("stream:"):].split(",")]
         return gemm.StreamConfig(block_n=parts[0], num_warps=parts[1], num_stages=parts[2],
-                                 split_k=parts[3] if len(parts) > 3 else None)
+                                 k_step=parts[3] if len(parts) > 3 else 1, split_k=parts[4] if len(parts) > 4 else None)
     parts = text.split(",")
     block_m, block_n, num_warps, num_stages = (int(x) for x in parts[:4])
     swap = parts[4:] == ["swap"]
@@ -257,7 +257,7 @@ def main():
     parser.add_argument("--variants", nargs="*", default=[],
                         help="extra fp8_gemm launches, one column each: the tile kernel's "
                              "block_m,block_n,num_warps,num_stages[,swap] (swap: b . a^T; split-K automatic) "
-                             "or the stream kernel's stream:block_n,num_warps,num_stages[,split_k] (M <= 16)")
+                             "or the stream kernel's stream:block_n,num_warps,num_stages[,k_step[,split_k]] (M <= 16)")
     parser.add_argument("--decode-only", action="store_true",
                         help="only M = 1 and 16, over the GEMMs the runtime launches (fused projections: "
                              "runtime_shapes); no MLA head projections")

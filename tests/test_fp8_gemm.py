@@ -20,7 +20,8 @@ from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, E4M3_MAX, FP8_DTYPE, FP8_GROUP, pow2_scale, quantize_groups
 from minirt.fp8_linear import Fp8Linear
 from minirt.kernels.fp8_gemm import (PREFILL_CONFIG, STREAM_MAX_M, Fp8GemmConfig, StreamConfig, decode_config,
-                                     default_config, default_path, fp8_gemm, quantize_act_fp8, uses_scaled_mm)
+                                     default_config, default_path, fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8,
+                                     uses_scaled_mm)
 from minirt.kernels.mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
 
 # The module (minirt.kernels re-exports the function fp8_gemm under the module's name).
@@ -166,6 +167,49 @@ def test_quantize_act_rejects_bad_input():
         quantize_act_fp8(torch.ones(128, device=DEVICE))
     with pytest.raises(InputError, match="bfloat16, float16 or float32"):
         quantize_act_fp8(torch.ones(2, 128, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m, k", [(1, 128), (5, 384), (33, 1024)])
+def test_swiglu_quantize_is_quantised_swiglu(dtype, m, k):
+    """swiglu_quantize_fp8(gate, up) on the two halves of one [M, 2K] product (rows strided): against
+    quantize_groups(F.silu(gate) * up) computed by torch in the same dtype, code for code but where
+    silu's exp differs in its last bit (a code or a group scale a step apart: at most 1 in 1000; the
+    interpreter's float32 -> bf16 cast truncates, a few in 100), and every dequantised value against
+    the fp64 SwiGLU within e4m3 rounding and the two roundings to the dtype (relative, or half the
+    dtype's smallest subnormal)."""
+    gen = generator(m * k + 3)
+    both = varied(gen, m, 2 * k, 1)
+    if dtype == torch.float16:
+        both = both.clamp(-200, 200)   # (silu(x) * y stays finite in fp16)
+    both = both.to(dtype)
+    gate, up = both[:, :k], both[:, k:]
+    values, scales = swiglu_quantize_fp8(gate, up)
+    ref_values, ref_scales = quantize_groups(torch.nn.functional.silu(gate) * up)
+    assert values.shape == (m, k) and values.dtype == FP8_DTYPE and scales.shape == (m, k // FP8_GROUP)
+    agreement = 0.999 if ON_GPU or dtype != torch.bfloat16 else 0.9
+    assert (values.view(torch.uint8) == ref_values.view(torch.uint8)).float().mean() >= agreement
+    assert (scales == ref_scales).float().mean() >= agreement
+    g, u = gate.double(), up.double()
+    truth = g * torch.sigmoid(g) * u
+    got = values.double() * scales.double().repeat_interleave(FP8_GROUP, 1)
+    rounding = ROUNDING.get(dtype, 2.0**-23)
+    subnormal = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    bound = (E4M3_ROUNDING + 2 * rounding) * truth.abs() + subnormal * (u.abs() + 1) \
+        + E4M3_SUBNORMAL_STEP * scales.double().repeat_interleave(FP8_GROUP, 1)
+    assert ((got - truth).abs() <= bound).all()
+
+
+def test_swiglu_quantize_rejects_bad_input():
+    gate = torch.ones(2, 256, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(InputError, match="up must be a torch.bfloat16 tensor of gate's shape"):
+        swiglu_quantize_fp8(gate, torch.ones(2, 128, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(InputError, match="up must be"):
+        swiglu_quantize_fp8(gate, gate.float())
+    with pytest.raises(InputError, match="unit stride"):
+        swiglu_quantize_fp8(gate, torch.ones(256, 2, dtype=torch.bfloat16, device=DEVICE).T)
+    with pytest.raises(InputError, match="multiple of 128"):
+        swiglu_quantize_fp8(gate[:, :100], gate[:, :100])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from ...kernels.ops import (apply_rope_op as apply_rope, decode_topk_op as decod
                           mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
                           paged_indexer_scores_op as paged_indexer_scores,
                           quantize_act_fp8_op as quantize_act_fp8, rms_norm_op as rms_norm,
-                          sparse_mla_prefill_op as sparse_mla_prefill, write_kv_fp8_op as write_kv_fp8)
+                          sparse_mla_prefill_op as sparse_mla_prefill, swiglu_quantize_fp8_op as swiglu_quantize_fp8,
+                          write_kv_fp8_op as write_kv_fp8)
 from ...blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from ...formats import FP8_DTYPE
 from ...kernels import ExpertWeights, moe_experts, route_topk
@@ -349,6 +350,10 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        if isinstance(self.down_proj, Fp8Linear):   # silu(gate) · up quantised for it in one launch
+            width = gate.shape[-1]
+            pair = swiglu_quantize_fp8(gate.reshape(-1, width), up.reshape(-1, width))
+            return self.tp.all_reduce(self.down_proj(pair).view(*gate.shape[:-1], -1))
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
