@@ -23,6 +23,8 @@
   weight, the value projection writing o_proj's fp8 input directly.
 - ``rms_norm`` / ``apply_rope``: RMSNorm of every row, rope on the first dims of every head (either
   pair layout), one launch each (the runtime layers' norms and rope).
+- ``all_finite``: whether a tensor holds no NaN or ±inf, as a device tensor in one launch (the decode
+  step's check of its logits).
 - ``route_topk`` / ``route_hash`` (and ``check_tid2eid``): MoE routing (V3.2's grouped sigmoid top-k,
   V4's sqrt-softplus top-k and hash layers), one sync-free launch each, ties to the lower expert.
 - ``moe_experts`` on ``ExpertWeights`` (``expert_weights_fp8`` / ``expert_weights_fp4`` stack a
@@ -65,6 +67,7 @@ from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_index
 from .fp8_gemm import fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8  # noqa: E402
 from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8  # noqa: E402
 from .rms_norm import rms_norm  # noqa: E402
+from .finite import all_finite  # noqa: E402
 from .rope import apply_rope  # noqa: E402
 from .moe_routing import check_tid2eid, route_hash, route_topk  # noqa: E402
 from .moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts  # noqa: E402

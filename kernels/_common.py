@@ -35,6 +35,23 @@ def wait_for_inputs():
         gdc_wait()
 
 
+# int32 counters per (device, stream) for kernels whose programs count themselves in (the last one to arrive
+# finishes the launch: fp8_gemm's split-K sums, all_finite's verdict): zero between launches, each kernel
+# resetting those it used before it ends. Launches on one stream run in order, so kernels on it may share
+# them; on two streams they could overlap, so each stream has its own.
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 counters, zero, for a kernel launched on ``device``'s current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counters = _COUNTERS.get((device, stream))
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = counters
+    return counters
+
+
 def rows_per_program(n_rows: int, row_elements: int) -> int:
     """Rows one program of a row-wise kernel takes: 1 compiled; interpreted, the power of two that covers
     n_rows, at most INTERPRETED_BLOCK_ELEMENTS // row_elements (row_elements: its widest op's elements a row)."""

@@ -40,7 +40,7 @@ from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape, dequantize_block_f
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
-from ._common import INTERPRET, check_device, rows_per_program
+from ._common import INTERPRET, arrival_counters, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from ._launch import Kept, cdiv, described, launch, per_signature
 
@@ -476,20 +476,6 @@ def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int,
     return per_split + per_split % config.k_step
 
 
-# Split-K arrival counters per (device, stream): zero between launches (the last program of a row
-# block resets its own); launches on one stream run in order, on two streams they could overlap.
-_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counters = _ARRIVALS.get((device, stream))
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[(device, stream)] = counters
-    return counters
-
-
 def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, kept: Kept, groups: int = 1) -> None:
     """out = the product by the stream kernel; a [M <= STREAM_MAX_M, groups * K] and b [N, K] with unit
     stride along K (groups: fp8_gemm's); kept: the call signature's Kept (args: the launch, derived at
@@ -512,7 +498,7 @@ def _stream(a, a_scales, b, b_scales, out, config: StreamConfig, kept: Kept, gro
     partials = arrivals = out      # unread placeholders without split-K
     if partials_shape is not None:
         partials = torch.empty(partials_shape, dtype=torch.float32, device=a.device)
-        arrivals = _arrival_counters(a.device, tiles)
+        arrivals = arrival_counters(a.device, tiles)
     launch(_fp8_stream_kernel, grid, (a, a_scales, b, b_scales, out, partials, arrivals, *integers), constexprs,
            kept.compiled)
 

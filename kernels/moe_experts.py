@@ -53,9 +53,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import INTERPRET, check_device, rows_per_program, swiglu, wait_for_inputs
+from ._common import INTERPRET, arrival_counters, check_device, rows_per_program, swiglu, wait_for_inputs
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from .fp8_gemm import _arrival_counters, _capability, _num_sms
+from .fp8_gemm import _capability, _num_sms
 from . import moe_grouped_sm90
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
@@ -761,7 +761,7 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     if splits > 1:
         partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
                                device=a.device)
-        arrivals = _arrival_counters(a.device, tile_cols)
+        arrivals = arrival_counters(a.device, tile_cols)
     fold = fp4 and config.fp4_fold
     if fold:
         unfolded = torch.zeros(tile_cols, dtype=torch.int32, device=a.device)

@@ -12,6 +12,7 @@ from rich.filesize import decimal
 from .backend import check_tokens
 from .device import available_memory
 from .errors import DeviceError, InputError
+from .kernels.finite import all_finite
 from .parallel import SINGLE, TensorParallel
 
 DECODE_HEADROOM = 256        # decode steps a cache the engine sizes itself leaves room for
@@ -133,7 +134,7 @@ class KernelRuntime:
                              f"{self.device}, got {got}")
         self._advance_lens()
         logits, finite = self._decode_graphed(tokens) if self.use_cuda_graph else (self._decode_step(tokens), None)
-        return logits, torch.isfinite(logits).all() if finite is None else finite
+        return logits, all_finite(logits) if finite is None else finite
 
     def raise_non_finite(self, tokens: torch.Tensor, later_steps: int = 0) -> None:
         """NumericalError for the decode step ``decode_queued(tokens)`` whose logits were not finite,
@@ -164,7 +165,7 @@ class KernelRuntime:
             graph, static_tokens = torch.cuda.CUDAGraph(), tokens.clone()
             with torch.cuda.graph(graph):
                 static_logits = self._decode_step(static_tokens)
-                static_finite = torch.isfinite(static_logits).all()
+                static_finite = all_finite(static_logits)
             self._graphs[b] = (graph, static_tokens, static_logits, static_finite)
             return logits, None
         graph, static_tokens, static_logits, static_finite = self._graphs[b]

@@ -15,6 +15,7 @@ from ...context import KVStash, PrefillTrace
 from .context import decode_context, prefill_context
 from ...errors import ConfigError, InputError, NumericalError
 from ...formats import CACHE_BLOCK_SIZE, KV_LATENT_DIM, KV_ROPE_DIM
+from ...kernels.finite import all_finite
 from .layers import Transformer
 from ...rope import rope_cos_sin
 from ...runtime import KernelRuntime, check_prefill_chunk, plan_chunks
@@ -132,7 +133,7 @@ class Engine(KernelRuntime):
         (``finite``, when the CUDA graph computed it already) and one host read, which the caller's
         sampling needs anyway; only on failure ``rerun()`` repeats the step with a check after every
         module, to name the first whose output was non-finite."""
-        if bool(torch.isfinite(logits).all() if finite is None else finite):
+        if bool(all_finite(logits) if finite is None else finite):
             return
         m = self.model
         modules = [("the embedding (model.embed_tokens)", m.model.embed_tokens)]

@@ -18,6 +18,7 @@ from ...parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabPar
 from .cache import V4Cache
 from .config import DeepseekV4Config, LayerKind
 from ...kernels import mhc
+from ...kernels.finite import all_finite
 from ...kernels.norm_rope import norm_rope
 from ...kernels.v4_step_indices import decode_step_indices
 from .layers import V4Layer, V4Step
@@ -160,7 +161,7 @@ class EngineV4(KernelRuntime):
 
     def _check_finite(self, logits: torch.Tensor, stage: str, rerun, finite: torch.Tensor | None = None) -> None:
         """NumericalError when ``logits`` hold a NaN or ±Inf (one reduction and one host read)."""
-        if not bool(torch.isfinite(logits).all() if finite is None else finite):
+        if not bool(all_finite(logits) if finite is None else finite):
             raise NumericalError.in_logits(stage, None)
 
     def _decode_step(self, tokens: torch.Tensor, topk_override: Sequence[torch.Tensor | None] | None = None,
