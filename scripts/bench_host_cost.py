@@ -32,11 +32,11 @@ import torch
 from triton import knobs
 
 from minirt.kernels import _launch
-from minirt.kernels import (decode_topk, fp8_gemm, indexer_topk, lightning_indexer_scores, mla_decode_fp8,
+from minirt.kernels import (all_finite, decode_topk, fp8_gemm, indexer_topk, lightning_indexer_scores, mla_decode_fp8,
                             mla_query_absorb, mla_value_proj_fp8, new_index_cache, new_kv_cache, new_model1_cache,
                             paged_indexer_scores, positions_to_slots, quantize_act_fp8, sparse_mla_decode_fp8,
-                            sparse_mla_prefill, sparse_mla_prefill_two_sources, write_index_keys, write_kv_fp8,
-                            write_kv_model1)
+                            sparse_mla_prefill, sparse_mla_prefill_two_sources, swiglu_quantize_fp8,
+                            write_index_keys, write_kv_fp8, write_kv_model1)
 
 DEVICE = "cuda"
 
@@ -127,6 +127,11 @@ def writer_cases():
 def gemm_cases():
     x = bf16(2, 1024)
     yield "quantize_act_fp8", "2 x 1024", lambda: quantize_act_fp8(x)
+    gate_up = bf16(2, 2048)
+    gate, up = gate_up[:, :1024], gate_up[:, 1024:]
+    yield "swiglu_quantize_fp8", "2 x 1024 (halves of 2 x 2048)", lambda: swiglu_quantize_fp8(gate, up)
+    logits = torch.randn(2, 129280, device=DEVICE)
+    yield "all_finite", "2 x 129280 float32", lambda: all_finite(logits)
     a, a_scales = quantize_act_fp8(x)
     w = torch.randn(512, 1024, device=DEVICE).to(torch.float8_e4m3fn)
     w_scales = torch.rand(4, 8, device=DEVICE) + 0.5
