@@ -252,10 +252,10 @@ STREAM_MAX_M = 16
 # Automatic split-K counts this many resident programs per SM (each takes num_stages x k_step x
 # (block_n + 16) x 128 bytes of shared memory, 60 KB by default) and picks the split whose waves of
 # resident programs finish first: a launch of 336 programs on 264 slots (V3.2's o_proj in 64-row
-# blocks at 3 splits) takes two full program times, one of 224 (2 splits) one and a bit. It keeps >= 2 k blocks per program and the
-# fp32 partials' traffic (splits x N x M values, 8 bytes each: written once, read once) <= 1/8 of the
-# weight's N x K bytes; a program's fixed cost (scales, pipeline fill, partial store) is counted as
-# _STREAM_PROGRAM_OVERHEAD k blocks.
+# blocks at 3 splits) takes two full program times, one of 224 (2 splits) one and a bit. It keeps
+# >= 2 k blocks per program and the fp32 partials' traffic (splits x N x M values, 8 bytes each:
+# written once, read once) <= 1/8 of the weight's N x K bytes; a program's fixed cost (scales,
+# pipeline fill, partial store) is counted as _STREAM_PROGRAM_OVERHEAD k blocks.
 STREAM_PROGRAMS_PER_SM = 2
 _STREAM_MIN_K_BLOCKS = 2
 _STREAM_PARTIAL_SHARE = 8

@@ -1,7 +1,7 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
-few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and per-assignment decode products, the decode's split merge, fp8_gemm's
-weight-streaming kernel, the indexer's scores kernels (paged, and V4's CSA
-decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp
+few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and per-assignment decode products,
+the decode's split merge, fp8_gemm's weight-streaming kernel, the indexer's scores kernels (paged, and V4's
+CSA decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp
 partition's register budget and each kernel's spill instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
