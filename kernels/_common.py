@@ -186,10 +186,16 @@ def softmax_rows(m_i, l_i):
 
 
 @triton.jit
+def silu(x):
+    """x · sigmoid(x) in x's (float32) precision."""
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
 def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
     """A MoE expert's silu(gate) * up in float32; HAS_LIMIT (DeepSeek-V4's clamp):
     silu(min(gate, limit)) * clamp(up, -limit, limit)."""
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate / (1.0 + tl.exp(-gate)) * up
+    return silu(gate) * up

@@ -40,7 +40,7 @@ from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape, dequantize_block_f
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
-from ._common import INTERPRET, arrival_counters, check_device, rows_per_program
+from ._common import INTERPRET, arrival_counters, check_device, rows_per_program, silu
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from ._launch import Kept, cdiv, described, launch, per_signature
 
@@ -65,9 +65,7 @@ def _quantize_act_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, n_rows, n_groups, stri
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols, mask=mask[:, None], other=0.0)
     if SWIGLU:
         up = tl.load(up_ptr + rows[:, None] * stride_um + cols, mask=mask[:, None], other=0.0).to(tl.float32)
-        gate = x.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
-        x = (silu * up).to(x.dtype)
+        x = (silu(x.to(tl.float32)).to(x.dtype).to(tl.float32) * up).to(x.dtype)
     codes, scale = pow2_quantize_rows(x.to(tl.float32), MIN_EXPONENT)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols, codes.to(tl.uint8), mask=mask[:, None])
     tl.store(scale_ptr + rows * stride_sm + groups, scale, mask=mask)

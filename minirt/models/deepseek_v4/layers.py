@@ -425,9 +425,9 @@ class Attention(nn.Module):
 
 class MoE(nn.Module):
     """The MoE FFN on x [N, D] (ffn_norm applied; fp32 holding bf16 values, or bf16): [N, D] bf16 = routed
-    experts + shared expert, summed in fp32 and rounded once. ``tp``: ``w`` holds this rank's routed experts (``expert_range``); every rank
-    routes every token and ``expert_parallel_moe`` dispatches them (its sum of the ranks' partials is
-    rounded to bf16)."""
+    experts + shared expert, summed in fp32 and rounded once. ``tp``: ``w`` holds this rank's routed
+    experts (``expert_range``); every rank routes every token and ``expert_parallel_moe`` dispatches them
+    (its sum of the ranks' partials is rounded to bf16)."""
 
     def __init__(self, w: Mapping[str, Tensor], cfg: DeepseekV4Config, index: int, tp: TensorParallel = SINGLE):
         super().__init__()
