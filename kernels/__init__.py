@@ -22,7 +22,8 @@
   ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
   weight, the value projection writing o_proj's fp8 input directly.
 - ``rms_norm`` / ``apply_rope``: RMSNorm of every row, rope on the first dims of every head (either
-  pair layout), one launch each (the runtime layers' norms and rope).
+  pair layout), one launch each (the runtime layers' norms and rope); ``add_rms_norm``: a residual add
+  and the norm of its sum in one launch; either norm can also quantise its result for an fp8 GEMM.
 - ``all_finite``: whether a tensor holds no NaN or ±inf, as a device tensor in one launch (the decode
   step's check of its logits).
 - ``route_topk`` / ``route_hash`` (and ``check_tid2eid``): MoE routing (V3.2's grouped sigmoid top-k,
@@ -66,7 +67,7 @@ from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_index
                             quantize_index_keys, write_index_keys)
 from .fp8_gemm import fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8  # noqa: E402
 from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8  # noqa: E402
-from .rms_norm import rms_norm  # noqa: E402
+from .rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from .finite import all_finite  # noqa: E402
 from .rope import apply_rope  # noqa: E402
 from .moe_routing import check_tid2eid, route_hash, route_topk  # noqa: E402

@@ -138,6 +138,12 @@ def bf16_nearest(x):
 
 
 @triton.jit
+def rounded_to_bf16(y):
+    """fp32 y rounded to the nearest bf16 value (ties to even), as fp32 (``bf16_nearest``); NaN stays NaN."""
+    return tl.where(y == y, bf16_nearest(y), y)
+
+
+@triton.jit
 def writable_slot(slot_ptr, row, num_slots):
     """(slot, valid) of a cache writer's row ``row``: its slot id int64, 0 where it is outside
     [0, num_slots) (valid False: the row's stores are masked off, never out of bounds)."""

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minirt.formats import ACT_MIN_SCALE, E4M3_MAX, ceil_log2
+from minirt.errors import InputError
+from minirt.formats import ACT_MIN_SCALE, E4M3_MAX, FP8_DTYPE, FP8_GROUP, ceil_log2
 
 # The smallest scale exponent of the ACT rule, -22 (the KV rule's is formats.KV_MIN_SCALE_EXPONENT, -13).
 ACT_MIN_EXPONENT = int(ceil_log2(torch.tensor(ACT_MIN_SCALE, dtype=torch.float32)))
@@ -70,3 +71,17 @@ def pow2_quantize_rows(x, MIN_EXPONENT: tl.constexpr):
     formats.quantize_groups' values clamp(x / scale, -448, 448) and pow2_scale's scales."""
     scale, inv_scale = pow2_scale(tl.max(tl.abs(x), 1), MIN_EXPONENT)
     return e4m3_bits(x * inv_scale[:, None]), scale
+
+
+def check_fp8_out(fp8_out, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm kernel's ``fp8_out`` for an output of ``shape`` [M, N] -> (codes viewed as uint8, scales):
+    (codes [M, N] float8_e4m3fn, scales [M, N / 128] float32), unit last strides, N a multiple of 128.
+    Raises InputError otherwise."""
+    codes, scales = fp8_out if isinstance(fp8_out, tuple) and len(fp8_out) == 2 else (None, None)
+    m, n = shape[0], shape[-1]
+    if len(shape) != 2 or n % FP8_GROUP or not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor) \
+            or codes.dtype != FP8_DTYPE or codes.shape != shape or scales.dtype != torch.float32 \
+            or tuple(scales.shape) != (m, n // FP8_GROUP) or codes.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise InputError(f"fp8_out must be (codes {tuple(shape)} float8_e4m3fn, scales [M, N / {FP8_GROUP}] float32) "
+                         f"with unit last strides, for 2-D rows of N a multiple of {FP8_GROUP}")
+    return codes.view(torch.uint8), scales

@@ -16,16 +16,10 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from minirt.formats import FP8_DTYPE, FP8_GROUP
+from minirt.formats import FP8_GROUP
 
-from ._common import bf16_nearest, check_device, rows_per_program
-from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-
-
-@triton.jit
-def _round_to_bf16(y):
-    """fp32 y rounded to the nearest bf16 value (ties to even), as fp32 (``bf16_nearest``); NaN stays NaN."""
-    return tl.where(y == y, bf16_nearest(y), y)
+from ._common import check_device, rounded_to_bf16, rows_per_program
+from ._fp8 import ACT_MIN_EXPONENT, check_fp8_out, pow2_quantize_rows
 
 
 @triton.jit
@@ -50,7 +44,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, codes_pt
         if WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=cols < DIM, other=0.0).to(tl.float32)[None, :]
         if ROUND_BF16:
-            y = _round_to_bf16(y)
+            y = rounded_to_bf16(y)
         tl.store(out_rows[:, None] + cols[None, :], y.to(dtype), mask=mask & (cols[None, :] < DIM - ROPE))
         if FP8:  # the stored values quantised per GROUP columns (rows of 2-D x; no rope): quantize_act_fp8's rule
             G: tl.constexpr = BLOCK_D // GROUP
@@ -65,7 +59,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, codes_pt
         mask = row_mask[:, None] & (cols[None, :] < DIM - ROPE)
         head = tl.load(x_rows[:, None] + cols[None, :], mask=mask)
         if ROUND_BF16:
-            head = _round_to_bf16(head.to(tl.float32))
+            head = rounded_to_bf16(head.to(tl.float32))
         tl.store(out_rows[:, None] + cols[None, :], head.to(dtype), mask=mask)
     if ROPE > 0:  # the pairs as [rows, ROPE / 2, 2] tiles: contiguous (vector) loads and stores
         pair = tl.arange(0, ROPE // 2)
@@ -82,7 +76,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, codes_pt
         a, b = tl.split(x)
         y = tl.join(a * cos - b * sin, a * sin + b * cos)
         if ROUND_BF16:
-            y = _round_to_bf16(y)
+            y = rounded_to_bf16(y)
         tl.store(out_rows[:, None, None] + tail, y.to(dtype), mask=mask)
 
 
@@ -157,24 +151,20 @@ def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[
     elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype not in floats or out.stride(-1) != 1:
         raise InputError(f"out must be a float tensor {tuple(x.shape)} with unit stride along D")
     if fp8_out is not None:
-        codes, scales = fp8_out if isinstance(fp8_out, tuple) and len(fp8_out) == 2 else (None, None)
-        if eps is None or rope or x.dim() != 2 or d % FP8_GROUP or not isinstance(codes, torch.Tensor) \
-                or not isinstance(scales, torch.Tensor) or codes.dtype != FP8_DTYPE or codes.shape != x.shape \
-                or scales.dtype != torch.float32 or tuple(scales.shape) != (t, d // FP8_GROUP) \
-                or codes.stride(-1) != 1 or scales.stride(-1) != 1:
-            raise InputError(f"fp8_out must be (codes {tuple(x.shape)} float8_e4m3fn, scales [{t}, D / {FP8_GROUP}] "
-                             f"float32) with unit last strides, for a norm without rope of 2-D x, D a multiple of "
-                             f"{FP8_GROUP}")
+        if eps is None or rope:
+            raise InputError("fp8_out must be a norm's quantisation: it needs eps and no rope")
+        codes, scales = check_fp8_out(fp8_out, x.shape)
     check_device({"x": x, "out": out, **({"weight": weight} if weight is not None else {}),
                   **({"cos": cos, "sin": sin, "positions": positions} if rope else {}),
-                  **({"codes": fp8_out[0], "scales": fp8_out[1]} if fp8_out is not None else {})})
+                  **({"codes": codes, "scales": scales} if fp8_out is not None else {})})
     n_rows = t * heads
     if n_rows:
         block_d = triton.next_power_of_2(d)
         block_r = rows_per_program(n_rows, block_d)
         dummy = out  # never read: the flags off
         o_strides = (out.stride(0), out.stride(1) if out.dim() == 3 else 0)
-        codes, scales = (fp8_out[0].view(torch.uint8), fp8_out[1]) if fp8_out is not None else (dummy, dummy)
+        if fp8_out is None:
+            codes, scales = dummy, dummy
         _norm_rope_kernel[(triton.cdiv(n_rows, block_r),)](
             x, weight if weight is not None else dummy, cos if rope else dummy, sin if rope else dummy,
             positions if rope else dummy, out, codes, scales, n_rows, heads, x.stride(0),

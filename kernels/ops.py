@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from minirt.formats import FP8_DTYPE, FP8_GROUP
+from minirt.formats import FP8_DTYPE, FP8_GROUP, quantized_like
 
 from .decode_topk import decode_topk
 from .fp8_gemm import fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8
@@ -25,7 +25,7 @@ from .moe_experts import ExpertWeights, moe_experts
 from .moe_routing import route_hash, route_topk
 from .lightning_indexer import indexer_topk
 from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
-from .rms_norm import rms_norm
+from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8
 from .sparse_mla_prefill import sparse_mla_prefill
@@ -77,8 +77,7 @@ def _(scores, topk):
 @_fake(quantize_act_fp8_op)
 @_fake(swiglu_quantize_fp8_op)
 def _(x, up=None):
-    m, k = x.shape
-    return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // FP8_GROUP, dtype=torch.float32)
+    return quantized_like(x)
 
 
 @_registered
@@ -226,6 +225,43 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 @_fake(rms_norm_op)
 def _(x, weight, eps):
     return x.new_empty(x.shape)
+
+
+@_registered
+def rms_norm_fp8_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.rms_norm`` with ``fp8_out`` as a custom op: (y [M, N] of x's dtype, codes, scales)."""
+    codes, scales = quantized_like(x)
+    return rms_norm(x, weight, eps, fp8_out=(codes, scales)), codes, scales
+
+
+@_registered
+def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.add_rms_norm`` as a custom op: (h, y), [M, N] of x's dtype."""
+    return add_rms_norm(x, delta, weight, eps)
+
+
+@_registered
+def add_rms_norm_fp8_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.add_rms_norm`` with ``fp8_out`` as a custom op: (h, y, codes, scales)."""
+    codes, scales = quantized_like(x)
+    return *add_rms_norm(x, delta, weight, eps, fp8_out=(codes, scales)), codes, scales
+
+
+@_fake(rms_norm_fp8_op)
+def _(x, weight, eps):
+    return x.new_empty(x.shape), *quantized_like(x)
+
+
+@_fake(add_rms_norm_op)
+def _(x, delta, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@_fake(add_rms_norm_fp8_op)
+def _(x, delta, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape), *quantized_like(x)
 
 
 @_registered

@@ -2,6 +2,8 @@
 
 y[m, :] = x[m, :] · rsqrt(mean(x[m, :]²) + eps) · weight, computed in fp32 and rounded to x's dtype
 (DeepSeek's RMSNorm, as ``minirt.models.deepseek_v32.layers.RMSNorm`` and the eager reference define it).
+The same launch can add the residual first (``add_rms_norm``: a layer's ``h = x + attn``, then the
+norm of h) and quantise y for the next fp8 GEMM (``fp8_out``): three launches of a decode step in one.
 """
 from __future__ import annotations
 
@@ -12,22 +14,41 @@ import triton
 import triton.language as tl
 
 from minirt.errors import InputError
+from minirt.formats import FP8_GROUP
 
-from ._common import check_device
+from ._common import check_device, rounded_to_bf16
+from ._fp8 import ACT_MIN_EXPONENT, check_fp8_out, pow2_quantize_rows
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n, stride_xm, stride_om, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, codes_ptr, scales_ptr, n, stride_xm, stride_dm,
+                     stride_hm, stride_om, stride_cm, stride_sm, eps, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                     FP8: tl.constexpr, GROUP: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # h = x + delta rounded to h's dtype as torch rounds it (to nearest, also when interpreted)
+        x += tl.load(delta_ptr + row * stride_dm + cols, mask=mask, other=0.0).to(tl.float32)
+        if sum_ptr.dtype.element_ty == tl.bfloat16:
+            x = rounded_to_bf16(x)
+        x = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_hm + cols, x, mask=mask)
+        x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    tl.store(out_ptr + row * stride_om + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (x * inv * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_om + cols, y, mask=mask)
+    if FP8:  # the stored y quantised per GROUP columns: quantize_act_fp8's codes and scales
+        G: tl.constexpr = BLOCK // GROUP
+        codes, scale = pow2_quantize_rows(tl.reshape(y.to(tl.float32), (G, GROUP)), MIN_EXPONENT)
+        tl.store(codes_ptr + row * stride_cm + cols, tl.reshape(codes, (BLOCK,)).to(tl.uint8), mask=mask)
+        groups = tl.arange(0, G)
+        tl.store(scales_ptr + row * stride_sm + groups, scale, mask=groups < n // GROUP)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional[torch.Tensor] = None,
+             fp8_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """
     RMSNorm of every row: out[m] = x[m] · rsqrt(mean(x[m]²) + eps) · weight, in fp32, rounded to x's dtype.
 
@@ -38,6 +59,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional
         eps: added to the mean square, a float >= 0.
         out: keyword-only, optional preallocated [M, N] of x's dtype with unit stride along N; every
             element is overwritten.
+        fp8_out: keyword-only, optional (codes [M, N] float8_e4m3fn, scales [M, N / 128] float32) with
+            unit last strides, N a multiple of 128: also written, the stored result quantised for an
+            fp8 GEMM bit for bit as ``quantize_act_fp8`` quantises it.
 
     Returns:
         [M, N] of x's dtype (``out`` when given). M = 0 gives an empty result. The sum of squares
@@ -47,6 +71,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional
     Raises:
         minirt.errors.InputError: wrong ranks, dtypes, shapes or strides, or a device the kernels cannot use.
     """
+    _check(x, weight, out)
+    return _launch(x, None, weight, eps, None, out, fp8_out)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 fp8_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    A residual add and the RMSNorm of its result in one launch: h = x + delta (in fp32, rounded to
+    x's dtype to nearest, as torch's ``x + delta`` of one dtype), y = ``rms_norm(h, weight, eps)``.
+
+    Args:
+        x, delta: [M, N] of one dtype (bfloat16, float16 or float32) with unit stride along N (any
+            row strides). N up to 65536.
+        weight, eps, fp8_out: as in ``rms_norm`` (fp8_out quantises y).
+
+    Returns:
+        (h, y): new contiguous [M, N] tensors of x's dtype. M = 0 gives empty results.
+
+    Raises:
+        minirt.errors.InputError: as ``rms_norm``; delta of another shape or dtype than x.
+    """
+    _check(x, weight, None)
+    if not isinstance(delta, torch.Tensor) or delta.shape != x.shape or delta.dtype != x.dtype or \
+            (x.shape[1] > 1 and delta.stride(1) != 1):
+        raise InputError(f"delta must be a {x.dtype} tensor {list(x.shape)} with unit stride along N, got "
+                         f"{getattr(delta, 'dtype', type(delta).__name__)} {list(getattr(delta, 'shape', ()))}")
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return h, _launch(x, delta, weight, eps, h, None, fp8_out)
+
+
+def _check(x, weight, out) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InputError(f"x must be a 2-D bfloat16, float16 or float32 tensor [M, N], got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
@@ -55,14 +110,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional
         raise InputError(f"weight must be a float tensor [{n}], got {tuple(getattr(weight, 'shape', ()))}")
     if not 1 <= n <= 65536 or (n > 1 and x.stride(1) != 1):
         raise InputError(f"x needs 1 <= N <= 65536 and unit stride along N, got shape {tuple(x.shape)}, strides {x.stride()}")
+    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype or
+                            (n > 1 and out.stride(1) != 1)):
+        raise InputError(f"out must be a [{m}, {n}] {x.dtype} tensor with unit stride along N")
+
+
+def _launch(x, delta, weight, eps, h, out, fp8_out) -> torch.Tensor:
+    m, n = x.shape
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype or \
-            (n > 1 and out.stride(1) != 1):
-        raise InputError(f"out must be a [{m}, {n}] {x.dtype} tensor with unit stride along N")
-    check_device({"x": x, "weight": weight, "out": out})
+    codes, scales = check_fp8_out(fp8_out, x.shape) if fp8_out is not None else (out, out)  # never read: FP8 off
+    check_device({"x": x, "weight": weight, "out": out, **({"delta": delta, "h": h} if delta is not None else {}),
+                  **({"codes": codes, "scales": scales} if fp8_out is not None else {})})
     if m:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(m,)](x, weight, out, n, x.stride(0), out.stride(0), float(eps), BLOCK=block,
-                               num_warps=min(16, max(1, block // 512)))
+        _rms_norm_kernel[(m,)](x, x if delta is None else delta, weight, out if h is None else h, out, codes, scales,
+                               n, x.stride(0), 0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0),
+                               out.stride(0), codes.stride(0), scales.stride(0), float(eps), BLOCK=block,
+                               ADD=delta is not None, FP8=fp8_out is not None, GROUP=FP8_GROUP,
+                               MIN_EXPONENT=ACT_MIN_EXPONENT, num_warps=min(16, max(1, block // 512)))
     return out

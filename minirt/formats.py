@@ -90,3 +90,10 @@ def quantize_groups(x: torch.Tensor, min_scale: float = ACT_MIN_SCALE, group: in
     scale = pow2_scale(groups.abs().amax(-1), min_scale)
     values = (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return values.flatten(-2), scale
+
+
+def quantized_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (codes [M, K] e4m3, scales [M, K / 128] float32) on x's device: the buffers of x
+    [M, K]'s quantisation as ``quantize_groups`` lays it out (a norm kernel's ``fp8_out``)."""
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, device=x.device))

@@ -1,10 +1,11 @@
-"""rms_norm (one launch per call) against an fp64 torch RMSNorm, on fresh random rows of varying scale."""
+"""rms_norm and add_rms_norm (one launch per call) against an fp64 torch RMSNorm, on fresh random rows of varying
+scale; their fp8 outputs against quantize_act_fp8."""
 import pytest
 import torch
 
 from conftest import DEVICE
 from minirt.errors import InputError
-from minirt.kernels import rms_norm
+from minirt.kernels import add_rms_norm, quantize_act_fp8, rms_norm
 from minirt.report import rel_err
 
 
@@ -49,3 +50,70 @@ def test_rms_norm_refuses_bad_input():
 def test_rms_norm_op_schema_and_fake():
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
     torch.library.opcheck(torch.ops.minirt.rms_norm, (x, torch.ones(256, device=DEVICE), 1e-6))
+
+
+def _poisoned_fp8_out(m: int, n: int):
+    """fp8_out buffers full of NaN (0x7F is e4m3fn's NaN): a value the kernel does not write stays NaN."""
+    codes = torch.full((m, n), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    return codes, torch.full((m, n // 128), float("nan"), device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 1536), (torch.float32, 384), (torch.bfloat16, 7168)])
+def test_rms_norm_fp8_out_is_quantize_act_fp8s(dtype, n):
+    """fp8_out: the stored result's quantize_act_fp8, bit for bit (N not a power of two too), all written."""
+    gen = torch.Generator().manual_seed(n + 1)
+    wide = torch.randn(3, n + 128, generator=gen) * torch.logspace(-2, 2, 3)[:, None]
+    x = wide.to(DEVICE, dtype)[:, 128:]
+    weight = (1 + 0.5 * torch.randn(n, generator=gen)).to(DEVICE)
+    codes, scales = _poisoned_fp8_out(3, n)
+    y = rms_norm(x, weight, 1e-6, fp8_out=(codes, scales))
+    assert torch.equal(y, rms_norm(x, weight, 1e-6))
+    want_codes, want_scales = quantize_act_fp8(y)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    """h bit for bit torch's x + delta (rounded to nearest, interpreted too), y the norm of h, the fp8 pair
+    quantize_act_fp8's of y; x and delta with row strides wider than their rows."""
+    n = 7168
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(4, n + 64, generator=gen) * 3).to(DEVICE, dtype)[:, 64:]
+    delta = torch.randn(4, n + 128, generator=gen).to(DEVICE, dtype)[:, :n]
+    weight = (1 + 0.5 * torch.randn(n, generator=gen)).to(DEVICE)
+    codes, scales = _poisoned_fp8_out(4, n)
+    h, y = add_rms_norm(x, delta, weight, 1e-6, fp8_out=(codes, scales))
+    assert h.dtype == y.dtype == dtype
+    assert torch.equal(h, x + delta)
+    assert torch.equal(y, rms_norm(x + delta, weight, 1e-6))
+    for row in range(4):
+        assert rel_err(y[row], reference(h, weight, 1e-6)[row]) < (2**-8 if dtype == torch.bfloat16 else 1e-6)
+    want_codes, want_scales = quantize_act_fp8(y)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    h2, y2 = add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(h2, h) and torch.equal(y2, y)
+
+
+def test_add_rms_norm_refuses_bad_input():
+    x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.ones(256, device=DEVICE)
+    with pytest.raises(InputError, match=r"delta must be a torch.bfloat16 tensor \[3, 256\]"):
+        add_rms_norm(x, x.float(), weight, 1e-6)
+    with pytest.raises(InputError, match="delta must be"):
+        add_rms_norm(x, x[:2], weight, 1e-6)
+    codes, scales = _poisoned_fp8_out(3, 256)
+    with pytest.raises(InputError, match="fp8_out must be"):
+        add_rms_norm(x, x, weight, 1e-6, fp8_out=(codes[:2], scales))
+    with pytest.raises(InputError, match="fp8_out must be"):
+        rms_norm(x[:, :200], weight[:200], 1e-6, fp8_out=(codes[:, :200], scales))
+
+
+def test_add_rms_norm_ops_schema_and_fake():
+    gen = torch.Generator().manual_seed(5)
+    x, delta = (torch.randn(3, 256, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = torch.ones(256, device=DEVICE)
+    torch.library.opcheck(torch.ops.minirt.rms_norm_fp8, (x, weight, 1e-6))
+    torch.library.opcheck(torch.ops.minirt.add_rms_norm, (x, delta, weight, 1e-6))
+    torch.library.opcheck(torch.ops.minirt.add_rms_norm_fp8, (x, delta, weight, 1e-6))

@@ -26,11 +26,12 @@ from .context import StepContext
 from ...errors import InputError
 from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
-from ...kernels.ops import (apply_rope_op as apply_rope, decode_topk_op as decode_topk,
+from ...kernels.ops import (add_rms_norm_fp8_op as add_rms_norm_fp8, add_rms_norm_op as add_rms_norm,
+                          apply_rope_op as apply_rope, decode_topk_op as decode_topk,
                           indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
                           mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
-                          paged_indexer_scores_op as paged_indexer_scores,
-                          quantize_act_fp8_op as quantize_act_fp8, rms_norm_op as rms_norm,
+                          paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
+                          rms_norm_fp8_op as rms_norm_fp8, rms_norm_op as rms_norm,
                           sparse_mla_prefill_op as sparse_mla_prefill, swiglu_quantize_fp8_op as swiglu_quantize_fp8,
                           write_kv_fp8_op as write_kv_fp8)
 from ...blockfp8 import DEFAULT_BLOCK, block_scale_shape
@@ -41,7 +42,10 @@ from ...parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabPar
 
 class RMSNorm(nn.Module):
     """x · rsqrt(mean(x²) + eps) · weight over the last dim, in fp32, rounded to x's dtype (one
-    ``rms_norm`` launch: a row slice of a fused projection's output goes in as it is)."""
+    ``rms_norm`` launch: a row slice of a fused projection's output goes in as it is).
+
+    ``quantized(x)`` also returns the result's fp8 quantisation for the next fp8 GEMM, and
+    ``after_add(x, delta, fp8)`` norms the residual sum x + delta: one launch each (``add_rms_norm``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -50,6 +54,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+    def quantized(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [N, dim] -> (y [N, dim], (codes, scales)): y = forward(x) and its quantisation (what
+        ``Fp8Linear`` would quantise y to, bit for bit), in one launch."""
+        y, codes, scales = rms_norm_fp8(x, self.weight, self.eps)
+        return y, (codes, scales)
+
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor, fp8: bool = False):
+        """x, delta [N, dim] -> (h, y, y_fp8): h = x + delta in x's dtype, y = forward(h), y_fp8 its
+        quantisation (``quantized``) with ``fp8``, else None; one launch."""
+        if fp8:
+            h, y, codes, scales = add_rms_norm_fp8(x, delta.to(x.dtype), self.weight, self.eps)
+            return h, y, (codes, scales)
+        return *add_rms_norm(x, delta.to(x.dtype), self.weight, self.eps), None
 
 
 def _linear(d_in: int, d_out: int, fp8: bool = False) -> nn.Module:
@@ -223,13 +241,19 @@ class MLAAttention(nn.Module):
     def _kv_b(self) -> torch.Tensor:
         return self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [T, hidden] -> (q_absorbed [T, H, 576], latent [T, 512], k_rope [T, 64], qr [T, q_lora_rank],
         index_k, index_q): the indexer's projections wk(x) [T, index_head_dim] and wq_b(qr)
-        [T, index_n_heads * index_head_dim] as they come out of the GEMMs (None without an indexer)."""
-        q_a, *index_k, kv_a = self.fused_x(x) if self.fused_x is not None else [p(x) for p in self._x_projections()]
-        qr = self.q_a_layernorm(q_a)
-        q, *index_q = self.fused_qr(qr) if self.fused_qr is not None else [p(qr) for p in self._qr_projections()]
+        [T, index_n_heads * index_head_dim] as they come out of the GEMMs (None without an indexer).
+        x_fp8: x's quantisation for the fp8 projections (``RMSNorm.quantized``), or None."""
+        x_in = x if x_fp8 is None else x_fp8
+        q_a, *index_k, kv_a = self.fused_x(x_in) if self.fused_x is not None else [p(x_in) for p in self._x_projections()]
+        if self.fp8_weights:  # qr's norm writes the fp8 operand of its projections too
+            qr, qr_in = self.q_a_layernorm.quantized(q_a)
+        else:
+            qr = qr_in = self.q_a_layernorm(q_a)
+        q, *index_q = self.fused_qr(qr_in) if self.fused_qr is not None else [p(qr_in) for p in self._qr_projections()]
         q_nope, q_rope = q.view(-1, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
         q_rope = apply_rope(q_rope, cos, sin, self.rope, True)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], -1)
@@ -254,8 +278,10 @@ class MLAAttention(nn.Module):
             out = self.o_proj(o.flatten(1))
         return self.tp.all_reduce(out)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """x [N, hidden] (the normed layer input) -> attention output [N, hidden].
+    def forward(self, x: torch.Tensor, ctx: StepContext, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """x [N, hidden] (the normed layer input) -> attention output [N, hidden]. x_fp8: x's
+        quantisation for the fp8 projections (``RMSNorm.quantized``), or None (quantised here).
 
         The new tokens' latents go to ``ctx.slots`` of this layer's fp8 cache and their indexer keys to
         the key cache (when ``ctx.cache`` is set). Prefill: causal sparse attention of each segment's
@@ -263,7 +289,7 @@ class MLAAttention(nn.Module):
         sequence over the fp8 paged cache. The top-k positions come from ``ctx.topk_override`` for
         this layer when given, else from the indexer (V3.2) or every earlier position (V3).
         """
-        q_abs, latent, k_rope, qr, index_k, index_q = self.project(x, ctx.cos, ctx.sin)
+        q_abs, latent, k_rope, qr, index_k, index_q = self.project(x, ctx.cos, ctx.sin, x_fp8)
         cache = ctx.cache.layers[self.layer_index] if ctx.cache is not None else None
         if cache is not None:
             write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), ctx.slots)
@@ -348,8 +374,11 @@ class DenseMLP(nn.Module):
     def fuse_projections(self) -> None:
         self.fused_gate_up = FusedProjection([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+    def forward(self, x: torch.Tensor, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden]; x_fp8: x's quantisation for fp8 gate and up projections
+        (``RMSNorm.quantized``), or None."""
+        x_in = x if x_fp8 is None else x_fp8
+        gate, up = self.fused_gate_up(x_in) if self.fused_gate_up is not None else (self.gate_proj(x_in), self.up_proj(x_in))
         if isinstance(self.down_proj, Fp8Linear):   # silu(gate) · up quantised for it in one launch
             width = gate.shape[-1]
             pair = swiglu_quantize_fp8(gate.reshape(-1, width), up.reshape(-1, width))
@@ -415,8 +444,9 @@ class MoE(nn.Module):
 
     ``gate``: any module mapping x [T, hidden] to (weights [T, k] fp32, expert ids [T, k] int32), the
     V3 / V3.2 ``TopkRouter`` by default (``from_config``); another model family passes its own router
-    and ``swiglu_limit``. ``shared_experts``: a module on every token, or None. forward(x [T, hidden],
-    routing=None) -> [T, hidden] in x's dtype; ``routing`` = (weights, expert ids) replaces the gate's
+    and ``swiglu_limit``. ``shared_experts``: a module on every token, called as ``DenseMLP`` is
+    (forward(x, x_fp8)), or None. forward(x [T, hidden], routing=None, x_fp8=None) -> [T, hidden] in
+    x's dtype; ``routing`` = (weights, expert ids) replaces the gate's
     choice (to compare the experts' numerics on a reference's routing). No host sync (CUDA-graph
     capturable when the gate is). ``tp`` (expert parallelism): ``experts`` holds this rank's
     ``n_experts / N`` of the ``n_experts`` routed experts; the tokens are dispatched and combined with
@@ -440,13 +470,15 @@ class MoE(nn.Module):
         return cls(TopkRouter(cfg), RoutedExperts(moe.n_routed_experts // tp.world, cfg.hidden_size,
                                                   moe.moe_intermediate_size), shared, tp, moe.n_routed_experts)
 
-    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x_fp8: x's quantisation for fp8 shared experts (``RMSNorm.quantized``), or None."""
         if self.tp.world > 1:
             return expert_parallel_moe(x, self.gate, self.experts, self.shared_experts, routing, self.n_experts,
                                        self.tp)
         weights, expert_ids = self.gate(x) if routing is None else routing
         out = self.experts(x, expert_ids.to(torch.int32), weights.float()).to(x.dtype)
-        return out if self.shared_experts is None else out + self.shared_experts(x).to(x.dtype)
+        return out if self.shared_experts is None else out + self.shared_experts(x, x_fp8).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -488,11 +520,13 @@ class DecoderLayer(nn.Module):
         holds no cache or top-k override entry for ``layer_index``.
         """
         _check_layer_input(x, ctx, self.layer_index, self.input_layernorm.weight.shape[0])
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        fp8 = self.self_attn.fp8_weights  # the norms write their fp8 GEMMs' operands too
+        normed, normed_fp8 = self.input_layernorm.quantized(x) if fp8 else (self.input_layernorm(x), None)
+        h, normed, normed_fp8 = self.post_attention_layernorm.after_add(x, self.self_attn(normed, ctx, normed_fp8), fp8)
         if isinstance(self.mlp, MoE):
             routing = ctx.expert_override[self.layer_index] if ctx.expert_override is not None else None
-            return h + self.mlp(self.post_attention_layernorm(h), routing)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            return h + self.mlp(normed, routing, normed_fp8)
+        return h + self.mlp(normed, normed_fp8)
 
 
 def _check_layer_input(x, ctx: StepContext, layer_index: int, hidden: int) -> None:

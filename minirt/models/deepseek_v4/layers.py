@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ...context import KVStash, PrefillTrace, Segment
 from ...errors import ConfigError
-from ...formats import FP8_DTYPE, FP8_GROUP
+from ...formats import quantized_like
 from ...fp8_linear import Fp8Linear
 from ...kernels import (decode_topk, indexer_topk, lightning_indexer_scores, sparse_mla_decode_fp8, sparse_mla_prefill,
                         sparse_mla_prefill_two_sources, write_kv_model1)
@@ -112,12 +112,6 @@ def rmsnorm_bf16(x: Tensor, weight: Tensor, eps: float, fp8: bool = False) -> tu
     with ``fp8`` also its quantisation (codes, scales) for an fp8 GEMM, else None)."""
     fp8_out = quantized_like(x) if fp8 else None
     return norm_rope(x, eps=eps, weight=weight, round_to_bf16=True, fp8_out=fp8_out), fp8_out
-
-
-def quantized_like(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Uninitialised (codes [N, d] e4m3, scales [N, d / 128] fp32) for norm_rope's ``fp8_out`` of x [N, d]."""
-    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-            torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, device=x.device))
 
 
 def fp8_linear(weight: Tensor, scale: Tensor) -> Fp8Linear:
