@@ -206,13 +206,16 @@ def _(q, weights, cache, block_table, limit, n_keys=None):
 
 @_registered
 def apply_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
-                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``minirt.kernels.apply_rope`` as a custom op: x's shape, out_dtype (default x's)."""
-    return apply_rope(x, cos, sin, rope_dims, interleaved, out_dtype)
+                  out_dtype: Optional[torch.dtype] = None, norm_weight: Optional[torch.Tensor] = None,
+                  norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 0.0) -> torch.Tensor:
+    """``minirt.kernels.apply_rope`` as a custom op: x's shape, out_dtype (default x's); norm_weight and
+    norm_bias given: ``layer_norm=(norm_weight, norm_bias, norm_eps)``."""
+    layer_norm = (norm_weight, norm_bias, norm_eps) if norm_weight is not None or norm_bias is not None else None
+    return apply_rope(x, cos, sin, rope_dims, interleaved, out_dtype, layer_norm=layer_norm)
 
 
 @_fake(apply_rope_op)
-def _(x, cos, sin, rope_dims, interleaved, out_dtype=None):
+def _(x, cos, sin, rope_dims, interleaved, out_dtype=None, norm_weight=None, norm_bias=None, norm_eps=0.0):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 

@@ -1,4 +1,5 @@
-"""Rope in one launch: rotate the first dims of every head by its token's angles, copy the rest.
+"""Rope in one launch: rotate the first dims of every head by its token's angles, copy the rest
+(optionally each row layer-normed first: the V3.2 indexer's key epilogue in one launch).
 
 Two layouts of the rotated pairs: interleaved ``(x[2i], x[2i+1])`` (MLA) and half-split
 ``(x[i], x[i + r/2])`` (the V3.2 indexer), as ``minirt.rope.apply_rope_interleaved`` /
@@ -18,14 +19,34 @@ from ._common import check_device
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
-                 ROPE: tl.constexpr, DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _layer_normed(v, cols, mean, rstd, w_ptr, b_ptr, LAYER_NORM: tl.constexpr):
+    """fp32 v [rows, cols] normalised by its rows' (mean, rstd) and times the weight plus the bias at
+    columns ``cols`` when LAYER_NORM; v itself otherwise."""
+    if LAYER_NORM:
+        w = tl.load(w_ptr + cols).to(tl.float32)
+        b = tl.load(b_ptr + cols).to(tl.float32)
+        v = (v - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
+    return v
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, b_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
+                 eps, ROPE: tl.constexpr, DIM: tl.constexpr, INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROW: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h[:, None] < heads
     x_rows = x_ptr + t * stride_xt + h[:, None].to(tl.int64) * stride_xh
     out_rows = out_ptr + (t * heads + h[:, None].to(tl.int64)) * DIM
+    mean = tl.zeros((BLOCK_H,), tl.float32)
+    rstd = tl.full((BLOCK_H,), 1.0, tl.float32)
+    if LAYER_NORM:  # each head's row statistics first; the pieces below are normalised as they load
+        cols = tl.arange(0, BLOCK_ROW)
+        in_row = cols[None, :] < DIM
+        row = tl.load(x_rows + cols[None, :], mask=h_mask & in_row, other=0.0).to(tl.float32)
+        mean = tl.sum(row, axis=1) / DIM
+        centred = tl.where(in_row, row - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / DIM + eps)
     pair = tl.arange(0, ROPE // 2)
     if INTERLEAVED:
         first, second = 2 * pair, 2 * pair + 1
@@ -33,22 +54,31 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, 
         first, second = pair, pair + ROPE // 2
     cos = tl.load(cos_ptr + t * stride_ct + pair)[None, :].to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_st + pair)[None, :].to(tl.float32)
-    a = tl.load(x_rows + first[None, :], mask=h_mask).to(tl.float32)
-    b = tl.load(x_rows + second[None, :], mask=h_mask).to(tl.float32)
+    a = _layer_normed(tl.load(x_rows + first[None, :], mask=h_mask).to(tl.float32), first, mean, rstd, w_ptr, b_ptr,
+                      LAYER_NORM)
+    b = _layer_normed(tl.load(x_rows + second[None, :], mask=h_mask).to(tl.float32), second, mean, rstd, w_ptr, b_ptr,
+                      LAYER_NORM)
     dtype = out_ptr.dtype.element_ty
     tl.store(out_rows + first[None, :], (a * cos - b * sin).to(dtype), mask=h_mask)
     tl.store(out_rows + second[None, :], (a * sin + b * cos).to(dtype), mask=h_mask)
-    if DIM > ROPE:  # the dims after the rotated ones: copied (cast to out's dtype)
+    if DIM > ROPE:  # the dims after the rotated ones: copied (normalised first with LAYER_NORM), cast to out's dtype
         rest = ROPE + tl.arange(0, BLOCK_D)
         mask = h_mask & (rest[None, :] < DIM)
-        tl.store(out_rows + rest[None, :], tl.load(x_rows + rest[None, :], mask=mask).to(dtype), mask=mask)
+        if LAYER_NORM:
+            v = _layer_normed(tl.load(x_rows + rest[None, :], mask=mask, other=0.0).to(tl.float32),
+                              tl.minimum(rest, DIM - 1), mean, rstd, w_ptr, b_ptr, LAYER_NORM)
+        else:
+            v = tl.load(x_rows + rest[None, :], mask=mask)
+        tl.store(out_rows + rest[None, :], v.to(dtype), mask=mask)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, *,
+               layer_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """
     Rotate dims [0, rope_dims) of every head of every token by that token's angles, in fp32; the
-    dims after them are copied.
+    dims after them are copied. With ``layer_norm`` every head's row is first layer-normed (the V3.2
+    indexer's keys: its k_norm, then rope).
 
     Args:
         x: [T, D] or [T, H, D] bfloat16, float16 or float32, unit stride along D (any token and head
@@ -59,6 +89,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
         interleaved: True: pairs (x[2i], x[2i+1]) (MLA); False: (x[i], x[i + rope_dims / 2]) (the
             indexer).
         out_dtype: the result's dtype (default x's).
+        layer_norm: keyword-only, optional (weight [D], bias [D], eps) of any float dtype (read as fp32):
+            each row x[t, h] becomes (x − mean) · rsqrt(var + eps) · weight + bias over its D dims (var
+            biased, as ``torch.nn.functional.layer_norm``), in fp32, before the rotation.
 
     Returns:
         A new contiguous tensor of x's shape: first' = first·cos − second·sin, second' =
@@ -81,13 +114,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
                 not table.is_floating_point() or (rope_dims > 2 and table.stride(1) != 1):
             raise InputError(f"{name} must be a float tensor [{t}, {rope_dims // 2}] with unit last stride, got "
                              f"{tuple(getattr(table, 'shape', ()))}")
-    check_device({"x": x, "cos": cos, "sin": sin})
+    weight, bias, eps = layer_norm if isinstance(layer_norm, tuple) and len(layer_norm) == 3 else (None, None, None)
+    if layer_norm is not None and not all(isinstance(v, torch.Tensor) and tuple(v.shape) == (d,) and
+                                          v.is_floating_point() for v in (weight, bias)):
+        raise InputError(f"layer_norm must be (weight [{d}], bias [{d}], eps), float tensors and a float")
+    check_device({"x": x, "cos": cos, "sin": sin, **({"weight": weight, "bias": bias} if layer_norm else {})})
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     heads = x.shape[1] if x.dim() == 3 else 1
     if t and heads:
         block_h = min(triton.next_power_of_2(heads), 16)
         _rope_kernel[(t, triton.cdiv(heads, block_h))](
-            x, cos, sin, out, heads, x.stride(0), x.stride(1) if x.dim() == 3 else 0, cos.stride(0), sin.stride(0),
-            ROPE=rope_dims, DIM=d, INTERLEAVED=interleaved, BLOCK_H=block_h,
-            BLOCK_D=triton.next_power_of_2(max(d - rope_dims, 1)), num_warps=4)
+            x, cos, sin, out, x if weight is None else weight, x if bias is None else bias, heads, x.stride(0),
+            x.stride(1) if x.dim() == 3 else 0, cos.stride(0), sin.stride(0), 0.0 if eps is None else float(eps),
+            ROPE=rope_dims, DIM=d, INTERLEAVED=interleaved, LAYER_NORM=layer_norm is not None, BLOCK_H=block_h,
+            BLOCK_D=triton.next_power_of_2(max(d - rope_dims, 1)), BLOCK_ROW=triton.next_power_of_2(d), num_warps=4)
     return out

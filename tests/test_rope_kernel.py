@@ -1,6 +1,7 @@
 """apply_rope (one launch) against the eager reference's rope functions in fp64, both pair layouts."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import DEVICE
 from minirt.errors import InputError
@@ -33,6 +34,27 @@ def test_rope_matches_the_reference_on_a_slice(interleaved, heads, dtype):
     assert flat.dtype == dtype and rel_err(flat, expected[:, 0]) < (2**-8 if dtype == torch.bfloat16 else 1e-6)
 
 
+@pytest.mark.parametrize("heads, dim", [(1, 128), (3, 96)])
+def test_rope_after_a_layer_norm_matches_the_reference(heads, dim):
+    """layer_norm: each head's row layer-normed (weight, bias) in fp32, then the half-split rope: the V3.2
+    indexer's keys (F.layer_norm and apply_rope_half in fp64); rows of very different scales, means 3 std."""
+    gen = torch.Generator().manual_seed(dim)
+    t, rope = 5, 64
+    wide = (torch.randn(t, heads, dim + 32, generator=gen) + 3.0) * torch.logspace(-2, 2, t)[:, None, None]
+    x = wide.to(DEVICE, torch.bfloat16)[..., 32:]
+    weight, bias = (1 + 0.5 * torch.randn(dim, generator=gen)), 0.3 * torch.randn(dim, generator=gen)
+    cos, sin = angles(t, rope // 2, gen)
+    out = apply_rope(x, cos.float().to(DEVICE), sin.float().to(DEVICE), rope, False, torch.float32,
+                     layer_norm=(weight.to(DEVICE), bias.to(DEVICE), 1e-6))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    normed = F.layer_norm(x.double().cpu(), (dim,), weight.double(), bias.double(), 1e-6)
+    expected = torch.cat([apply_rope_half(normed[..., :rope], cos[:, None], sin[:, None]), normed[..., rope:]], dim=-1)
+    for row in range(t):
+        assert rel_err(out[row], expected[row]) < 1e-6
+    with pytest.raises(InputError, match=r"layer_norm must be \(weight \[%d\]" % dim):
+        apply_rope(x, cos.float().to(DEVICE), sin.float().to(DEVICE), rope, False, layer_norm=(weight[:4], bias, 1e-6))
+
+
 def test_rope_refuses_bad_input():
     x = torch.randn(2, 64, device=DEVICE)
     cos = torch.ones(2, 32, device=DEVICE)
@@ -46,3 +68,5 @@ def test_rope_op_schema_and_fake():
     x = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
     cos = torch.rand(3, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     torch.library.opcheck(torch.ops.minirt.apply_rope, (x, cos, cos, 32, False, torch.float32))
+    weight = torch.rand(64, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    torch.library.opcheck(torch.ops.minirt.apply_rope, (x, cos, cos, 32, False, torch.float32, weight, weight, 1e-6))

@@ -137,16 +137,19 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = _linear(cfg.hidden_size, self.n_heads)
 
-    def _rope_and_rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = apply_rope(x, cos, sin, self.rope_dim, False, torch.float32)  # half-split rope on the first dims
+    def _rope_and_rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """Half-split rope on the first dims in fp32 (after ``norm`` of each row, in the same launch), then
+        the Hadamard rotation in fp8 mode."""
+        norm_args = (norm.weight, norm.bias, norm.eps) if norm is not None else ()
+        x = apply_rope(x, cos, sin, self.rope_dim, False, torch.float32, *norm_args)
         return hadamard_rotate(x) if self.precision == "fp8" else x
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden] -> indexer keys [T, head_dim] fp32 (rotated in fp8 mode; the key cache
-        quantises them). k: wk(x) when computed already (the attention's fused projection)."""
-        k = F.layer_norm((self.wk(x) if k is None else k).float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
-                         self.k_norm.eps)
-        return self._rope_and_rotate(k, cos, sin)
+        """x [T, hidden] -> indexer keys [T, head_dim] fp32: k_norm (in fp32), rope, and in fp8 mode the
+        rotation (the key cache quantises them). k: wk(x) when computed already (the attention's fused
+        projection)."""
+        return self._rope_and_rotate(self.wk(x) if k is None else k, cos, sin, self.k_norm)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q: torch.Tensor | None = None):
