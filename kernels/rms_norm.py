@@ -22,10 +22,11 @@ from ._fp8 import ACT_MIN_EXPONENT, check_fp8_out, pow2_quantize_rows
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, codes_ptr, scales_ptr, n, stride_xm, stride_dm,
-                     stride_hm, stride_om, stride_cm, stride_sm, eps, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                     FP8: tl.constexpr, GROUP: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+                     stride_hm, stride_om, stride_cm, stride_sm, eps, ROWS: tl.constexpr, COLS: tl.constexpr,
+                     ADD: tl.constexpr, FP8: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    # Program = one row of x, held as a [ROWS, COLS] tile: with FP8 each tile row is one quantisation group.
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     mask = cols < n
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:  # h = x + delta rounded to h's dtype as torch rounds it (to nearest, also when interpreted)
@@ -36,15 +37,14 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, codes_ptr, scale
         tl.store(sum_ptr + row * stride_hm + cols, x, mask=mask)
         x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / n + eps)
     y = (x * inv * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_om + cols, y, mask=mask)
-    if FP8:  # the stored y quantised per GROUP columns: quantize_act_fp8's codes and scales
-        G: tl.constexpr = BLOCK // GROUP
-        codes, scale = pow2_quantize_rows(tl.reshape(y.to(tl.float32), (G, GROUP)), MIN_EXPONENT)
-        tl.store(codes_ptr + row * stride_cm + cols, tl.reshape(codes, (BLOCK,)).to(tl.uint8), mask=mask)
-        groups = tl.arange(0, G)
-        tl.store(scales_ptr + row * stride_sm + groups, scale, mask=groups < n // GROUP)
+    if FP8:  # the stored y quantised per tile row (COLS = 128 columns): quantize_act_fp8's codes and scales
+        codes, scale = pow2_quantize_rows(y.to(tl.float32), MIN_EXPONENT)
+        tl.store(codes_ptr + row * stride_cm + cols, codes.to(tl.uint8), mask=mask)
+        groups = tl.arange(0, ROWS)
+        tl.store(scales_ptr + row * stride_sm + groups, scale, mask=groups < n // COLS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional[torch.Tensor] = None,
@@ -124,9 +124,10 @@ def _launch(x, delta, weight, eps, h, out, fp8_out) -> torch.Tensor:
                   **({"codes": codes, "scales": scales} if fp8_out is not None else {})})
     if m:
         block = triton.next_power_of_2(n)
+        cols = min(block, FP8_GROUP)
         _rms_norm_kernel[(m,)](x, x if delta is None else delta, weight, out if h is None else h, out, codes, scales,
                                n, x.stride(0), 0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0),
-                               out.stride(0), codes.stride(0), scales.stride(0), float(eps), BLOCK=block,
-                               ADD=delta is not None, FP8=fp8_out is not None, GROUP=FP8_GROUP,
-                               MIN_EXPONENT=ACT_MIN_EXPONENT, num_warps=min(16, max(1, block // 512)))
+                               out.stride(0), codes.stride(0), scales.stride(0), float(eps), ROWS=block // cols,
+                               COLS=cols, ADD=delta is not None, FP8=fp8_out is not None, MIN_EXPONENT=ACT_MIN_EXPONENT,
+                               num_warps=min(16, max(1, block // 512)))
     return out
