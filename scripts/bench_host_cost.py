@@ -31,12 +31,14 @@ import time
 import torch
 from triton import knobs
 
+from minirt.formats import quantized_like
 from minirt.kernels import _launch
-from minirt.kernels import (all_finite, decode_topk, fp8_gemm, indexer_topk, lightning_indexer_scores, mla_decode_fp8,
-                            mla_query_absorb, mla_value_proj_fp8, new_index_cache, new_kv_cache, new_model1_cache,
-                            paged_indexer_scores, positions_to_slots, quantize_act_fp8, sparse_mla_decode_fp8,
-                            sparse_mla_prefill, sparse_mla_prefill_two_sources, swiglu_quantize_fp8,
-                            write_index_keys, write_kv_fp8, write_kv_model1)
+from minirt.kernels import (add_rms_norm, all_finite, apply_rope, decode_topk, fp8_gemm, indexer_topk,
+                            lightning_indexer_scores, mla_decode_fp8, mla_query_absorb, mla_value_proj_fp8,
+                            new_index_cache, new_kv_cache, new_model1_cache, paged_indexer_scores, positions_to_slots,
+                            quantize_act_fp8, rms_norm, sparse_mla_decode_fp8, sparse_mla_prefill,
+                            sparse_mla_prefill_two_sources, swiglu_quantize_fp8, write_index_keys, write_kv_fp8,
+                            write_kv_model1)
 
 DEVICE = "cuda"
 
@@ -144,8 +146,21 @@ def gemm_cases():
     yield "mla_value_proj_fp8", "T 2, H 4", lambda: mla_value_proj_fp8(o_lat, kv_b, kv_b_scale, nope, v)
 
 
+def norm_cases():
+    x, delta = bf16(2, 1024), bf16(2, 1024)
+    weight = torch.rand(1024, device=DEVICE) + 0.5
+    yield "rms_norm", "2 x 1024", lambda: rms_norm(x, weight, 1e-6)
+    codes, scales = quantized_like(x)
+    yield "add_rms_norm", "2 x 1024, fp8_out", lambda: add_rms_norm(x, delta, weight, 1e-6, fp8_out=(codes, scales))
+    keys = bf16(2, 128)
+    angles = torch.rand(2, 32, device=DEVICE)
+    bias = torch.rand(128, device=DEVICE)
+    yield "apply_rope", "2 x 128, layer_norm", lambda: apply_rope(keys, angles, angles, 64, False, torch.float32,
+                                                                 layer_norm=(weight[:128], bias, 1e-6))
+
+
 GROUPS = {"decode": decode_cases, "prefill": prefill_cases, "indexer": indexer_cases, "writers": writer_cases,
-          "gemm": gemm_cases}
+          "gemm": gemm_cases, "norms": norm_cases}
 
 
 def time_eager(fn, calls: int) -> tuple[float, float]:
