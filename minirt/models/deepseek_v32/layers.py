@@ -449,9 +449,8 @@ class MoE(nn.Module):
     V3 / V3.2 ``TopkRouter`` by default (``from_config``); another model family passes its own router
     and ``swiglu_limit``. ``shared_experts``: a module on every token, called as ``DenseMLP`` is
     (forward(x, x_fp8)), or None. forward(x [T, hidden], routing=None, x_fp8=None) -> [T, hidden] in
-    x's dtype; ``routing`` = (weights, expert ids) replaces the gate's
-    choice (to compare the experts' numerics on a reference's routing). No host sync (CUDA-graph
-    capturable when the gate is). ``tp`` (expert parallelism): ``experts`` holds this rank's
+    x's dtype; ``routing`` = (weights, expert ids) replaces the gate's choice (to compare the experts'
+    numerics on a reference's routing). No host sync (CUDA-graph capturable when the gate is). ``tp`` (expert parallelism): ``experts`` holds this rank's
     ``n_experts / N`` of the ``n_experts`` routed experts; the tokens are dispatched and combined with
     ``all_to_all_single`` (``minirt.parallel.expert_parallel_moe``), the shared experts replicated.
     """
