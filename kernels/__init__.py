@@ -17,6 +17,8 @@
 - ``paged_indexer_scores`` and the fp8 indexer key cache (``new_index_cache``, ``write_index_keys``,
   ``quantize_index_keys``, ``dequantize_index_cache``): the indexer over a paged key cache, for
   decode steps and prefill chunks, reading only the positions each row may see.
+  ``indexer_weights``: its per-head weights (the fp32 ``weights_proj`` product) in one launch at decode
+  sizes.
 - ``quantize_act_fp8`` / ``fp8_gemm``: block-scaled fp8 linear layers on the checkpoint's e4m3 weights
   (``swiglu_quantize_fp8``: a dense MLP's SwiGLU quantised for its down projection in one launch);
   ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
@@ -65,6 +67,7 @@ from .decode_topk import decode_topk  # noqa: E402
 from .sparse_mla_decode import mla_decode_fp8, sparse_mla_decode_fp8  # noqa: E402
 from .indexer_cache import (dequantize_index_cache, new_index_cache, paged_indexer_scores,  # noqa: E402
                             quantize_index_keys, write_index_keys)
+from .indexer_weights import indexer_weights  # noqa: E402
 from .fp8_gemm import fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8  # noqa: E402
 from .mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8  # noqa: E402
 from .rms_norm import add_rms_norm, rms_norm  # noqa: E402

@@ -38,12 +38,13 @@ BLOCK_O = FP8_GROUP      # output columns per program: one activation group of t
 # Strides stay specialised (divisibility by 16 lets the loads and stores vectorise); n_tokens only masks.
 @triton.jit(do_not_specialize=["n_tokens"])
 def _mla_head_proj_kernel(
-    x_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+    x_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, rope_ptr, cos_ptr, sin_ptr,
     n_tokens, stride_xt, stride_xh, stride_w, stride_wsr, stride_wsc, stride_ot, stride_oh, stride_ost,
+    stride_rt, stride_rh, stride_ct, stride_st,
     HEAD_ROWS: tl.constexpr, ROW_OFFSET: tl.constexpr, REDUCE: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    TRANSPOSED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    TRANSPOSED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, ROPE: tl.constexpr, ROPE_AT: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program: BLOCK_T tokens x one head x BLOCK_O output columns. The head's weight rows start at
     # row0; the reduction runs over x's last dim in CHUNK steps, each inside one 128-block of the
@@ -86,6 +87,19 @@ def _mla_head_proj_kernel(
         tl.store(out_scale_ptr + offs_t.to(tl.int64) * stride_ost + group, group_scale, mask=t_mask)
     else:
         tl.store(out_ptr + out_rows + out_cols, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
+    if ROPE > 0:
+        if tile_o == 0:  # the query's rope part, rotated (interleaved pairs) into columns ROPE_AT + [0, ROPE)
+            pair = tl.arange(0, ROPE // 2)
+            t64 = offs_t.to(tl.int64)[:, None]
+            rope_rows = rope_ptr + t64 * stride_rt + head.to(tl.int64) * stride_rh
+            a = tl.load(rope_rows + 2 * pair[None, :], mask=t_mask[:, None]).to(tl.float32)
+            b = tl.load(rope_rows + 2 * pair[None, :] + 1, mask=t_mask[:, None]).to(tl.float32)
+            cos = tl.load(cos_ptr + t64 * stride_ct + pair[None, :], mask=t_mask[:, None]).to(tl.float32)
+            sin = tl.load(sin_ptr + t64 * stride_st + pair[None, :], mask=t_mask[:, None]).to(tl.float32)
+            rotated = out_ptr + out_rows + head.to(tl.int64) * stride_oh + ROPE_AT + 2 * pair[None, :]
+            dtype = out_ptr.dtype.element_ty
+            tl.store(rotated, (a * cos - b * sin).to(dtype), mask=t_mask[:, None])
+            tl.store(rotated + 1, (a * sin + b * cos).to(dtype), mask=t_mask[:, None])
 
 
 def _check_inputs(name: str, x: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_scale: torch.Tensor,
@@ -120,10 +134,11 @@ def _check_inputs(name: str, x: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_sc
 _PLANS: dict = {}
 
 
-def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales, kept: Kept):
-    """x [T, H, reduce] (last dim contiguous) -> out (and out_scales when quantising); checked; kept: the call
-    signature's Kept."""
+def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales, kept: Kept, rope=None):
+    """x [T, H, reduce] (last dim contiguous) -> out (and out_scales when quantising; with rope = (q_rope,
+    cos, sin) the rotated q_rope after the latent columns); checked; kept: the call signature's Kept."""
     quantize = out_scales is not None
+    q_rope, cos, sin = rope if rope is not None else (x, x, x)  # never read without rope
     if kept.args is None:
         n_tokens, n_heads, reduce = x.shape
         n_out = v_dim if transposed else kv_b_weight.shape[1]
@@ -135,17 +150,20 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
         block_t = 128 if n_tokens > 64 else max(16, 1 << (n_tokens - 1).bit_length())
         integers = (n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0),
                     kv_b_scale.stride(1), out.stride(0), n_out if quantize else out.stride(1),
-                    out_scales.stride(0) if quantize else 0)
+                    out_scales.stride(0) if quantize else 0, *((q_rope.stride(0), q_rope.stride(1), cos.stride(0),
+                                                               sin.stride(0)) if rope is not None else (0,) * 4))
         constexprs = dict(
             HEAD_ROWS=nope + v_dim, ROW_OFFSET=nope if transposed else 0, REDUCE=reduce, CHUNK=chunk,
             BLOCK_T=block_t, BLOCK_O=BLOCK_O, SCALE_BLOCK=WEIGHT_BLOCK, TRANSPOSED=transposed,
-            QUANTIZE_OUT=quantize, MIN_EXPONENT=ACT_MIN_EXPONENT, INTERPRETED=INTERPRET,
+            QUANTIZE_OUT=quantize, ROPE=q_rope.shape[-1] if rope is not None else 0, ROPE_AT=n_out,
+            MIN_EXPONENT=ACT_MIN_EXPONENT, INTERPRETED=INTERPRET,
             num_warps=8, num_stages=3)   # (8 warps at decode too: on an H100, V3.2's absorption 7.3 us a call
         # against 7.9 with 4, the value projection 7.7 against 8.5)
         kept.args = ((cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O), integers, constexprs)
     grid, integers, constexprs = kept.args
     launch(_mla_head_proj_kernel, grid, (x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
-                                         out_scales if quantize else out, *integers), constexprs, kept.compiled)
+                                         out_scales if quantize else out, q_rope, cos, sin, *integers), constexprs,
+           kept.compiled)
 
 
 def mla_value_proj_fp8(
@@ -231,6 +249,7 @@ def mla_query_absorb(
     kv_b_scale: torch.Tensor,
     qk_nope_head_dim: int,
     v_head_dim: int,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     *,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -240,7 +259,8 @@ def mla_query_absorb(
         q_lat[t, h, c] = sum_n q_nope[t, h, n] * W_k[h, n, c],   W_k[h, n, c] = kv_b_weight[h * (nope + v) + n, c]
                                                                 * kv_b_scale[(h * (nope + v) + n) // 128, c // 128]
 
-    with fp32 accumulation, rounded once to q_nope's dtype.
+    with fp32 accumulation, rounded once to q_nope's dtype. With ``rope`` the same launch also writes
+    the query's rope part rotated after it: the absorbed query [T, H, C + r] the sparse MLA kernels take.
 
     Args:
         q_nope: [T, H, nope] bfloat16 or float16, last dim contiguous (a view q[..., :nope] of the
@@ -248,11 +268,15 @@ def mla_query_absorb(
         kv_b_weight, kv_b_scale: as in mla_value_proj_fp8.
         qk_nope_head_dim, v_head_dim: nope and v, multiples of 16. The W_k rows of a head may start
             mid-block (e.g. nope 64, v 128): the reduction is split where the 128-row blocks change.
-        out: keyword-only, optional preallocated [T, H, C] of q_nope's dtype with unit last stride;
-            every element is overwritten.
+        rope: optional (q_rope [T, H, r] of q_nope's dtype, last dim contiguous (a view of the query);
+            cos, sin [T, r / 2] float32, unit last stride: the tables at the tokens' positions), r even,
+            a power of two: q_rope rotated in interleaved pairs (x[2i], x[2i+1]) as ``apply_rope(q_rope,
+            cos, sin, r, True)`` rotates it (in fp32, rounded to the dtype), written to columns C + [0, r).
+        out: keyword-only, optional preallocated [T, H, C] ([T, H, C + r] with rope) of q_nope's dtype
+            with unit last stride; every element is overwritten.
 
     Returns:
-        q_lat: [T, H, C], q_nope's dtype.
+        q_lat: [T, H, C] ([T, H, C + r] with rope: q_lat, then the rotated q_rope), q_nope's dtype.
 
     Raises:
         minirt.errors.InputError: shapes or dtypes that do not match the above, or tensors on a
@@ -260,24 +284,37 @@ def mla_query_absorb(
     """
     kept = per_signature(_PLANS, lambda: (
         described(q_nope), described(kv_b_weight), described(kv_b_scale), qk_nope_head_dim.__class__,
-        qk_nope_head_dim, v_head_dim.__class__, v_head_dim, False, described(out)),
-        lambda: _check_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or Kept())
+        qk_nope_head_dim, v_head_dim.__class__, v_head_dim, False, described(out),
+        None if rope is None else (rope.__class__, len(rope), *map(described, rope))),
+        lambda: _check_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, rope, out) or Kept())
     n_tokens, n_heads, _ = q_nope.shape
     if out is None:
-        out = torch.empty((n_tokens, n_heads, kv_b_weight.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
+        width = kv_b_weight.shape[1] + (rope[0].shape[-1] if rope is not None else 0)
+        out = torch.empty((n_tokens, n_heads, width), dtype=q_nope.dtype, device=q_nope.device)
     if q_nope.stride(2) != 1:
         q_nope = q_nope.contiguous()
     if n_tokens > 0:
-        _launch(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, False, out, None, kept)
+        _launch(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, False, out, None, kept, rope)
     return out
 
 
-def _check_absorb(q_nope, kv_b_weight, kv_b_scale, nope, v_dim, out) -> None:
+def _check_absorb(q_nope, kv_b_weight, kv_b_scale, nope, v_dim, rope, out) -> None:
     """mla_query_absorb's input checks (InputError)."""
     _check_inputs("q_nope", q_nope, kv_b_weight, kv_b_scale, nope, v_dim, transposed=False)
     n_tokens, n_heads, _ = q_nope.shape
     shape = (n_tokens, n_heads, kv_b_weight.shape[1])
     tensors = {"q_nope": q_nope, "kv_b_weight": kv_b_weight, "kv_b_scale": kv_b_scale}
+    if rope is not None:
+        q_rope, cos, sin = rope if isinstance(rope, tuple) and len(rope) == 3 else (None,) * 3
+        r = q_rope.shape[-1] if isinstance(q_rope, torch.Tensor) and q_rope.dim() == 3 else 0
+        if not (r >= 2 and r & (r - 1) == 0 and tuple(q_rope.shape[:2]) == (n_tokens, n_heads)
+                and q_rope.dtype == q_nope.dtype and q_rope.stride(2) == 1) or not all(
+                isinstance(table, torch.Tensor) and table.dtype == torch.float32 and
+                tuple(table.shape) == (n_tokens, r // 2) and table.stride(1) == 1 for table in (cos, sin)):
+            raise InputError(f"rope must be (q_rope [{n_tokens}, {n_heads}, r] {q_nope.dtype} with unit last stride, "
+                             f"r an even power of two; cos, sin [{n_tokens}, r / 2] float32 with unit last stride)")
+        shape = (n_tokens, n_heads, kv_b_weight.shape[1] + r)
+        tensors |= {"q_rope": q_rope, "cos": cos, "sin": sin}
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != q_nope.dtype or tuple(out.shape) != shape \
                 or out.stride(2) != 1:

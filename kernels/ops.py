@@ -19,6 +19,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP, quantized_like
 from .decode_topk import decode_topk
 from .fp8_gemm import fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8
 from .indexer_cache import paged_indexer_scores, write_index_keys
+from .indexer_weights import indexer_weights
 from .kv_cache_fp8 import write_kv_fp8
 from .kv_cache_model1 import write_kv_model1
 from .moe_experts import ExpertWeights, moe_experts
@@ -219,6 +220,14 @@ def _(x, cos, sin, rope_dims, interleaved, out_dtype=None, norm_weight=None, nor
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 
+indexer_weights_op = _registered(indexer_weights)  # [T, H] float32
+
+
+@_fake(indexer_weights_op)
+def _(x, weight, scale):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
 @_registered
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``minirt.kernels.rms_norm`` as a custom op: [M, N] of x's dtype."""
@@ -281,14 +290,18 @@ def _(a, a_scales, b, b_scales, out_dtype=torch.bfloat16):
 
 @_registered
 def mla_query_absorb_op(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_scale: torch.Tensor,
-                        qk_nope_head_dim: int, v_head_dim: int) -> torch.Tensor:
-    """``minirt.kernels.mla_query_absorb`` as a custom op: q_lat [T, H, C]."""
-    return mla_query_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim)
+                        qk_nope_head_dim: int, v_head_dim: int, q_rope: Optional[torch.Tensor] = None,
+                        cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``minirt.kernels.mla_query_absorb`` as a custom op: q_lat [T, H, C] (q_rope, cos and sin given:
+    ``rope=(q_rope, cos, sin)``, [T, H, C + r])."""
+    rope = (q_rope, cos, sin) if q_rope is not None or cos is not None or sin is not None else None
+    return mla_query_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, rope)
 
 
 @_fake(mla_query_absorb_op)
-def _(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim):
-    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], kv_b_weight.shape[1])
+def _(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, q_rope=None, cos=None, sin=None):
+    width = kv_b_weight.shape[1] + (q_rope.shape[-1] if q_rope is not None else 0)
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], width)
 
 
 @_registered

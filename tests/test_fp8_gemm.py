@@ -19,6 +19,7 @@ from minirt.blockfp8 import dequantize_block_fp8, quantize_block_fp8
 from minirt.errors import InputError
 from minirt.formats import ACT_MIN_SCALE, E4M3_MAX, FP8_DTYPE, FP8_GROUP, pow2_scale, quantize_groups
 from minirt.fp8_linear import Fp8Linear
+from minirt.rope import apply_rope_interleaved
 from minirt.kernels.fp8_gemm import (PREFILL_CONFIG, STREAM_MAX_M, Fp8GemmConfig, StreamConfig, decode_config,
                                      default_config, default_path, fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8,
                                      uses_scaled_mm)
@@ -502,6 +503,28 @@ def test_query_absorb(dims, tokens):
     magnitude = torch.einsum("thn,hnc->thc", q_nope.double().abs(), w[:, :nope].abs())
     excess = (got.double() - ref).abs() - BF16_ROUNDING * ref.abs() - HEAD_ELEMENT_TOL * magnitude
     assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the bf16 rounding bound"
+
+
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_query_absorb_with_rope_writes_the_whole_absorbed_query(tokens):
+    """rope=(q_rope, cos, sin): out [T, H, 512 + 64] is the absorption (as without rope, bit for bit) and
+    then q_rope rotated in interleaved pairs (apply_rope's fp64 reference to bf16 rounding), from views
+    of the full query; every element written."""
+    heads, nope, v_dim = HEAD_DIMS["v32"]
+    gen = generator(tokens * 30 + 7)
+    w_fp8, w_scales, _ = kv_b_weight(gen, heads, nope, v_dim)
+    q = varied(gen, tokens * heads, nope + 64, 1).view(tokens, heads, nope + 64).bfloat16()
+    theta = torch.rand(tokens, 32, generator=gen, device=DEVICE, dtype=torch.float64) * 6.3
+    cos, sin = theta.cos().float(), theta.sin().float()
+    out = poisoned((tokens, heads, LATENT + 64), torch.bfloat16)
+    got = mla_query_absorb(q[..., :nope], w_fp8, w_scales, nope, v_dim, (q[..., nope:], cos, sin), out=out)
+    assert got is out and torch.isfinite(got).all()
+    assert torch.equal(got[..., :LATENT], mla_query_absorb(q[..., :nope], w_fp8, w_scales, nope, v_dim))
+    ref = apply_rope_interleaved(q[..., nope:].double(), cos.double()[:, None], sin.double()[:, None])
+    excess = (got[..., LATENT:].double() - ref).abs() - BF16_ROUNDING * ref.abs()
+    assert excess.max() <= 1e-6, f"off by {excess.max():.3g} beyond the bf16 rounding bound"
+    with pytest.raises(InputError, match=r"rope must be \(q_rope"):
+        mla_query_absorb(q[..., :nope], w_fp8, w_scales, nope, v_dim, (q[..., nope:], cos[:, :16], sin))
 
 
 def test_head_proj_rejects_unsupported():

@@ -28,8 +28,9 @@ from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
 from ...kernels.ops import (add_rms_norm_fp8_op as add_rms_norm_fp8, add_rms_norm_op as add_rms_norm,
                           apply_rope_op as apply_rope, decode_topk_op as decode_topk,
-                          indexer_topk_op as indexer_topk, mla_decode_fp8_op as mla_decode_fp8,
-                          mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
+                          indexer_topk_op as indexer_topk, indexer_weights_op as indexer_weights,
+                          mla_decode_fp8_op as mla_decode_fp8, mla_query_absorb_op as mla_query_absorb,
+                          mla_value_proj_fp8_op as mla_value_proj_fp8,
                           paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
                           rms_norm_fp8_op as rms_norm_fp8, rms_norm_op as rms_norm,
                           sparse_mla_prefill_op as sparse_mla_prefill, swiglu_quantize_fp8_op as swiglu_quantize_fp8,
@@ -158,7 +159,7 @@ class LightningIndexer(nn.Module):
         when computed already (the attention's fused projection)."""
         q = self.wq_b(qr) if q is None else q
         q = self._rope_and_rotate(q.view(-1, self.n_heads, self.head_dim), cos, sin)
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        w = indexer_weights(x, self.weights_proj.weight, self.n_heads**-0.5 * self.head_dim**-0.5)
         if self.precision == "fp8":
             q, q_scale = quantize_act_fp8(q.flatten(0, 1))
             q, w = q.view(-1, self.n_heads, self.head_dim), w * q_scale.view(-1, self.n_heads)
@@ -258,18 +259,16 @@ class MLAAttention(nn.Module):
             qr = qr_in = self.q_a_layernorm(q_a)
         q, *index_q = self.fused_qr(qr_in) if self.fused_qr is not None else [p(qr_in) for p in self._qr_projections()]
         q_nope, q_rope = q.view(-1, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
-        q_rope = apply_rope(q_rope, cos, sin, self.rope, True)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], -1)
         latent = self.kv_a_layernorm(latent)
         k_rope = apply_rope(k_rope, cos, sin, self.rope, True)
-        if self.fp8_weights:
-            q_latent = mla_query_absorb(q_nope.to(torch.bfloat16), self.kv_b_proj.weight,
-                                        self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim)
-            q_rope = q_rope.to(torch.bfloat16)
+        if self.fp8_weights:  # the absorbed q_nope and the roped q_rope side by side, in one launch
+            q_abs = mla_query_absorb(q_nope.to(torch.bfloat16), self.kv_b_proj.weight, self.kv_b_proj.weight_scale_inv,
+                                     self.nope, self.v_dim, q_rope.to(torch.bfloat16), cos.float(), sin.float())
         else:
             q_latent = torch.einsum("thn,hnc->thc", q_nope, self._kv_b()[:, : self.nope])
-        return (torch.cat([q_latent, q_rope], dim=-1), latent, k_rope, qr, index_k[0] if index_k else None,
-                index_q[0] if index_q else None)
+            q_abs = torch.cat([q_latent, apply_rope(q_rope, cos, sin, self.rope, True)], dim=-1)
+        return q_abs, latent, k_rope, qr, index_k[0] if index_k else None, index_q[0] if index_q else None
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """o_latent [T, H, kv_lora_rank] -> [T, hidden] (summed over the ranks' heads)."""
