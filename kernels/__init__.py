@@ -5,6 +5,7 @@
   window keys and compressed entries).
 - ``quantize_kv_fp8`` / ``dequantize_kv_fp8`` / ``write_kv_fp8`` / ``new_kv_cache``: the fp8 paged
   latent cache in FlashMLA's 656-byte V32 layout.
+  ``decode_positions``: a V3.2 decode step's positions, rope angles and cache slots in one launch.
 - ``quantize_kv_model1`` / ``dequantize_kv_model1`` / ``write_kv_model1`` / ``new_model1_cache`` /
   ``model1_cache_from_entries`` / ``model1_cache_entries``: the fp8 paged K = V cache in FlashMLA's
   584-byte MODEL1 (DeepSeek-V4) layout.
@@ -58,6 +59,7 @@ from .interpreter import choose_interpreter_without_gpu
 choose_interpreter_without_gpu()
 
 from .kv_cache_fp8 import dequantize_kv_fp8, new_kv_cache, positions_to_slots, quantize_kv_fp8, write_kv_fp8  # noqa: E402
+from .decode_positions import decode_positions  # noqa: E402
 from .kv_cache_model1 import (dequantize_kv_model1, model1_cache_entries, model1_cache_from_entries,  # noqa: E402
                               new_model1_cache, quantize_kv_model1, write_kv_model1)
 from .sparse_mla_prefill import sparse_mla_prefill  # noqa: E402

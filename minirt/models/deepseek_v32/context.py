@@ -14,6 +14,7 @@ import torch
 
 from ...config import ModelConfig
 from ...context import KVStash, PrefillTrace, Segment
+from ...kernels.decode_positions import decode_positions
 from ...rope import rope_cos_sin
 from .cache import PagedCache
 
@@ -91,10 +92,12 @@ def decode_context(cfg: ModelConfig, cache: PagedCache, batch: int,
     rope: (cos, sin) tables indexed by position, covering the cache's capacity; with them the context
     is built from device tensors alone, without a host synchronisation (CUDA-graph capturable).
     Default: computed for these positions."""
-    positions = cache.seq_lens[:batch].clone()
-    rows = torch.arange(batch, device=positions.device)
-    cos, sin = (rope[0][positions], rope[1][positions]) if rope is not None else \
-        rope_cos_sin(cfg, positions, cfg.qk_rope_head_dim)
-    return StepContext(positions, cos, sin, cache=cache,
-                       slots=cache.slots(rows, positions), block_table=cache.block_table[:batch],
+    if rope is not None:  # positions, angles and slots in one launch
+        positions, cos, sin, slots = decode_positions(cache.seq_lens[:batch], cache.block_table[:batch],
+                                                      cache.block_size, *rope)
+    else:
+        positions = cache.seq_lens[:batch].clone()
+        cos, sin = rope_cos_sin(cfg, positions, cfg.qk_rope_head_dim)
+        slots = cache.slots(torch.arange(batch, device=positions.device), positions)
+    return StepContext(positions, cos, sin, cache=cache, slots=slots, block_table=cache.block_table[:batch],
                        topk_override=topk_override, expert_override=expert_override)
