@@ -14,6 +14,7 @@ import triton.language as tl
 from minirt.errors import InputError
 
 from ._common import check_device
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 _BLOCK_B = 16   # sequences a program
 
@@ -62,6 +63,31 @@ def decode_positions(seq_lens: torch.Tensor, block_table: torch.Tensor, block_si
     Raises:
         minirt.errors.InputError: wrong dtypes, shapes or strides, or a device the kernels cannot use.
     """
+    kept = per_signature(_STEPS, lambda: (described(seq_lens), described(block_table), block_size.__class__, block_size,
+                                          described(cos_table), described(sin_table)),
+                         lambda: _check(seq_lens, block_table, block_size, cos_table, sin_table) or Kept())
+    b, pairs = seq_lens.shape[0], cos_table.shape[1]
+    positions = torch.empty(b, dtype=torch.int64, device=seq_lens.device)
+    slots = torch.empty(b, dtype=torch.int64, device=seq_lens.device)
+    cos, sin = (torch.empty(b, pairs, device=seq_lens.device) for _ in range(2))
+    if kept.args is None:
+        kept.args = ((cdiv(b, _BLOCK_B),), (b, block_table.shape[1], block_size, block_table.stride(0),
+                                            cos_table.stride(0), sin_table.stride(0)),
+                     dict(PAIRS=pairs, BLOCK_B=_BLOCK_B, num_warps=1))
+    grid, integers, constexprs = kept.args
+    if b:
+        launch(_decode_positions_kernel, grid, (seq_lens, block_table, cos_table, sin_table, positions, cos, sin, slots,
+                                                *integers), constexprs, kept.compiled)
+    return positions, cos, sin, slots
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment, block_size) -> its
+# Kept: a signature seen before passed the checks.
+_STEPS: dict = {}
+
+
+def _check(seq_lens, block_table, block_size, cos_table, sin_table) -> None:
+    """decode_positions' input checks (InputError)."""
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
         raise InputError(f"seq_lens must be an int32 / int64 tensor [b], got "
                          f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} {tuple(getattr(seq_lens, 'shape', ()))}")
@@ -77,13 +103,3 @@ def decode_positions(seq_lens: torch.Tensor, block_table: torch.Tensor, block_si
             raise InputError(f"{name} must be a float table [P, r / 2] like cos_table, r / 2 a power of two, "
                              f"unit last stride; got {tuple(getattr(table, 'shape', ()))}")
     check_device({"seq_lens": seq_lens, "block_table": block_table, "cos_table": cos_table, "sin_table": sin_table})
-    pairs = cos_table.shape[1]
-    positions = torch.empty(b, dtype=torch.int64, device=seq_lens.device)
-    slots = torch.empty(b, dtype=torch.int64, device=seq_lens.device)
-    cos, sin = (torch.empty(b, pairs, device=seq_lens.device) for _ in range(2))
-    if b:
-        _decode_positions_kernel[(triton.cdiv(b, _BLOCK_B),)](
-            seq_lens, block_table, cos_table, sin_table, positions, cos, sin, slots, b, block_table.shape[1],
-            block_size, block_table.stride(0), cos_table.stride(0), sin_table.stride(0), PAIRS=pairs,
-            BLOCK_B=_BLOCK_B, num_warps=1)
-    return positions, cos, sin, slots

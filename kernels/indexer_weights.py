@@ -16,6 +16,7 @@ import triton.language as tl
 from minirt.errors import InputError
 
 from ._common import check_device
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 DECODE_MAX_TOKENS = 16
 _BLOCK_H = 2        # heads a program: V3.2's 64 heads over 32 programs a token
@@ -56,22 +57,35 @@ def indexer_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torc
     Raises:
         minirt.errors.InputError: wrong ranks, dtypes, shapes or strides, or a device the kernels cannot use.
     """
+    kept = per_signature(_WEIGHTS, lambda: (described(x), described(weight)), lambda: _check(x, weight) or Kept())
+    t = x.shape[0]
+    if t > DECODE_MAX_TOKENS:
+        return F.linear(x.float(), weight.float()) * scale
+    out = torch.empty((t, weight.shape[0]), dtype=torch.float32, device=x.device)
+    if kept.args is None:
+        n_heads = weight.shape[0]
+        kept.args = ((t, cdiv(n_heads, _BLOCK_H)), t * n_heads > 0, (n_heads, x.stride(0), weight.stride(0), out.stride(0)),
+                     dict(HIDDEN=x.shape[1], BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K, num_warps=4))
+    grid, launched, integers, constexprs = kept.args
+    if launched:
+        launch(_head_weights_kernel, grid, (x, weight, out, *integers, float(scale)), constexprs, kept.compiled)
+    return out
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> its Kept: a
+# signature seen before passed the checks.
+_WEIGHTS: dict = {}
+
+
+def _check(x, weight) -> None:
+    """indexer_weights' input checks (InputError)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
             or (x.shape[1] > 1 and x.stride(1) != 1):
         raise InputError(f"x must be a bfloat16, float16 or float32 tensor [T, D] with unit stride along D, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    t, d = x.shape
+    d = x.shape[1]
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != d or \
             not weight.is_floating_point() or (d > 1 and weight.stride(1) != 1):
         raise InputError(f"weight must be a float tensor [H, {d}] with unit stride along D, got "
                          f"{tuple(getattr(weight, 'shape', ()))}")
     check_device({"x": x, "weight": weight})
-    if t > DECODE_MAX_TOKENS:
-        return F.linear(x.float(), weight.float()) * scale
-    n_heads = weight.shape[0]
-    out = torch.empty((t, n_heads), dtype=torch.float32, device=x.device)
-    if t and n_heads:
-        _head_weights_kernel[(t, triton.cdiv(n_heads, _BLOCK_H))](
-            x, weight, out, n_heads, x.stride(0), weight.stride(0), out.stride(0), float(scale), HIDDEN=d,
-            BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K, num_warps=4)
-    return out

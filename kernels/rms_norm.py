@@ -18,6 +18,7 @@ from minirt.formats import FP8_GROUP
 
 from ._common import check_device, rounded_to_bf16
 from ._fp8 import ACT_MIN_EXPONENT, check_fp8_out, pow2_quantize_rows
+from ._launch import Kept, described, launch, per_signature
 
 
 @triton.jit
@@ -71,8 +72,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional
     Raises:
         minirt.errors.InputError: wrong ranks, dtypes, shapes or strides, or a device the kernels cannot use.
     """
-    _check(x, weight, out)
-    return _launch(x, None, weight, eps, None, out, fp8_out)
+    kept = per_signature(_NORMS, lambda: (described(x), None, described(weight), described(out), _described_pair(fp8_out)),
+                         lambda: _check(x, None, weight, out, fp8_out) or Kept())
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, eps, None, out, fp8_out, kept)
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -92,16 +97,25 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     Raises:
         minirt.errors.InputError: as ``rms_norm``; delta of another shape or dtype than x.
     """
-    _check(x, weight, None)
-    if not isinstance(delta, torch.Tensor) or delta.shape != x.shape or delta.dtype != x.dtype or \
-            (x.shape[1] > 1 and delta.stride(1) != 1):
-        raise InputError(f"delta must be a {x.dtype} tensor {list(x.shape)} with unit stride along N, got "
-                         f"{getattr(delta, 'dtype', type(delta).__name__)} {list(getattr(delta, 'shape', ()))}")
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return h, _launch(x, delta, weight, eps, h, None, fp8_out)
+    kept = per_signature(_NORMS, lambda: (described(x), described(delta), described(weight), None,
+                                          _described_pair(fp8_out)),
+                         lambda: _check(x, delta, weight, None, fp8_out) or Kept())
+    h, y = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
+    _launch(x, delta, weight, eps, h, y, fp8_out, kept)
+    return h, y
 
 
-def _check(x, weight, out) -> None:
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> its Kept: a
+# signature seen before passed the checks.
+_NORMS: dict = {}
+
+
+def _described_pair(pair):
+    return None if pair is None else (pair.__class__, len(pair), *map(described, pair)) \
+        if isinstance(pair, tuple) else pair.__class__
+
+
+def _check(x, delta, weight, out, fp8_out) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InputError(f"x must be a 2-D bfloat16, float16 or float32 tensor [M, N], got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
@@ -113,21 +127,29 @@ def _check(x, weight, out) -> None:
     if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype or
                             (n > 1 and out.stride(1) != 1)):
         raise InputError(f"out must be a [{m}, {n}] {x.dtype} tensor with unit stride along N")
-
-
-def _launch(x, delta, weight, eps, h, out, fp8_out) -> torch.Tensor:
-    m, n = x.shape
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    codes, scales = check_fp8_out(fp8_out, x.shape) if fp8_out is not None else (out, out)  # never read: FP8 off
-    check_device({"x": x, "weight": weight, "out": out, **({"delta": delta, "h": h} if delta is not None else {}),
+    if delta is not None and (not isinstance(delta, torch.Tensor) or delta.shape != x.shape or delta.dtype != x.dtype
+                              or (n > 1 and delta.stride(1) != 1)):
+        raise InputError(f"delta must be a {x.dtype} tensor {list(x.shape)} with unit stride along N, got "
+                         f"{getattr(delta, 'dtype', type(delta).__name__)} {list(getattr(delta, 'shape', ()))}")
+    codes, scales = check_fp8_out(fp8_out, x.shape) if fp8_out is not None else (None, None)
+    check_device({"x": x, "weight": weight, **({"out": out} if out is not None else {}),
+                  **({"delta": delta} if delta is not None else {}),
                   **({"codes": codes, "scales": scales} if fp8_out is not None else {})})
-    if m:
+
+
+def _launch(x, delta, weight, eps, h, out, fp8_out, kept: Kept) -> None:
+    """The kernel on checked inputs into out (and h, the sum, with delta; fp8_out with the quantiser); kept:
+    the call signature's Kept."""
+    codes, scales = (fp8_out[0].view(torch.uint8), fp8_out[1]) if fp8_out is not None else (out, out)  # FP8 off: unread
+    if kept.args is None:
+        m, n = x.shape
         block = triton.next_power_of_2(n)
         cols = min(block, FP8_GROUP)
-        _rms_norm_kernel[(m,)](x, x if delta is None else delta, weight, out if h is None else h, out, codes, scales,
-                               n, x.stride(0), 0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0),
-                               out.stride(0), codes.stride(0), scales.stride(0), float(eps), ROWS=block // cols,
-                               COLS=cols, ADD=delta is not None, FP8=fp8_out is not None, MIN_EXPONENT=ACT_MIN_EXPONENT,
-                               num_warps=min(16, max(1, block // 512)))
-    return out
+        kept.args = ((m,), (n, x.stride(0), 0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0),
+                            out.stride(0), codes.stride(0), scales.stride(0)),
+                     dict(ROWS=block // cols, COLS=cols, ADD=delta is not None, FP8=fp8_out is not None,
+                          MIN_EXPONENT=ACT_MIN_EXPONENT, num_warps=min(16, max(1, block // 512))))
+    grid, integers, constexprs = kept.args
+    if grid[0]:
+        launch(_rms_norm_kernel, grid, (x, x if delta is None else delta, weight, out if h is None else h, out, codes,
+                                        scales, *integers, float(eps)), constexprs, kept.compiled)

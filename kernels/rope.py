@@ -16,6 +16,7 @@ import triton.language as tl
 from minirt.errors import InputError
 
 from ._common import check_device
+from ._launch import Kept, cdiv, described, launch, per_signature
 
 
 @triton.jit
@@ -101,12 +102,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
     Raises:
         minirt.errors.InputError: wrong ranks, shapes, dtypes or strides, or a device the kernels cannot use.
     """
+    weight, bias, eps = layer_norm if isinstance(layer_norm, tuple) and len(layer_norm) == 3 else (None, None, None)
+    kept = per_signature(_ROPES, lambda: (
+        described(x), described(cos), described(sin), rope_dims.__class__, rope_dims, interleaved, out_dtype,
+        None if layer_norm is None else (layer_norm.__class__, len(layer_norm), described(weight), described(bias))),
+        lambda: _check(x, cos, sin, rope_dims, layer_norm) or Kept())
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if kept.args is None:
+        t, d = x.shape[0], x.shape[-1]
+        heads = x.shape[1] if x.dim() == 3 else 1
+        block_h = min(triton.next_power_of_2(heads), 16)
+        kept.args = ((t, cdiv(heads, block_h)), t * heads > 0, (
+            heads, x.stride(0), x.stride(1) if x.dim() == 3 else 0, cos.stride(0), sin.stride(0)), dict(
+            ROPE=rope_dims, DIM=d, INTERLEAVED=interleaved, LAYER_NORM=layer_norm is not None, BLOCK_H=block_h,
+            BLOCK_D=triton.next_power_of_2(max(d - rope_dims, 1)), BLOCK_ROW=triton.next_power_of_2(d), num_warps=4))
+    grid, launched, integers, constexprs = kept.args
+    if launched:
+        launch(_rope_kernel, grid, (x, cos, sin, out, x if weight is None else weight, x if bias is None else bias,
+                                    *integers, 0.0 if eps is None else float(eps)), constexprs, kept.compiled)
+    return out
+
+
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment, the other arguments
+# but eps) -> its Kept: a signature seen before passed the checks.
+_ROPES: dict = {}
+
+
+def _check(x, cos, sin, rope_dims, layer_norm) -> None:
+    """apply_rope's input checks (InputError)."""
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or \
             x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InputError(f"x must be a bfloat16, float16 or float32 tensor [T, D] or [T, H, D], got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     t, d = x.shape[0], x.shape[-1]
-    if not (2 <= rope_dims <= d and rope_dims & (rope_dims - 1) == 0) or x.stride(-1) != 1:
+    if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or \
+            not (2 <= rope_dims <= d and rope_dims & (rope_dims - 1) == 0) or x.stride(-1) != 1:
         raise InputError(f"rope_dims must be an even power of two <= D = {d} and x needs unit stride along D; "
                          f"got rope_dims {rope_dims}, strides {x.stride()}")
     for name, table in (("cos", cos), ("sin", sin)):
@@ -114,18 +144,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
                 not table.is_floating_point() or (rope_dims > 2 and table.stride(1) != 1):
             raise InputError(f"{name} must be a float tensor [{t}, {rope_dims // 2}] with unit last stride, got "
                              f"{tuple(getattr(table, 'shape', ()))}")
-    weight, bias, eps = layer_norm if isinstance(layer_norm, tuple) and len(layer_norm) == 3 else (None, None, None)
+    weight, bias, _ = layer_norm if isinstance(layer_norm, tuple) and len(layer_norm) == 3 else (None, None, None)
     if layer_norm is not None and not all(isinstance(v, torch.Tensor) and tuple(v.shape) == (d,) and
                                           v.is_floating_point() for v in (weight, bias)):
         raise InputError(f"layer_norm must be (weight [{d}], bias [{d}], eps), float tensors and a float")
     check_device({"x": x, "cos": cos, "sin": sin, **({"weight": weight, "bias": bias} if layer_norm else {})})
-    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    heads = x.shape[1] if x.dim() == 3 else 1
-    if t and heads:
-        block_h = min(triton.next_power_of_2(heads), 16)
-        _rope_kernel[(t, triton.cdiv(heads, block_h))](
-            x, cos, sin, out, x if weight is None else weight, x if bias is None else bias, heads, x.stride(0),
-            x.stride(1) if x.dim() == 3 else 0, cos.stride(0), sin.stride(0), 0.0 if eps is None else float(eps),
-            ROPE=rope_dims, DIM=d, INTERLEAVED=interleaved, LAYER_NORM=layer_norm is not None, BLOCK_H=block_h,
-            BLOCK_D=triton.next_power_of_2(max(d - rope_dims, 1)), BLOCK_ROW=triton.next_power_of_2(d), num_warps=4)
-    return out

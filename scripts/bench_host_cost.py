@@ -33,9 +33,10 @@ from triton import knobs
 
 from minirt.formats import quantized_like
 from minirt.kernels import _launch
-from minirt.kernels import (add_rms_norm, all_finite, apply_rope, decode_topk, fp8_gemm, indexer_topk,
-                            lightning_indexer_scores, mla_decode_fp8, mla_query_absorb, mla_value_proj_fp8,
-                            new_index_cache, new_kv_cache, new_model1_cache, paged_indexer_scores, positions_to_slots,
+from minirt.kernels import (add_rms_norm, all_finite, apply_rope, decode_positions, decode_topk, fp8_gemm,
+                            indexer_topk, indexer_weights, lightning_indexer_scores, mla_decode_fp8, mla_query_absorb,
+                            mla_value_proj_fp8, new_index_cache, new_kv_cache, new_model1_cache, paged_indexer_scores,
+                            positions_to_slots,
                             quantize_act_fp8, rms_norm, sparse_mla_decode_fp8, sparse_mla_prefill,
                             sparse_mla_prefill_two_sources, swiglu_quantize_fp8, write_index_keys, write_kv_fp8,
                             write_kv_model1)
@@ -108,6 +109,8 @@ def indexer_cases():
     table = torch.arange(8, dtype=torch.int32, device=DEVICE).view(2, 4)
     lim = torch.tensor([[200], [100]], dtype=torch.int32, device=DEVICE)
     yield "paged_indexer_scores", "b 2, 256 positions, fp8 cache", lambda: paged_indexer_scores(qf, wf, cache, table, lim)
+    x, weights = bf16(2, 1024), torch.randn(64, 1024, device=DEVICE)
+    yield "indexer_weights", "T 2, H 64, D 1024", lambda: indexer_weights(x, weights, 0.011)
 
 
 def writer_cases():
@@ -124,6 +127,9 @@ def writer_cases():
     positions = slots(2, 1, 256, 1024, 8)
     table = torch.arange(32, dtype=torch.int32, device=DEVICE).view(2, 16) % 4
     yield "positions_to_slots", "2 x 256 positions", lambda: positions_to_slots(positions, table, cache)
+    seq_lens = torch.tensor([100, 700], device=DEVICE)
+    angles = torch.rand(1024, 32, device=DEVICE)
+    yield "decode_positions", "b 2", lambda: decode_positions(seq_lens, table, 64, angles, angles)
 
 
 def gemm_cases():

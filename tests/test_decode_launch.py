@@ -3,8 +3,8 @@ integers derived once) must give every later call with that signature its own re
 through an input that the checks refuse; the ordering kernel ranks sequences by both lists' used entries;
 launch (kernels/_launch.py) passes a compiled kernel's launcher every parameter in order; on a GPU later
 calls launch the compiled kernels directly, with the JIT path's results bit for bit. The head projections',
-the indexers', the top-k selections', the index-key writer's, the activation quantiser's and the fp8 GEMM's
-kept plans likewise (positions_to_slots' is tested beside it, in test_kv_cache_fp8).
+the indexers', the top-k selections', the index-key writer's, the activation quantiser's, the fp8 GEMM's,
+the norms', rope's, the indexer weights' and the decode positions' kept plans likewise (positions_to_slots' is tested beside it, in test_kv_cache_fp8).
 """
 import importlib
 import math
@@ -18,9 +18,9 @@ from triton.runtime.jit import JITFunction
 from conftest import DEVICE
 from minirt.errors import InputError
 from minirt.formats import quantize_groups
-from minirt.kernels import (_launch, decode_topk, fp8_gemm, indexer_topk, lightning_indexer_scores, mla_query_absorb,
-                            mla_value_proj_fp8, new_index_cache, paged_indexer_scores, quantize_act_fp8,
-                            write_index_keys)
+from minirt.kernels import (_launch, add_rms_norm, apply_rope, decode_positions, decode_topk, fp8_gemm, indexer_topk,
+                            indexer_weights, lightning_indexer_scores, mla_query_absorb, mla_value_proj_fp8,
+                            new_index_cache, paged_indexer_scores, quantize_act_fp8, rms_norm, write_index_keys)
 from minirt.kernels import indexer_cache, lightning_indexer
 from minirt.kernels.sparse_mla_decode import longest_first, sparse_mla_decode_fp8
 from test_sparse_mla_decode import SM_SCALE, check, decode, make_cache, random_indices, random_q, reference
@@ -204,6 +204,41 @@ def test_quantiser_and_stream_gemm_keep_a_plan_per_signature_and_still_refuse_ba
     assert fp8_gemm_module._GEMMS[next(reversed(fp8_gemm_module._GEMMS))].args[0][1] > 1, "split-K"
     with pytest.raises(InputError, match="out must be"):
         fp8_gemm(unaligned, a_scales, w, w_scales, out=torch.empty(3, 256, device=DEVICE))
+
+
+def _glue_calls(seed: int) -> list:
+    """rms_norm, add_rms_norm, apply_rope (layer_norm), indexer_weights and decode_positions on fresh data."""
+    g = torch.Generator().manual_seed(seed)
+    x, delta = (torch.randn(3, 256, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = torch.rand(256, generator=g).to(DEVICE) + 0.5
+    keys = torch.randn(3, 128, generator=g).to(DEVICE, torch.bfloat16)
+    angles = torch.rand(3, 32, generator=g).to(DEVICE)
+    seq_lens = torch.randint(0, 512, (3,), generator=g).to(DEVICE)
+    table = torch.randperm(24, generator=g).view(3, 8).to(DEVICE, torch.int32)
+    tables = torch.rand(512, 32, generator=g).to(DEVICE)
+    return [rms_norm(x, weight, 1e-6), *add_rms_norm(x, delta, weight, 1e-6),
+            apply_rope(keys, angles, angles, 64, False, layer_norm=(weight[:128], weight[128:], 1e-6)),
+            indexer_weights(x, torch.randn(8, 256, generator=g).to(DEVICE), 0.5),
+            *decode_positions(seq_lens, table, 64, tables, tables)]
+
+
+def test_the_glue_launchers_keep_a_plan_per_signature(monkeypatch):
+    """The norms', rope's, indexer weights' and decode positions' launchers: a signature's later call with new
+    data gives what a fresh plan gives it; bad input is still refused once plans are kept."""
+    _glue_calls(1)
+    kept = _glue_calls(2)
+    for name, plans in (("rms_norm", "_NORMS"), ("rope", "_ROPES"), ("indexer_weights", "_WEIGHTS"),
+                        ("decode_positions", "_STEPS")):
+        module = importlib.import_module(f"minirt.kernels.{name}")
+        assert getattr(module, plans), f"{name} kept no plan"
+        monkeypatch.setattr(module, plans, {})
+    for got, fresh in zip(kept, _glue_calls(2)):
+        assert torch.equal(got, fresh)
+    x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="delta must be"):
+        add_rms_norm(x, x.float(), torch.ones(256, device=DEVICE), 1e-6)
+    with pytest.raises(InputError, match="rope_dims must be"):
+        apply_rope(x, torch.ones(3, 24, device=DEVICE), torch.ones(3, 24, device=DEVICE), 48, False)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels (and their direct launches) need a GPU")
