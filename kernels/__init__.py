@@ -23,10 +23,12 @@
 - ``quantize_act_fp8`` / ``fp8_gemm``: block-scaled fp8 linear layers on the checkpoint's e4m3 weights
   (``swiglu_quantize_fp8``: a dense MLP's SwiGLU quantised for its down projection in one launch);
   ``mla_query_absorb`` / ``mla_value_proj_fp8``: MLA's per-head kv_b products on the stored fp8
-  weight, the value projection writing o_proj's fp8 input directly.
+  weight, the absorption writing the whole absorbed query (its rope part rotated beside it), the value
+  projection o_proj's fp8 input directly.
 - ``rms_norm`` / ``apply_rope``: RMSNorm of every row, rope on the first dims of every head (either
-  pair layout), one launch each (the runtime layers' norms and rope); ``add_rms_norm``: a residual add
-  and the norm of its sum in one launch; either norm can also quantise its result for an fp8 GEMM.
+  pair layout, optionally after each row's layer norm), one launch each (the runtime layers' norms and
+  rope); ``add_rms_norm``: a residual add and the norm of its sum in one launch; either norm can also
+  quantise its result for an fp8 GEMM.
 - ``all_finite``: whether a tensor holds no NaN or ±inf, as a device tensor in one launch (the decode
   step's check of its logits).
 - ``route_topk`` / ``route_hash`` (and ``check_tid2eid``): MoE routing (V3.2's grouped sigmoid top-k,
