@@ -19,6 +19,12 @@ def described(t):
     return None if t is None else (t.__class__, t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
 
 
+def described_tuple(ts):
+    """A tuple of tensor arguments' part of a launch site's call signature (e.g. an ``out`` pair): its class,
+    length and each tensor's described(); None for None."""
+    return None if ts is None else (ts.__class__, len(ts), *map(described, ts))
+
+
 MAX_SIGNATURES = 1024   # signatures a launch site keeps (then it starts over)
 
 

@@ -88,9 +88,11 @@ _STEPS: dict = {}
 
 def _check(seq_lens, block_table, block_size, cos_table, sin_table) -> None:
     """decode_positions' input checks (InputError)."""
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or \
+            seq_lens.dtype not in (torch.int32, torch.int64):
         raise InputError(f"seq_lens must be an int32 / int64 tensor [b], got "
-                         f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} {tuple(getattr(seq_lens, 'shape', ()))}")
+                         f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} "
+                         f"{tuple(getattr(seq_lens, 'shape', ()))}")
     b = seq_lens.shape[0]
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
             or block_table.shape[0] != b or (block_table.shape[1] > 1 and block_table.stride(1) != 1):

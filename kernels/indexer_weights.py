@@ -67,7 +67,8 @@ def indexer_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torc
     out = torch.empty((t, weight.shape[0]), dtype=torch.float32, device=x.device)
     if kept.args is None:
         n_heads = weight.shape[0]
-        kept.args = ((t, cdiv(n_heads, _BLOCK_H)), t * n_heads > 0, (n_heads, x.stride(0), weight.stride(0), out.stride(0)),
+        kept.args = ((t, cdiv(n_heads, _BLOCK_H)), t * n_heads > 0,
+                     (n_heads, x.stride(0), weight.stride(0), out.stride(0)),
                      dict(HIDDEN=x.shape[1], BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K, num_warps=8))
     grid, launched, integers, constexprs = kept.args
     if launched:
@@ -82,8 +83,8 @@ _WEIGHTS: dict = {}
 
 def _check(x, weight) -> None:
     """indexer_weights' input checks (InputError)."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
-            or (x.shape[1] > 1 and x.stride(1) != 1):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or \
+            x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or (x.shape[1] > 1 and x.stride(1) != 1):
         raise InputError(f"x must be a bfloat16, float16 or float32 tensor [T, D] with unit stride along D, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     d = x.shape[1]

@@ -29,7 +29,7 @@ from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, check_device
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from ._launch import Kept, cdiv, described, launch, per_signature
+from ._launch import Kept, cdiv, described, described_tuple, launch, per_signature
 
 WEIGHT_BLOCK = DEFAULT_BLOCK[0]
 BLOCK_O = FP8_GROUP      # output columns per program: one activation group of the quantised output
@@ -209,7 +209,7 @@ def mla_value_proj_fp8(
     """
     kept = per_signature(_PLANS, lambda: (
         described(o_lat), described(kv_b_weight), described(kv_b_scale), qk_nope_head_dim.__class__, qk_nope_head_dim,
-        v_head_dim.__class__, v_head_dim, True, None if out is None else (out.__class__, *map(described, out))),
+        v_head_dim.__class__, v_head_dim, True, described_tuple(out)),
         lambda: _check_value_proj(o_lat, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, out) or Kept())
     n_tokens, n_heads, _ = o_lat.shape
     if out is None:
@@ -285,7 +285,7 @@ def mla_query_absorb(
     kept = per_signature(_PLANS, lambda: (
         described(q_nope), described(kv_b_weight), described(kv_b_scale), qk_nope_head_dim.__class__,
         qk_nope_head_dim, v_head_dim.__class__, v_head_dim, False, described(out),
-        None if rope is None else (rope.__class__, len(rope), *map(described, rope))),
+        described_tuple(rope)),
         lambda: _check_absorb(q_nope, kv_b_weight, kv_b_scale, qk_nope_head_dim, v_head_dim, rope, out) or Kept())
     n_tokens, n_heads, _ = q_nope.shape
     if out is None:

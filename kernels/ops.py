@@ -240,7 +240,8 @@ def _(x, weight, eps):
 
 
 @_registered
-def rms_norm_fp8_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_fp8_op(x: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``minirt.kernels.rms_norm`` with ``fp8_out`` as a custom op: (y [M, N] of x's dtype, codes, scales)."""
     codes, scales = quantized_like(x)
     return rms_norm(x, weight, eps, fp8_out=(codes, scales)), codes, scales

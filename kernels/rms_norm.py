@@ -18,7 +18,7 @@ from minirt.formats import FP8_GROUP
 
 from ._common import check_device, rounded_to_bf16
 from ._fp8 import ACT_MIN_EXPONENT, check_fp8_out, pow2_quantize_rows
-from ._launch import Kept, described, launch, per_signature
+from ._launch import Kept, described, described_tuple, launch, per_signature
 
 
 @triton.jit
@@ -72,7 +72,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional
     Raises:
         minirt.errors.InputError: wrong ranks, dtypes, shapes or strides, or a device the kernels cannot use.
     """
-    kept = per_signature(_NORMS, lambda: (described(x), None, described(weight), described(out), _described_pair(fp8_out)),
+    kept = per_signature(_NORMS, lambda: (described(x), None, described(weight), described(out),
+                                          described_tuple(fp8_out)),
                          lambda: _check(x, None, weight, out, fp8_out) or Kept())
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -98,7 +99,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
         minirt.errors.InputError: as ``rms_norm``; delta of another shape or dtype than x.
     """
     kept = per_signature(_NORMS, lambda: (described(x), described(delta), described(weight), None,
-                                          _described_pair(fp8_out)),
+                                          described_tuple(fp8_out)),
                          lambda: _check(x, delta, weight, None, fp8_out) or Kept())
     h, y = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
     _launch(x, delta, weight, eps, h, y, fp8_out, kept)
@@ -108,11 +109,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 # Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> its Kept: a
 # signature seen before passed the checks.
 _NORMS: dict = {}
-
-
-def _described_pair(pair):
-    return None if pair is None else (pair.__class__, len(pair), *map(described, pair)) \
-        if isinstance(pair, tuple) else pair.__class__
 
 
 def _check(x, delta, weight, out, fp8_out) -> None:

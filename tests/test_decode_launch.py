@@ -4,7 +4,8 @@ through an input that the checks refuse; the ordering kernel ranks sequences by 
 launch (kernels/_launch.py) passes a compiled kernel's launcher every parameter in order; on a GPU later
 calls launch the compiled kernels directly, with the JIT path's results bit for bit. The head projections',
 the indexers', the top-k selections', the index-key writer's, the activation quantiser's, the fp8 GEMM's,
-the norms', rope's, the indexer weights' and the decode positions' kept plans likewise (positions_to_slots' is tested beside it, in test_kv_cache_fp8).
+the norms', rope's, the indexer weights' and the decode positions' kept plans likewise (positions_to_slots'
+is tested beside it, in test_kv_cache_fp8).
 """
 import importlib
 import math

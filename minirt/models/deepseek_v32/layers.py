@@ -252,12 +252,18 @@ class MLAAttention(nn.Module):
         [T, index_n_heads * index_head_dim] as they come out of the GEMMs (None without an indexer).
         x_fp8: x's quantisation for the fp8 projections (``RMSNorm.quantized``), or None."""
         x_in = x if x_fp8 is None else x_fp8
-        q_a, *index_k, kv_a = self.fused_x(x_in) if self.fused_x is not None else [p(x_in) for p in self._x_projections()]
+        if self.fused_x is not None:
+            q_a, *index_k, kv_a = self.fused_x(x_in)
+        else:
+            q_a, *index_k, kv_a = [p(x_in) for p in self._x_projections()]
         if self.fp8_weights:  # qr's norm writes the fp8 operand of its projections too
             qr, qr_in = self.q_a_layernorm.quantized(q_a)
         else:
             qr = qr_in = self.q_a_layernorm(q_a)
-        q, *index_q = self.fused_qr(qr_in) if self.fused_qr is not None else [p(qr_in) for p in self._qr_projections()]
+        if self.fused_qr is not None:
+            q, *index_q = self.fused_qr(qr_in)
+        else:
+            q, *index_q = [p(qr_in) for p in self._qr_projections()]
         q_nope, q_rope = q.view(-1, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], -1)
         latent = self.kv_a_layernorm(latent)
@@ -380,7 +386,10 @@ class DenseMLP(nn.Module):
         """x [..., hidden] -> [..., hidden]; x_fp8: x's quantisation for fp8 gate and up projections
         (``RMSNorm.quantized``), or None."""
         x_in = x if x_fp8 is None else x_fp8
-        gate, up = self.fused_gate_up(x_in) if self.fused_gate_up is not None else (self.gate_proj(x_in), self.up_proj(x_in))
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x_in)
+        else:
+            gate, up = self.gate_proj(x_in), self.up_proj(x_in)
         if isinstance(self.down_proj, Fp8Linear):   # silu(gate) · up quantised for it in one launch
             width = gate.shape[-1]
             pair = swiglu_quantize_fp8(gate.reshape(-1, width), up.reshape(-1, width))
@@ -449,9 +458,10 @@ class MoE(nn.Module):
     and ``swiglu_limit``. ``shared_experts``: a module on every token, called as ``DenseMLP`` is
     (forward(x, x_fp8)), or None. forward(x [T, hidden], routing=None, x_fp8=None) -> [T, hidden] in
     x's dtype; ``routing`` = (weights, expert ids) replaces the gate's choice (to compare the experts'
-    numerics on a reference's routing). No host sync (CUDA-graph capturable when the gate is). ``tp`` (expert parallelism): ``experts`` holds this rank's
-    ``n_experts / N`` of the ``n_experts`` routed experts; the tokens are dispatched and combined with
-    ``all_to_all_single`` (``minirt.parallel.expert_parallel_moe``), the shared experts replicated.
+    numerics on a reference's routing). No host sync (CUDA-graph capturable when the gate is). ``tp``
+    (expert parallelism): ``experts`` holds this rank's ``n_experts / N`` of the ``n_experts`` routed
+    experts; the tokens are dispatched and combined with ``all_to_all_single``
+    (``minirt.parallel.expert_parallel_moe``), the shared experts replicated.
     """
 
     def __init__(self, gate: nn.Module, experts: RoutedExperts, shared_experts: nn.Module | None,
