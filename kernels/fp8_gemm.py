@@ -263,6 +263,34 @@ _STREAM_PROGRAM_OVERHEAD = 2
 SCALED_MM_ROWS = 16
 
 
+@triton.jit
+def _stream_tiles(a_rows, b_rows, cols, m_mask, n_mask, K, first, n_blocks, J: tl.constexpr, BLOCK: tl.constexpr):
+    """The weight and activation tiles of block J of an iteration whose first k block is the split's block
+    ``first``, at columns cols: zeros past K or past the split's n_blocks."""
+    k_mask = (cols + J * BLOCK < K) & (first + J < n_blocks)
+    w = tl.load(b_rows + J * BLOCK + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                eviction_policy="evict_first")
+    a = tl.load(a_rows + J * BLOCK + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    return w, a
+
+
+@triton.jit
+def _stream_scales(a_scale_rows, b_scale_row, kb, OFFSET: tl.constexpr, live, m_mask, stride_sak, stride_sbk):
+    """The scales (the tokens', the weight row block's) of k block kb + OFFSET, 0 where not live."""
+    a_scale = tl.load(a_scale_rows + (kb + OFFSET) * stride_sak, mask=m_mask & live, other=0.0)
+    b_scale = tl.load(b_scale_row + (kb + OFFSET) * stride_sbk, mask=live, other=0.0)
+    return a_scale, b_scale
+
+
+@triton.jit
+def _stream_add(acc, w, a, scale, INTERPRETED: tl.constexpr):
+    """acc plus one k block's product: one MMA chain (b . a^T: weight rows x tokens), scaled into fp32 (promotion)."""
+    if INTERPRETED:
+        w = w.to(tl.float32)
+        a = a.to(tl.float32)
+    return acc + tl.dot(w, tl.trans(a)) * scale[None, :]
+
+
 @triton.jit(do_not_specialize=["M", "N", "n_k_blocks", "k_blocks_per_split", "group_rows"])
 def _fp8_stream_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partial_ptr, arrivals_ptr,
@@ -297,47 +325,33 @@ def _fp8_stream_kernel(
     # The scales of the next k blocks are loaded one iteration ahead: the pipeliner prefetches only
     # the MMA operands, and a scale load waited on in its own iteration would hold back the next
     # weight load by its latency every k block.
+    # (A split has at least one k block: its first block's scales need no mask.)
     a_scale = tl.load(a_scale_rows + kb_start * stride_sak, mask=m_mask, other=0.0)
     b_scale = tl.load(b_scale_row + kb_start * stride_sbk)
     if STEP == 2:
-        a_scale2 = tl.load(a_scale_rows + (kb_start + 1) * stride_sak, mask=m_mask & (n_blocks > 1), other=0.0)
-        b_scale2 = tl.load(b_scale_row + (kb_start + 1) * stride_sbk, mask=n_blocks > 1, other=0.0)
-    else:
-        a_scale2, b_scale2 = a_scale, b_scale   # (unused)
+        a_scale2, b_scale2 = _stream_scales(a_scale_rows, b_scale_row, kb_start, 1, n_blocks > 1, m_mask,
+                                            stride_sak, stride_sbk)
     # The interpreter cannot loop to a runtime bound: it runs INTERPRETED_ITERS iterations, and the
     # k blocks past the split's last add zeros (their k columns and scales are masked).
     for i in range(0, INTERPRETED_ITERS if INTERPRETED else n_iters):
+        # Every tile load of the iteration is issued before the next scales' loads and the MMAs.
         kb = kb_start + i * STEP
         cols = kb * BLOCK + offs_k
-        k_mask = (cols < K) & (i * STEP < n_blocks)
-        w = tl.load(b_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        a = tl.load(a_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w, a = _stream_tiles(a_rows, b_rows, cols, m_mask, n_mask, K, i * STEP, n_blocks, 0, BLOCK)
         if STEP == 2:
             # (A split's k blocks are even but for the last split's: its missing block is past K.)
-            k_mask2 = (cols + BLOCK < K) & (i * STEP + 1 < n_blocks)
-            w2 = tl.load(b_rows + BLOCK + cols[None, :], mask=n_mask[:, None] & k_mask2[None, :], other=0.0,
-                         eviction_policy="evict_first")
-            a2 = tl.load(a_rows + BLOCK + cols[None, :], mask=m_mask[:, None] & k_mask2[None, :], other=0.0)
+            w2, a2 = _stream_tiles(a_rows, b_rows, cols, m_mask, n_mask, K, i * STEP, n_blocks, 1, BLOCK)
         scale = a_scale * b_scale
-        scale2 = a_scale2 * b_scale2
-        has_next = (i + 1) * STEP < n_blocks
-        a_scale = tl.load(a_scale_rows + (kb + STEP) * stride_sak, mask=m_mask & has_next, other=0.0)
-        b_scale = tl.load(b_scale_row + (kb + STEP) * stride_sbk, mask=has_next, other=0.0)
         if STEP == 2:
-            has_next2 = (i + 1) * STEP + 1 < n_blocks
-            a_scale2 = tl.load(a_scale_rows + (kb + 3) * stride_sak, mask=m_mask & has_next2, other=0.0)
-            b_scale2 = tl.load(b_scale_row + (kb + 3) * stride_sbk, mask=has_next2, other=0.0)
-        if INTERPRETED:
-            w = w.to(tl.float32)
-            a = a.to(tl.float32)
-        # One k block per MMA chain (b . a^T: weight rows x tokens), scaled into fp32 (promotion).
-        acc += tl.dot(w, tl.trans(a)) * scale[None, :]
+            scale2 = a_scale2 * b_scale2
+        a_scale, b_scale = _stream_scales(a_scale_rows, b_scale_row, kb, STEP, (i + 1) * STEP < n_blocks, m_mask,
+                                          stride_sak, stride_sbk)
         if STEP == 2:
-            if INTERPRETED:
-                w2 = w2.to(tl.float32)
-                a2 = a2.to(tl.float32)
-            acc += tl.dot(w2, tl.trans(a2)) * scale2[None, :]
+            a_scale2, b_scale2 = _stream_scales(a_scale_rows, b_scale_row, kb, STEP + 1, (i + 1) * STEP + 1 < n_blocks,
+                                                m_mask, stride_sak, stride_sbk)
+        acc = _stream_add(acc, w, a, scale, INTERPRETED)
+        if STEP == 2:
+            acc = _stream_add(acc, w2, a2, scale2, INTERPRETED)
 
     out_tile = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_m.to(tl.int64)[None, :] * stride_om
     out_mask = n_mask[:, None] & m_mask[None, :]
