@@ -144,6 +144,32 @@ def rounded_to_bf16(y):
 
 
 @triton.jit
+def rms_normed(x, w, n, eps):
+    """RMSNorm of one row held as an fp32 tile x (zeros where masked off; any 2-D shape, n its valid
+    values), times the fp32 weight tile w: x · rsqrt(mean(x²) + eps) · w in fp32. One sum order for every
+    kernel that norms a row (``rms_norm``, ``write_kv_fp8``'s), so their results agree bit for bit."""
+    return x * (1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / n + eps)) * w
+
+
+@triton.jit
+def rotated(a, b, cos, sin):
+    """Rope on fp32 pairs (a, b) by angles (cos, sin): (a·cos − b·sin, a·sin + b·cos)."""
+    return a * cos - b * sin, a * sin + b * cos
+
+
+@triton.jit
+def paged_slot(table_row_ptr, pos, mask, max_blocks, block_size, num_blocks):
+    """Cache slot ids (int64) of logical positions ``pos`` through a block-table row (``table_row_ptr`` per
+    position, unit column stride): page · block_size + offset, or -1 where ``mask`` is off, the position is
+    outside [0, max_blocks · block_size) or its page outside [0, num_blocks) (-1: unallocated). 64-bit
+    arithmetic: garbage positions or pages never wrap into a valid slot, and are never dereferenced."""
+    pos = pos.to(tl.int64)
+    in_table = mask & (pos >= 0) & (pos < max_blocks.to(tl.int64) * block_size)
+    page = tl.load(table_row_ptr + tl.where(in_table, pos // block_size, 0), mask=in_table, other=-1).to(tl.int64)
+    return tl.where(in_table & (page >= 0) & (page < num_blocks), page * block_size + pos % block_size, -1)
+
+
+@triton.jit
 def writable_slot(slot_ptr, row, num_slots):
     """(slot, valid) of a cache writer's row ``row``: its slot id int64, 0 where it is outside
     [0, num_slots) (valid False: the row's stores are masked off, never out of bounds)."""

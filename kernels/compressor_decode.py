@@ -17,7 +17,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import check_device
+from ._common import check_device, rotated
 
 
 @triton.jit
@@ -94,7 +94,8 @@ def _compressor_decode_kernel(kv_ptr, gate_ptr, ape_ptr, ring_kv_ptr, ring_score
         roped = pair >= 0
         cos = tl.load(cos_ptr + w * RATIO * stride_c + pair, mask=roped, other=1.0)
         sin = tl.load(sin_ptr + w * RATIO * stride_s + pair, mask=roped, other=0.0)
-        y = tl.reshape(tl.join(a * cos - b * sin, a * sin + b * cos), (DIM,))
+        a, b = rotated(a, b, cos, sin)
+        y = tl.reshape(tl.join(a, b), (DIM,))
         tl.store(out_row + cols, y.to(out_ptr.dtype.element_ty))
         if SLOTS:
             tl.store(slots_ptr + i, s * slots_per_seq + w)

@@ -13,26 +13,24 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import check_device
+from ._common import check_device, paged_slot
 from ._launch import Kept, cdiv, described, launch, per_signature
 
 _BLOCK_B = 16   # sequences a program
 
 
-@triton.jit(do_not_specialize=["batch", "max_blocks", "block_size", "stride_table", "stride_cos", "stride_sin"])
+@triton.jit(do_not_specialize=["batch", "max_blocks", "block_size", "num_blocks", "stride_table", "stride_cos",
+                               "stride_sin"])
 def _decode_positions_kernel(seq_lens_ptr, table_ptr, cos_table_ptr, sin_table_ptr, pos_ptr, cos_ptr, sin_ptr,
-                             slot_ptr, batch, max_blocks, block_size, stride_table, stride_cos, stride_sin,
+                             slot_ptr, batch, max_blocks, block_size, num_blocks, stride_table, stride_cos, stride_sin,
                              PAIRS: tl.constexpr, BLOCK_B: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     in_batch = rows < batch
     pos = tl.load(seq_lens_ptr + rows, mask=in_batch, other=0).to(tl.int64)
     tl.store(pos_ptr + rows, pos, mask=in_batch)
     # The slot through the block table; -1 (skipped by the cache writers) past the table or on an unallocated page.
-    in_table = in_batch & (pos >= 0) & (pos < max_blocks.to(tl.int64) * block_size)
-    block = tl.load(table_ptr + rows.to(tl.int64) * stride_table + tl.where(in_table, pos // block_size, 0),
-                    mask=in_table, other=-1).to(tl.int64)
-    tl.store(slot_ptr + rows, tl.where(in_table & (block >= 0), block * block_size + pos % block_size, -1),
-             mask=in_batch)
+    slot = paged_slot(table_ptr + rows.to(tl.int64) * stride_table, pos, in_batch, max_blocks, block_size, num_blocks)
+    tl.store(slot_ptr + rows, slot, mask=in_batch)
     pair = tl.arange(0, PAIRS)
     at = tl.where(in_batch, pos, 0)[:, None]
     out = rows.to(tl.int64)[:, None] * PAIRS + pair[None, :]
@@ -42,8 +40,9 @@ def _decode_positions_kernel(seq_lens_ptr, table_ptr, cos_table_ptr, sin_table_p
              .to(tl.float32), mask=in_batch[:, None])
 
 
-def decode_positions(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, cos_table: torch.Tensor,
-                     sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_positions(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, num_blocks: int,
+                     cos_table: torch.Tensor, sin_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     For each of b sequences decoding one token at its cached length: the token's position, the rope
     tables' rows at it and its cache slot, in one launch (no host synchronisation: CUDA-graph capturable).
@@ -52,27 +51,28 @@ def decode_positions(seq_lens: torch.Tensor, block_table: torch.Tensor, block_si
         seq_lens: [b] int32 or int64, the tokens each sequence holds (the new token's position).
         block_table: [b, max_blocks] int32, page ids of each sequence (-1: unallocated), unit column stride.
         block_size: tokens a page, a positive int.
+        num_blocks: the cache's pages, a positive int (a table entry outside [0, num_blocks): unallocated).
         cos_table, sin_table: [P, r / 2] float rope tables by position (read as fp32), unit last stride;
             every seq_lens[i] must be < P (not checked on the device).
 
     Returns:
         positions [b] int64 (seq_lens' values), cos and sin [b, r / 2] float32 (the tables' rows at them),
         slots [b] int64: block_table[i, p // block_size] · block_size + p % block_size, or -1 where p is
-        past the table or its page is unallocated (the cache writers skip such slots).
+        past the table or its page is unallocated or outside the cache (the cache writers skip such slots).
 
     Raises:
         minirt.errors.InputError: wrong dtypes, shapes or strides, or a device the kernels cannot use.
     """
     kept = per_signature(_STEPS, lambda: (described(seq_lens), described(block_table), block_size.__class__, block_size,
-                                          described(cos_table), described(sin_table)),
-                         lambda: _check(seq_lens, block_table, block_size, cos_table, sin_table) or Kept())
+                                          num_blocks.__class__, num_blocks, described(cos_table), described(sin_table)),
+                         lambda: _check(seq_lens, block_table, block_size, num_blocks, cos_table, sin_table) or Kept())
     b, pairs = seq_lens.shape[0], cos_table.shape[1]
     positions = torch.empty(b, dtype=torch.int64, device=seq_lens.device)
     slots = torch.empty(b, dtype=torch.int64, device=seq_lens.device)
     cos, sin = (torch.empty(b, pairs, device=seq_lens.device) for _ in range(2))
     if kept.args is None:
-        kept.args = ((cdiv(b, _BLOCK_B),), (b, block_table.shape[1], block_size, block_table.stride(0),
-                                            cos_table.stride(0), sin_table.stride(0)),
+        kept.args = ((cdiv(b, _BLOCK_B),), (b, block_table.shape[1], block_size, num_blocks,
+                                            block_table.stride(0), cos_table.stride(0), sin_table.stride(0)),
                      dict(PAIRS=pairs, BLOCK_B=_BLOCK_B, num_warps=1))
     grid, integers, constexprs = kept.args
     if b:
@@ -81,12 +81,12 @@ def decode_positions(seq_lens: torch.Tensor, block_table: torch.Tensor, block_si
     return positions, cos, sin, slots
 
 
-# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment, block_size) -> its
+# Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment, block_size, num_blocks) -> its
 # Kept: a signature seen before passed the checks.
 _STEPS: dict = {}
 
 
-def _check(seq_lens, block_table, block_size, cos_table, sin_table) -> None:
+def _check(seq_lens, block_table, block_size, num_blocks, cos_table, sin_table) -> None:
     """decode_positions' input checks (InputError)."""
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or \
             seq_lens.dtype not in (torch.int32, torch.int64):
@@ -97,8 +97,9 @@ def _check(seq_lens, block_table, block_size, cos_table, sin_table) -> None:
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
             or block_table.shape[0] != b or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
         raise InputError(f"block_table must be an int32 tensor [{b}, max_blocks] with unit column stride")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise InputError(f"block_size must be a positive int, got {block_size!r}")
+    for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive int, got {value!r}")
     for name, table in (("cos_table", cos_table), ("sin_table", sin_table)):
         if not isinstance(table, torch.Tensor) or table.dim() != 2 or not table.is_floating_point() or \
                 table.shape != cos_table.shape or table.stride(1) != 1 or table.shape[1] & (table.shape[1] - 1):

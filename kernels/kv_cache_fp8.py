@@ -19,6 +19,7 @@ sequence's logical position p to block ``table[b, p // block_size]``, offset ``p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -27,7 +28,8 @@ import triton.language as tl
 from minirt import formats
 from minirt.errors import InputError
 
-from ._common import check_device, check_slots, check_tensors, flat_of, rows_of, writable_slot
+from ._common import (check_device, check_slots, check_tensors, flat_of, paged_slot, rms_normed, rotated,
+                      rounded_to_bf16, rows_of, writable_slot)
 from ._fp8 import pow2_quantize_rows
 from ._launch import cdiv, described, launch, per_signature
 
@@ -96,15 +98,16 @@ def dequantize_kv_fp8(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16)
     return torch.cat([latent.to(dtype), k_rope.to(dtype)], dim=-1)
 
 
-def _check_token_inputs(latent, k_rope) -> None:
+def _check_token_inputs(latent, k_rope, rotated: bool = False) -> None:
     check_tensors({"latent": latent, "k_rope": k_rope})
     for name, t, dim in (("latent", latent, formats.KV_LATENT_DIM), ("k_rope", k_rope, formats.KV_ROPE_DIM)):
         if t.dim() < 1 or t.shape[-1] != dim:
             raise InputError(f"{name} must have last dim {dim}, got shape {tuple(t.shape)}")
     if latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InputError(f"latent must be bfloat16, float16 or float32, got {latent.dtype}")
-    if k_rope.dtype != torch.bfloat16:
-        raise InputError(f"k_rope must be bfloat16 (it is stored bit-exactly), got {k_rope.dtype}")
+    if k_rope.dtype not in ((torch.bfloat16, torch.float16, torch.float32) if rotated else (torch.bfloat16,)):
+        raise InputError(f"k_rope must be bfloat16 (it is stored bit-exactly), got {k_rope.dtype}" if not rotated
+                         else f"k_rope must be bfloat16, float16 or float32, got {k_rope.dtype}")
     if latent.shape[:-1] != k_rope.shape[:-1]:
         raise InputError(f"latent {tuple(latent.shape)} and k_rope {tuple(k_rope.shape)} "
                          "differ in their leading dims")
@@ -188,14 +191,8 @@ def _positions_to_slots_kernel(pos_ptr, table_ptr, slot_ptr, n_per_row, max_bloc
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < n_per_row
-    pos = tl.load(pos_ptr + row * n_per_row + cols, mask=in_row, other=-1).to(tl.int64)
-    # 64-bit arithmetic: garbage positions or table entries must not wrap into a valid slot.
-    in_table = (pos >= 0) & (pos < max_blocks.to(tl.int64) * block_size)
-    pos = tl.where(in_table, pos, 0)
-    block = tl.load(table_ptr + row * stride_table_b + pos // block_size, mask=in_row & in_table,
-                    other=-1).to(tl.int64)
-    valid = in_table & (block >= 0) & (block < num_blocks)
-    slot = tl.where(valid, block * block_size + pos % block_size, -1)
+    pos = tl.load(pos_ptr + row * n_per_row + cols, mask=in_row, other=-1)
+    slot = paged_slot(table_ptr + row * stride_table_b, pos, in_row, max_blocks, block_size, num_blocks)
     tl.store(slot_ptr + row * n_per_row + cols, slot.to(tl.int32), mask=in_row)
 
 
@@ -272,9 +269,11 @@ def _checked_mapping(positions, block_table, kv_cache) -> CacheGeometry:
 # writer
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride", "stride_latent", "stride_rope"])
-def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, block_size, num_slots,
-                         block_stride, stride_latent, stride_rope):
+@triton.jit(do_not_specialize=["block_size", "num_slots", "block_stride", "stride_latent", "stride_rope", "stride_cos",
+                               "stride_sin"])
+def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, norm_ptr, cos_ptr, sin_ptr, block_size, num_slots,
+                         block_stride, stride_latent, stride_rope, stride_cos, stride_sin, eps, NORM: tl.constexpr,
+                         ROPE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot, valid = writable_slot(slot_ptr, token, num_slots)
     row = cache_ptr + (slot // block_size) * block_stride + (slot % block_size) * TOKEN_BYTES
@@ -282,44 +281,76 @@ def _write_kv_fp8_kernel(cache_ptr, latent_ptr, rope_ptr, slot_ptr, block_size, 
     tiles = tl.arange(0, TILES)
     cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
     latent = tl.load(latent_ptr + token * stride_latent + cols).to(tl.float32)
+    if NORM:  # rms_norm's values (the same [tiles, 128] sums), rounded to the latent's dtype as it rounds them
+        latent = rms_normed(latent, tl.load(norm_ptr + cols).to(tl.float32), D_LAT, eps)
+        latent = latent.to(latent_ptr.dtype.element_ty).to(tl.float32)
     # One tile per row, one scale per tile (formats.quantize_groups with KV_MIN_SCALE).
     codes, scale = pow2_quantize_rows(latent, MIN_SCALE_EXPONENT)
     tl.store(row + cols, codes.to(tl.uint8), mask=valid)
     tl.store((row + SCALES_AT).to(tl.pointer_type(tl.float32)) + tiles, scale, mask=valid)
-    rope_cols = tl.arange(0, D_ROPE)
-    rope = tl.load(rope_ptr + token * stride_rope + rope_cols)
-    tl.store((row + ROPE_AT).to(tl.pointer_type(tl.int16)) + rope_cols, rope, mask=valid)
+    rope_row = (row + ROPE_AT).to(tl.pointer_type(tl.int16))
+    if ROPE:  # interleaved pairs rotated in fp32 (apply_rope's), rounded to nearest bfloat16 (also interpreted)
+        pair = tl.arange(0, D_ROPE // 2)
+        cos = tl.load(cos_ptr + token * stride_cos + pair).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_sin + pair).to(tl.float32)
+        a = tl.load(rope_ptr + token * stride_rope + 2 * pair).to(tl.float32)
+        b = tl.load(rope_ptr + token * stride_rope + 2 * pair + 1).to(tl.float32)
+        a, b = rotated(a, b, cos, sin)
+        tl.store(rope_row + 2 * pair, rounded_to_bf16(a).to(tl.bfloat16).to(tl.int16, bitcast=True), mask=valid)
+        tl.store(rope_row + 2 * pair + 1, rounded_to_bf16(b).to(tl.bfloat16).to(tl.int16, bitcast=True), mask=valid)
+    else:  # copied bit-exactly (read as int16)
+        rope_cols = tl.arange(0, D_ROPE)
+        tl.store(rope_row + rope_cols, tl.load(rope_ptr + token * stride_rope + rope_cols), mask=valid)
 
 
-def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, slots: torch.Tensor, *,
+                 norm: Optional[tuple[torch.Tensor, float]] = None,
+                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """
-    Quantise new tokens and scatter them into their cache slots, in place, in one launch.
+    Quantise new tokens and scatter them into their cache slots, in place, in one launch; optionally the
+    latent's RMSNorm and k_rope's rope first (a decode step's kv_a output straight to the cache).
 
-    Byte-identical to quantize_kv_fp8(latent, k_rope) written at kv_cache.view(-1, 656)[slots].
+    Byte-identical to quantize_kv_fp8(latent, k_rope) written at kv_cache.view(-1, 656)[slots] (with
+    ``norm`` / ``rope``: of the normed latent and the rotated k_rope).
 
     Args:
         kv_cache: [num_blocks, block_size, 1, 656] uint8 paged cache (see cache_geometry).
         latent: [..., 512], bfloat16, float16 or float32, finite; last dim contiguous.
-        k_rope: [..., 64], bfloat16, same leading shape; last dim contiguous.
+        k_rope: [..., 64], same leading shape; last dim contiguous. bfloat16 (stored bit-exactly), or with
+            ``rope`` any float dtype.
         slots: [...] int32 or int64, same leading shape: slot id of each token. Slots outside
             [0, num_blocks * block_size) (e.g. -1 for padding tokens) are skipped. Two tokens
             with the same slot leave one of them, unspecified which.
+        norm: keyword-only, optional (weight [512] of any float dtype, eps float >= 0): the latent stored
+            is ``rms_norm(latent, weight, eps)`` (its values bit for bit: fp32, rounded to latent's dtype).
+        rope: keyword-only, optional (cos, sin) [..., 32] float (latent's leading shape, unit last stride):
+            the k_rope stored is ``apply_rope(k_rope, cos, sin, 64, interleaved=True)`` rounded to the nearest
+            bfloat16 (products may fuse: its values to fp32 rounding).
 
     Raises:
         minirt.errors.InputError: wrong dtype/shape/device.
     """
+    weight, eps = norm if isinstance(norm, tuple) and len(norm) == 2 else (None, None)
+    cos, sin = rope if isinstance(rope, tuple) and len(rope) == 2 else (None, None)
     geometry, compiled = per_signature(
-        _WRITES, lambda: (described(kv_cache), described(latent), described(k_rope), described(slots)),
-        lambda: (_checked_write(kv_cache, latent, k_rope, slots), {}))
+        _WRITES, lambda: (described(kv_cache), described(latent), described(k_rope), described(slots),
+                          None if norm is None else (norm.__class__, len(norm), described(weight)),
+                          None if rope is None else (rope.__class__, len(rope), described(cos), described(sin))),
+        lambda: (_checked_write(kv_cache, latent, k_rope, slots, norm, rope), {}))
     latent = rows_of(latent, formats.KV_LATENT_DIM)
-    rope = rows_of(k_rope, formats.KV_ROPE_DIM).view(torch.int16)
+    k_rope = rows_of(k_rope, formats.KV_ROPE_DIM)
+    if rope is None:
+        k_rope = k_rope.view(torch.int16)
+    else:
+        cos, sin = rows_of(cos, formats.KV_ROPE_DIM // 2), rows_of(sin, formats.KV_ROPE_DIM // 2)
     slots = flat_of(slots)
     if slots.numel() == 0:
         return
-    launch(_write_kv_fp8_kernel, (slots.numel(),), (kv_cache, latent, rope, slots, geometry.block_size,
-                                                     geometry.num_slots, geometry.block_stride, latent.stride(0),
-                                                     rope.stride(0)), {}, compiled)
+    launch(_write_kv_fp8_kernel, (slots.numel(),), (
+        kv_cache, latent, k_rope, slots, latent if weight is None else weight, latent if cos is None else cos,
+        latent if sin is None else sin, geometry.block_size, geometry.num_slots, geometry.block_stride,
+        latent.stride(0), k_rope.stride(0), 0 if cos is None else cos.stride(0), 0 if sin is None else sin.stride(0),
+        0.0 if eps is None else float(eps)), dict(NORM=norm is not None, ROPE=rope is not None), compiled)
 
 
 # Call signature (the tensors' classes, dtypes, shapes, strides, devices and alignment) -> (the cache's
@@ -327,10 +358,24 @@ def write_kv_fp8(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Ten
 _WRITES: dict = {}
 
 
-def _checked_write(kv_cache, latent, k_rope, slots) -> CacheGeometry:
+def _checked_write(kv_cache, latent, k_rope, slots, norm, rope) -> CacheGeometry:
     """write_kv_fp8's input checks (InputError); the cache's geometry."""
     geometry = cache_geometry(kv_cache)
-    _check_token_inputs(latent, k_rope)
+    _check_token_inputs(latent, k_rope, rope is not None)
     check_slots(slots, latent.shape[:-1])
-    check_device({"latent": latent, "k_rope": k_rope, "slots": slots, "kv_cache": kv_cache})
+    extra = {}
+    if norm is not None:
+        if not (isinstance(norm, tuple) and len(norm) == 2 and isinstance(norm[0], torch.Tensor) and
+                tuple(norm[0].shape) == (formats.KV_LATENT_DIM,) and norm[0].is_floating_point() and
+                isinstance(norm[1], (int, float)) and not isinstance(norm[1], bool) and norm[1] >= 0):
+            raise InputError(f"norm must be (weight [{formats.KV_LATENT_DIM}] float tensor, eps float >= 0)")
+        extra["norm weight"] = norm[0]
+    if rope is not None:
+        shape = (*latent.shape[:-1], formats.KV_ROPE_DIM // 2)
+        if not (isinstance(rope, tuple) and len(rope) == 2 and all(
+                isinstance(t, torch.Tensor) and t.shape == shape and t.is_floating_point() and t.stride(-1) == 1
+                for t in rope)):
+            raise InputError(f"rope must be (cos, sin), float tensors {list(shape)} with unit last stride")
+        extra.update(cos=rope[0], sin=rope[1])
+    check_device({"latent": latent, "k_rope": k_rope, "slots": slots, "kv_cache": kv_cache, **extra})
     return geometry

@@ -27,7 +27,7 @@ from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import INTERPRET, check_device
+from ._common import INTERPRET, check_device, rotated
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from ._launch import Kept, cdiv, described, described_tuple, launch, per_signature
 
@@ -96,10 +96,11 @@ def _mla_head_proj_kernel(
             b = tl.load(rope_rows + 2 * pair[None, :] + 1, mask=t_mask[:, None]).to(tl.float32)
             cos = tl.load(cos_ptr + t64 * stride_ct + pair[None, :], mask=t_mask[:, None]).to(tl.float32)
             sin = tl.load(sin_ptr + t64 * stride_st + pair[None, :], mask=t_mask[:, None]).to(tl.float32)
-            rotated = out_ptr + out_rows + head.to(tl.int64) * stride_oh + ROPE_AT + 2 * pair[None, :]
+            pairs_out = out_ptr + out_rows + head.to(tl.int64) * stride_oh + ROPE_AT + 2 * pair[None, :]
+            a, b = rotated(a, b, cos, sin)
             dtype = out_ptr.dtype.element_ty
-            tl.store(rotated, (a * cos - b * sin).to(dtype), mask=t_mask[:, None])
-            tl.store(rotated + 1, (a * sin + b * cos).to(dtype), mask=t_mask[:, None])
+            tl.store(pairs_out, a.to(dtype), mask=t_mask[:, None])
+            tl.store(pairs_out + 1, b.to(dtype), mask=t_mask[:, None])
 
 
 def _check_inputs(name: str, x: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_scale: torch.Tensor,

@@ -16,18 +16,14 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from minirt.formats import FP8_GROUP
-
-from ._common import check_device, rounded_to_bf16, rows_per_program
-from ._fp8 import ACT_MIN_EXPONENT, check_fp8_out, pow2_quantize_rows
+from ._common import check_device, rotated, rounded_to_bf16, rows_per_program
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, codes_ptr, scales_ptr, n_rows, heads,
-                      stride_xt, stride_xh, stride_ot, stride_oh, stride_c, stride_s, stride_codes, stride_scales, eps,
-                      DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr,
-                      INVERSE: tl.constexpr, WRITE_HEAD: tl.constexpr, ROUND_BF16: tl.constexpr, FP8: tl.constexpr,
-                      GROUP: tl.constexpr, MIN_EXPONENT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, n_rows, heads, stride_xt, stride_xh,
+                      stride_ot, stride_oh, stride_c, stride_s, eps, DIM: tl.constexpr, ROPE: tl.constexpr,
+                      NORM: tl.constexpr, WEIGHT: tl.constexpr, INVERSE: tl.constexpr, WRITE_HEAD: tl.constexpr,
+                      ROUND_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     t, h = rows // heads, rows % heads
@@ -46,14 +42,6 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, codes_pt
         if ROUND_BF16:
             y = rounded_to_bf16(y)
         tl.store(out_rows[:, None] + cols[None, :], y.to(dtype), mask=mask & (cols[None, :] < DIM - ROPE))
-        if FP8:  # the stored values quantised per GROUP columns (rows of 2-D x; no rope): quantize_act_fp8's rule
-            G: tl.constexpr = BLOCK_D // GROUP
-            codes, scale = pow2_quantize_rows(tl.reshape(y.to(dtype).to(tl.float32), (BLOCK_R * G, GROUP)), MIN_EXPONENT)
-            tl.store(codes_ptr + t[:, None] * stride_codes + cols[None, :],
-                     tl.reshape(codes, (BLOCK_R, BLOCK_D)).to(tl.uint8), mask=mask)
-            groups = tl.arange(0, G)
-            tl.store(scales_ptr + t[:, None] * stride_scales + groups[None, :], tl.reshape(scale, (BLOCK_R, G)),
-                     mask=row_mask[:, None] & (groups[None, :] < DIM // GROUP))
     elif WRITE_HEAD and DIM > ROPE:  # not in place: the dims before the rotated ones are copied
         cols = tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (cols[None, :] < DIM - ROPE)
@@ -74,7 +62,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, codes_pt
         if WEIGHT:
             x = x * tl.load(w_ptr + tail).to(tl.float32)
         a, b = tl.split(x)
-        y = tl.join(a * cos - b * sin, a * sin + b * cos)
+        a, b = rotated(a, b, cos, sin)
+        y = tl.join(a, b)
         if ROUND_BF16:
             y = rounded_to_bf16(y)
         tl.store(out_rows[:, None, None] + tail, y.to(dtype), mask=mask)
@@ -84,7 +73,7 @@ def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[
               cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
               positions: Optional[torch.Tensor] = None, inverse: bool = False,
               out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
-              round_to_bf16: bool = False, fp8_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+              round_to_bf16: bool = False) -> torch.Tensor:
     """
     Per row (each head of each token): an optional RMS norm over the whole row, then rope on its LAST
     ``2 · cos.shape[1]`` dims (interleaved pairs) at the token's position; all in fp32.
@@ -105,9 +94,6 @@ def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[
         round_to_bf16: keyword-only; the results rounded to the nearest bfloat16 (ties to even) before they
             are stored in out's dtype: fp32 out holds bf16 values, which fp8 quantisers and fp32 GEMMs read
             with no cast; bf16 out rounds interpreted as on the GPU (the interpreter's own cast truncates).
-        fp8_out: keyword-only, optional (codes [T, D] float8_e4m3fn, scales [T, D / 128] float32), unit last
-            strides: also the stored result quantised for an fp8 GEMM as ``fp8_gemm.quantize_act_fp8`` does
-            (bit for bit, per 128 columns); only with a norm, no rope, 2-D x and D a multiple of 128.
 
     Returns:
         ``out`` or a new contiguous tensor of x's shape: the norm's values rounded to its dtype, the
@@ -150,29 +136,20 @@ def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[
         out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype not in floats or out.stride(-1) != 1:
         raise InputError(f"out must be a float tensor {tuple(x.shape)} with unit stride along D")
-    if fp8_out is not None:
-        if eps is None or rope:
-            raise InputError("fp8_out must be a norm's quantisation: it needs eps and no rope")
-        codes, scales = check_fp8_out(fp8_out, x.shape)
     check_device({"x": x, "out": out, **({"weight": weight} if weight is not None else {}),
-                  **({"cos": cos, "sin": sin, "positions": positions} if rope else {}),
-                  **({"codes": codes, "scales": scales} if fp8_out is not None else {})})
+                  **({"cos": cos, "sin": sin, "positions": positions} if rope else {})})
     n_rows = t * heads
     if n_rows:
         block_d = triton.next_power_of_2(d)
         block_r = rows_per_program(n_rows, block_d)
         dummy = out  # never read: the flags off
         o_strides = (out.stride(0), out.stride(1) if out.dim() == 3 else 0)
-        if fp8_out is None:
-            codes, scales = dummy, dummy
         _norm_rope_kernel[(triton.cdiv(n_rows, block_r),)](
             x, weight if weight is not None else dummy, cos if rope else dummy, sin if rope else dummy,
-            positions if rope else dummy, out, codes, scales, n_rows, heads, x.stride(0),
-            x.stride(1) if x.dim() == 3 else 0, *o_strides, cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
-            codes.stride(0) if fp8_out is not None else 0, scales.stride(0) if fp8_out is not None else 0,
+            positions if rope else dummy, out, n_rows, heads, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
+            *o_strides, cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
             float(eps) if eps is not None else 0.0, DIM=d, ROPE=rope, NORM=eps is not None,
             WEIGHT=weight is not None, INVERSE=inverse,
             WRITE_HEAD=not (out.data_ptr() == x.data_ptr() and out.stride() == x.stride()),
-            ROUND_BF16=bool(round_to_bf16), FP8=fp8_out is not None, GROUP=FP8_GROUP, MIN_EXPONENT=ACT_MIN_EXPONENT,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=min(8, max(1, block_d // 256)))
+            ROUND_BF16=bool(round_to_bf16), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=min(8, max(1, block_d // 256)))
     return out

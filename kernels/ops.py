@@ -58,7 +58,16 @@ def _writes_in_place(*args):
     return None
 
 
-write_kv_fp8_op = _registered(write_kv_fp8, ("kv_cache",))       # writes kv_cache in place
+def write_kv_fp8_op(kv_cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, slots: torch.Tensor,
+                    norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, cos: Optional[torch.Tensor] = None,
+                    sin: Optional[torch.Tensor] = None) -> None:
+    """``minirt.kernels.write_kv_fp8`` as a custom op (writes kv_cache in place): norm_weight given,
+    ``norm=(norm_weight, norm_eps)``; cos and sin given, ``rope=(cos, sin)``."""
+    write_kv_fp8(kv_cache, latent, k_rope, slots, norm=None if norm_weight is None else (norm_weight, norm_eps),
+                 rope=None if cos is None and sin is None else (cos, sin))
+
+
+write_kv_fp8_op = _registered(write_kv_fp8_op, ("kv_cache",))
 write_kv_model1_op = _registered(write_kv_model1, ("kv_cache",))  # writes the MODEL1 cache in place
 write_index_keys_op = _registered(write_index_keys, ("cache",))   # writes the fp8 index cache in place
 for _op in (write_kv_fp8_op, write_kv_model1_op, write_index_keys_op):

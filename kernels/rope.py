@@ -15,7 +15,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import check_device
+from ._common import check_device, rotated
 from ._launch import Kept, cdiv, described, launch, per_signature
 
 
@@ -60,16 +60,14 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, b_ptr, heads, stride_x
     b = _layer_normed(tl.load(x_rows + second[None, :], mask=h_mask).to(tl.float32), second, mean, rstd, w_ptr, b_ptr,
                       LAYER_NORM)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_rows + first[None, :], (a * cos - b * sin).to(dtype), mask=h_mask)
-    tl.store(out_rows + second[None, :], (a * sin + b * cos).to(dtype), mask=h_mask)
+    a, b = rotated(a, b, cos, sin)
+    tl.store(out_rows + first[None, :], a.to(dtype), mask=h_mask)
+    tl.store(out_rows + second[None, :], b.to(dtype), mask=h_mask)
     if DIM > ROPE:  # the dims after the rotated ones: copied (normalised first with LAYER_NORM), cast to out's dtype
         rest = ROPE + tl.arange(0, BLOCK_D)
         mask = h_mask & (rest[None, :] < DIM)
-        if LAYER_NORM:
-            v = _layer_normed(tl.load(x_rows + rest[None, :], mask=mask, other=0.0).to(tl.float32),
-                              tl.minimum(rest, DIM - 1), mean, rstd, w_ptr, b_ptr, LAYER_NORM)
-        else:
-            v = tl.load(x_rows + rest[None, :], mask=mask)
+        v = _layer_normed(tl.load(x_rows + rest[None, :], mask=mask, other=0.0).to(tl.float32),
+                          tl.minimum(rest, DIM - 1), mean, rstd, w_ptr, b_ptr, LAYER_NORM)
         tl.store(out_rows + rest[None, :], v.to(dtype), mask=mask)
 
 

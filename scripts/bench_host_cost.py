@@ -129,7 +129,7 @@ def writer_cases():
     yield "positions_to_slots", "2 x 256 positions", lambda: positions_to_slots(positions, table, cache)
     seq_lens = torch.tensor([100, 700], device=DEVICE)
     angles = torch.rand(1024, 32, device=DEVICE)
-    yield "decode_positions", "b 2", lambda: decode_positions(seq_lens, table, 64, angles, angles)
+    yield "decode_positions", "b 2", lambda: decode_positions(seq_lens, table, 64, table.numel(), angles, angles)
 
 
 def gemm_cases():

@@ -220,7 +220,7 @@ def _glue_calls(seed: int) -> list:
     return [rms_norm(x, weight, 1e-6), *add_rms_norm(x, delta, weight, 1e-6),
             apply_rope(keys, angles, angles, 64, False, layer_norm=(weight[:128], weight[128:], 1e-6)),
             indexer_weights(x, torch.randn(8, 256, generator=g).to(DEVICE), 0.5),
-            *decode_positions(seq_lens, table, 64, tables, tables)]
+            *decode_positions(seq_lens, table, 64, table.numel(), tables, tables)]
 
 
 def test_the_glue_launchers_keep_a_plan_per_signature(monkeypatch):

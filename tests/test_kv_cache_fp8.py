@@ -175,6 +175,45 @@ def test_writer_leading_dims_and_noncontiguous_inputs():
         assert torch.equal(flat[slots[i, j]], ref[i, j])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_writer_norms_the_latent_and_ropes_k_rope_first(dtype):
+    """norm and rope: the latent's bytes are write_kv_fp8's of rms_norm's output (the same kernel sums, bit for
+    bit); k_rope is the interleaved rope of an fp32 reference rounded to bfloat16 (within one bf16 step: the
+    GPU may fuse a product); the latent's values against an fp64 RMSNorm."""
+    from minirt.kernels import rms_norm
+    from minirt.rope import apply_rope_interleaved
+    g = torch.Generator().manual_seed(7)
+    n, block_size = 12, 16
+    kv = (torch.randn(n, 576, generator=g) * 3).to(dtype).to(DEVICE)      # kv_a's output [latent | k_rope]
+    latent, k_rope = kv[:, :512], kv[:, 512:]
+    weight = (torch.rand(512, generator=g) + 0.5).to(DEVICE)
+    angles = torch.rand(n, 32, generator=g, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    slots = torch.randperm(2 * block_size, generator=g)[:n].to(DEVICE)
+    slots[5] = -1
+    fused = torch.full((2, block_size, 1, KV_TOKEN_BYTES), 0xFF, dtype=torch.uint8, device=DEVICE)
+    write_kv_fp8(fused, latent, k_rope, slots, norm=(weight, 1e-6), rope=(cos, sin))
+    normed = rms_norm(latent, weight, 1e-6)
+    plain = torch.full_like(fused, 0xFF)
+    write_kv_fp8(plain, normed, k_rope.to(torch.bfloat16), slots)   # the same slots, rope unrotated
+    got, want = _packed_view(fused).cpu(), _packed_view(plain).cpu()
+    assert torch.equal(got[:, :528], want[:, :528])                  # codes and scales, unwritten slots too
+    kept = slots.cpu() >= 0
+    rows = slots.cpu()[kept].long()
+    ref_rope = apply_rope_interleaved(k_rope.float().cpu()[:, None], cos.cpu(), sin.cpu())[:, 0]
+    got_rope = dequantize_kv_fp8(got[rows], torch.float32)[:, 512:]
+    torch.testing.assert_close(got_rope, ref_rope[kept].to(torch.bfloat16).float(), atol=0, rtol=2 ** -7)
+    assert (got[~torch.isin(torch.arange(2 * block_size), rows)] == 0xFF).all()
+    x = latent.double().cpu()
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double().cpu()
+    values = dequantize_kv_fp8(got[rows], torch.float32)[:, :512].double()
+    assert ((values - ref[kept]).norm() / ref[kept].norm()).item() < 0.04       # e4m3: 3 mantissa bits
+    with pytest.raises(InputError, match="norm must be"):
+        write_kv_fp8(fused, latent, k_rope, slots, norm=(weight[:64], 1e-6), rope=(cos, sin))
+    with pytest.raises(InputError, match="rope must be"):
+        write_kv_fp8(fused, latent, k_rope, slots, rope=(cos[:3], sin))
+
+
 def test_new_kv_cache():
     cache = new_kv_cache(3, device=DEVICE)
     assert cache.shape == (3, 64, 1, 656) and cache.dtype == torch.uint8 and not cache.any()

@@ -92,23 +92,3 @@ def test_norm_rope_rounds_to_bf16_in_fp32(norm, roped):
     norm_rope(x, eps=eps, weight=weight, out=out, round_to_bf16=True, **rope)
     fp32 = norm_rope(x, eps=eps, weight=weight, **rope)
     assert torch.equal(out, fp32.bfloat16().float()) and not torch.equal(out, fp32)
-
-
-@pytest.mark.parametrize("d, out_dtype, rounded", [(512, torch.float32, True), (384, torch.float32, False),
-                                                   (256, torch.bfloat16, False)])
-def test_norm_rope_fp8_out_is_quantize_act_fp8s(d, out_dtype, rounded):
-    """fp8_out: the stored result's quantize_act_fp8, bit for bit (D not a power of two too), every element written."""
-    from minirt.formats import FP8_DTYPE
-    from minirt.kernels.fp8_gemm import quantize_act_fp8
-    gen = torch.Generator().manual_seed(d)
-    T = 5
-    x = (torch.randn(T, d + 128, generator=gen) * torch.logspace(-3, 3, T)[:, None]).to(DEVICE)[:, 128:]
-    weight = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEVICE)
-    codes = torch.full((T, d), 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)  # NaN codes: poisoned
-    scales = torch.full((T, d // 128), float("nan"), device=DEVICE)
-    out = norm_rope(x, eps=1e-6, weight=weight, out_dtype=out_dtype, round_to_bf16=rounded, fp8_out=(codes, scales))
-    want_codes, want_scales = quantize_act_fp8(out)
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
-    assert torch.equal(out, norm_rope(x, eps=1e-6, weight=weight, out_dtype=out_dtype, round_to_bf16=rounded))
-    with pytest.raises(InputError, match="fp8_out must be"):
-        norm_rope(x, eps=None, fp8_out=(codes, scales))

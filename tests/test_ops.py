@@ -47,6 +47,10 @@ def test_opcheck_decode_and_writer():
     slots = torch.tensor([5, -1, 9], device=DEVICE)
     torch.library.opcheck(torch.ops.minirt.write_kv_fp8, (cache, latent, k_rope, slots),
                           test_utils=("test_schema", "test_faketensor"))
+    angles = torch.rand(3, 32, generator=gen).to(DEVICE)
+    torch.library.opcheck(torch.ops.minirt.write_kv_fp8,
+                          (cache, latent, k_rope, slots, torch.rand(512, generator=gen).to(DEVICE), 1e-6, angles,
+                           angles), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_compiled_call_equals_eager():

@@ -1,5 +1,5 @@
 """rms_norm and add_rms_norm (one launch per call) against an fp64 torch RMSNorm, on fresh random rows of varying
-scale; their fp8 outputs against quantize_act_fp8."""
+scale (rms_norm into other dtypes and rounded to bf16 too); their fp8 outputs against quantize_act_fp8."""
 import pytest
 import torch
 
@@ -45,6 +45,17 @@ def test_rms_norm_refuses_bad_input():
         rms_norm(x.t(), torch.ones(3, device=DEVICE), 1e-6)
     with pytest.raises(InputError, match="2-D"):
         rms_norm(x[0], torch.ones(128, device=DEVICE), 1e-6)
+    weight = torch.ones(128, device=DEVICE)
+    with pytest.raises(InputError, match=r"out must be a \[3, 128\] bfloat16, float16 or float32"):
+        rms_norm(x, weight, 1e-6, out=torch.empty(3, 128, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(InputError, match="out must be"):
+        rms_norm(x, weight, 1e-6, out=torch.empty(3, 64, device=DEVICE))
+    with pytest.raises(InputError, match="out must be"):
+        rms_norm(x, weight, 1e-6, out=torch.empty(128, 3, device=DEVICE).t())
+    with pytest.raises(InputError, match="out_dtype must be"):
+        rms_norm(x, weight, 1e-6, out_dtype=torch.int32)
+    with pytest.raises(InputError, match="out_dtype must be"):
+        rms_norm(x, weight, 1e-6, out_dtype=torch.float64, round_to_bf16=True)
 
 
 def test_rms_norm_op_schema_and_fake():
@@ -71,6 +82,59 @@ def test_rms_norm_fp8_out_is_quantize_act_fp8s(dtype, n):
     want_codes, want_scales = quantize_act_fp8(y)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("dtype, out_dtype, rounded, n", [
+    (torch.float32, torch.float32, True, 512),    # V4's sub-layer input norms: bf16 values held in fp32
+    (torch.bfloat16, torch.float32, False, 384),  # V4's q_a norm: a bf16 GEMM output normed into fp32
+    (torch.float32, torch.bfloat16, True, 256),   # V4's final norm: bf16 out, rounded to nearest
+    (torch.float32, torch.float32, False, 1536),
+])
+def test_rms_norm_out_dtype_and_fp8_out(dtype, out_dtype, rounded, n):
+    """out of another dtype than x (given, or by out_dtype), with or without round_to_bf16: every element
+    written, the fp64 norm to the stored dtype's rounding, fp8_out the stored result's quantize_act_fp8 bit
+    for bit (the rounded values with round_to_bf16)."""
+    gen = torch.Generator().manual_seed(n + 3 * rounded)
+    T = 5
+    wide = torch.randn(T, n + 128, generator=gen) * torch.logspace(-3, 3, T)[:, None]  # rows of every scale
+    x = wide.to(DEVICE, dtype)[:, 128:]
+    weight = (1 + 0.5 * torch.randn(n, generator=gen)).to(DEVICE)
+    out = torch.full((T, n), float("nan"), dtype=out_dtype, device=DEVICE)
+    codes, scales = _poisoned_fp8_out(T, n)
+    assert rms_norm(x, weight, 1e-6, out=out, round_to_bf16=rounded, fp8_out=(codes, scales)) is out
+    assert torch.isfinite(out).all()
+    expected = reference(x, weight, 1e-6)
+    tol = 2**-8 if out_dtype == torch.bfloat16 or rounded else 1e-6
+    for row in range(T):  # each row to its stored rounding, whatever its scale
+        assert rel_err(out[row], expected[row]) < tol
+    if rounded:
+        assert torch.equal(out, out.bfloat16().to(out_dtype))
+    want_codes, want_scales = quantize_act_fp8(out)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    # out_dtype: the same values in a new tensor, with and without fp8_out (and again: the kept signature).
+    for _ in range(2):
+        y = rms_norm(x, weight, 1e-6, out_dtype=out_dtype, round_to_bf16=rounded)
+        assert y.dtype == out_dtype and torch.equal(y, out)
+        codes2, scales2 = _poisoned_fp8_out(T, n)
+        assert torch.equal(rms_norm(x, weight, 1e-6, out_dtype=out_dtype, round_to_bf16=rounded,
+                                    fp8_out=(codes2, scales2)), out)
+        assert torch.equal(codes2.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(scales2, scales)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_rounds_to_bf16(out_dtype):
+    """round_to_bf16: the fp32 result rounded to nearest bf16 as torch's cast rounds it (ties to even), then
+    stored in out's dtype; interpreted too (whose own fp32 -> bf16 casts truncate)."""
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(4, 768, generator=gen) * 7).to(DEVICE)
+    weight = (1 + 0.5 * torch.randn(768, generator=gen)).to(DEVICE)
+    fp32 = rms_norm(x, weight, 1e-6)
+    out = torch.full(x.shape, float("nan"), dtype=out_dtype, device=DEVICE)
+    rms_norm(x, weight, 1e-6, out=out, round_to_bf16=True)
+    assert torch.equal(out, fp32.bfloat16().to(out_dtype))
+    if out_dtype == torch.float32:
+        assert not torch.equal(out, fp32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

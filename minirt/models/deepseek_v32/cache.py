@@ -57,7 +57,7 @@ class PagedCache(CacheCapacity):
             raise InputError(f"cache needs max_batch >= 1 and max_seq_len >= 1, got {max_batch}, {max_seq_len}")
         self.block_size, self.max_batch, self.max_seq_len = block_size, max_batch, max_seq_len
         blocks_per_seq = -(-max_seq_len // block_size)
-        num_blocks = max_batch * blocks_per_seq
+        self.num_blocks = num_blocks = max_batch * blocks_per_seq
         check_cache_fits(num_blocks * block_size * cache_bytes_per_token(cfg, num_layers, indexer_precision),
                          max_batch, max_seq_len, device)
         self.block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).view(max_batch, blocks_per_seq)

@@ -94,7 +94,7 @@ def decode_context(cfg: ModelConfig, cache: PagedCache, batch: int,
     Default: computed for these positions."""
     if rope is not None:  # positions, angles and slots in one launch
         positions, cos, sin, slots = decode_positions(cache.seq_lens[:batch], cache.block_table[:batch],
-                                                      cache.block_size, *rope)
+                                                      cache.block_size, cache.num_blocks, *rope)
     else:
         positions = cache.seq_lens[:batch].clone()
         cos, sin = rope_cos_sin(cfg, positions, cfg.qk_rope_head_dim)

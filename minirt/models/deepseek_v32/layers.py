@@ -248,7 +248,8 @@ class MLAAttention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [T, hidden] -> (q_absorbed [T, H, 576], latent [T, 512], k_rope [T, 64], qr [T, q_lora_rank],
-        index_k, index_q): the indexer's projections wk(x) [T, index_head_dim] and wq_b(qr)
+        index_k, index_q): latent and k_rope as kv_a gives them (before kv_a_layernorm and rope: the cache
+        writer applies both), the indexer's projections wk(x) [T, index_head_dim] and wq_b(qr)
         [T, index_n_heads * index_head_dim] as they come out of the GEMMs (None without an indexer).
         x_fp8: x's quantisation for the fp8 projections (``RMSNorm.quantized``), or None."""
         x_in = x if x_fp8 is None else x_fp8
@@ -266,8 +267,6 @@ class MLAAttention(nn.Module):
             q, *index_q = [p(qr_in) for p in self._qr_projections()]
         q_nope, q_rope = q.view(-1, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], -1)
-        latent = self.kv_a_layernorm(latent)
-        k_rope = apply_rope(k_rope, cos, sin, self.rope, True)
         if self.fp8_weights:  # the absorbed q_nope and the roped q_rope side by side, in one launch
             q_abs = mla_query_absorb(q_nope.to(torch.bfloat16), self.kv_b_proj.weight, self.kv_b_proj.weight_scale_inv,
                                      self.nope, self.v_dim, q_rope.to(torch.bfloat16), cos.float(), sin.float())
@@ -299,8 +298,9 @@ class MLAAttention(nn.Module):
         """
         q_abs, latent, k_rope, qr, index_k, index_q = self.project(x, ctx.cos, ctx.sin, x_fp8)
         cache = ctx.cache.layers[self.layer_index] if ctx.cache is not None else None
-        if cache is not None:
-            write_kv_fp8(cache.kv, latent, k_rope.to(torch.bfloat16), ctx.slots)
+        if cache is not None:  # the latent's norm and k_rope's rope in the writer's launch
+            write_kv_fp8(cache.kv, latent, k_rope, ctx.slots, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                         ctx.cos, ctx.sin)
             if self.indexer is not None:
                 cache.write_index_keys(self.indexer.keys(x, ctx.cos, ctx.sin, index_k), ctx.slots)
         override = ctx.topk_override[self.layer_index] if ctx.topk_override is not None else None
@@ -312,7 +312,8 @@ class MLAAttention(nn.Module):
 
     def _prefill(self, q_abs, latent, k_rope, x, qr, index_q, ctx: StepContext, override) -> torch.Tensor:
         stash = ctx.stash.layer(self.layer_index, self.kv_lora_rank + self.rope)
-        stash[ctx.stash_rows, 0] = torch.cat([latent, k_rope], dim=-1).to(torch.bfloat16)
+        k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, self.rope, True)
+        stash[ctx.stash_rows, 0] = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1).to(torch.bfloat16)
         if override is not None:
             topk = override.to(device=x.device, dtype=torch.int32)
         else:

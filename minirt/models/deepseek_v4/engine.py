@@ -19,7 +19,7 @@ from .cache import V4Cache
 from .config import DeepseekV4Config, LayerKind
 from ...kernels import mhc
 from ...kernels.finite import all_finite
-from ...kernels.norm_rope import norm_rope
+from ...kernels.rms_norm import rms_norm
 from ...kernels.v4_step_indices import decode_step_indices
 from .layers import V4Layer, V4Step
 from .reference import rope_cos_sin
@@ -93,8 +93,7 @@ class EngineV4(KernelRuntime):
         to bf16, then the head)."""
         eps = self.cfg.rms_norm_eps
         y = mhc.hc_head(X.contiguous(), *self.hc_head, eps=eps, hc_eps=self.cfg.hc_eps)
-        return self.head(norm_rope(y, eps=eps, weight=self.norm, out_dtype=torch.bfloat16,
-                                         round_to_bf16=True)).float()
+        return self.head(rms_norm(y, self.norm, eps, out_dtype=torch.bfloat16, round_to_bf16=True)).float()
 
     def _run(self, step: V4Step) -> torch.Tensor:
         X = torch.empty(step.tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size, device=self.device)

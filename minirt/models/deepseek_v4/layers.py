@@ -4,17 +4,17 @@ decode step (the maths is :mod:`.reference`'s; the numbers differ by the kernels
 Per layer (:class:`V4Layer`), on the residual state X [N, hc, D] fp32:
 
 * mHC pre / post (Sinkhorn), fused: one launch each (``minirt.kernels.mhc``), fp32; each sub-layer's input
-  norm one ``norm_rope`` launch writing bf16 values in fp32 (and, for the attention, their fp8 operand);
+  norm one ``rms_norm`` launch writing bf16 values in fp32 (and, for the attention, their fp8 operand);
 * attention (:class:`Attention`): fp8 projections (``Fp8Linear`` on the stored e4m3 weights, the ue8m0
-  scales as float32; those of one input stacked into one GEMM), each norm and rope one ``norm_rope``
-  launch, kv written to the MODEL1 window cache; CSA / HCA: the :class:`Compressor` turns
-  each completed window into a compressed entry inside the step (its fp32 partial-window state carried
-  across chunks and steps; at decode one ``compressor_decode`` launch), written to the MODEL1 compressed
-  cache; CSA: the :class:`Indexer`'s keys (fp32, exact) and top-k by ``lightning_indexer_scores`` and
-  ``indexer_topk`` (decode: ``decode_topk``). Prefill attends the prefill's bf16 keys and entries with
-  ``sparse_mla_prefill(_two_sources)``; decode reads both fp8 caches with ``sparse_mla_decode_fp8``
-  (window + extra cache in one softmax, the sink in the denominator). Then the inverse rope and the
-  grouped output projection.
+  scales as float32; those of one input stacked into one GEMM), q_a's norm one ``rms_norm`` launch (with
+  wq_b's fp8 operand), each other norm and rope one ``norm_rope`` launch, kv written to the MODEL1 window
+  cache; CSA / HCA: the :class:`Compressor` turns each completed window into a compressed entry inside the
+  step (its fp32 partial-window state carried across chunks and steps; at decode one ``compressor_decode``
+  launch), written to the MODEL1 compressed cache; CSA: the :class:`Indexer`'s keys (fp32, exact) and top-k
+  by ``lightning_indexer_scores`` and ``indexer_topk`` (decode: ``decode_topk``). Prefill attends the
+  prefill's bf16 keys and entries with ``sparse_mla_prefill(_two_sources)``; decode reads both fp8 caches
+  with ``sparse_mla_decode_fp8`` (window + extra cache in one softmax, the sink in the denominator). Then
+  the inverse rope and the grouped output projection.
 * MoE (:class:`MoE`): ``route_hash`` / ``route_topk`` and ``moe_experts`` (fp4 routed experts; the shared
   expert as a one-expert fp8 ``moe_experts`` call, every token weight 1); ``hc_post`` adds the two outputs.
 
@@ -46,6 +46,7 @@ from ...kernels.fp8_gemm import fp8_gemm, quantize_act_fp8
 from ...kernels.moe_experts import ExpertWeights, expert_weights_fp4, expert_weights_fp8, moe_experts
 from ...kernels.moe_routing import route_hash, route_topk
 from ...kernels.norm_rope import norm_rope
+from ...kernels.rms_norm import rms_norm
 from ...kernels.v4_step_indices import offset_entry_ids
 from ...parallel import SINGLE, TensorParallel, expert_parallel_moe
 from .cache import CompressorState, LayerState, V4Cache
@@ -107,11 +108,11 @@ class V4Step:
 
 
 def rmsnorm_bf16(x: Tensor, weight: Tensor, eps: float, fp8: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-    """``minirt.norms.rmsnorm`` of x [N, d] fp32 rounded to bf16, in one launch (``norm_rope``): ([N, d] fp32
+    """``minirt.norms.rmsnorm`` of x [N, d] fp32 rounded to bf16, in one launch (``rms_norm``): ([N, d] fp32
     holding bf16 values, the sub-layers' input: their fp8 quantisers and fp32 GEMMs read it with no cast;
     with ``fp8`` also its quantisation (codes, scales) for an fp8 GEMM, else None)."""
     fp8_out = quantized_like(x) if fp8 else None
-    return norm_rope(x, eps=eps, weight=weight, round_to_bf16=True, fp8_out=fp8_out), fp8_out
+    return rms_norm(x, weight, eps, out_dtype=torch.float32, round_to_bf16=True, fp8_out=fp8_out), fp8_out
 
 
 def fp8_linear(weight: Tensor, scale: Tensor) -> Fp8Linear:
@@ -317,7 +318,7 @@ class Attention(nn.Module):
         rope = dict(cos=cos, sin=sin, positions=step.positions)
         q_a, kv = self.wq_a_wkv(x if x_fp8 is None else x_fp8).split(self.x_sizes, dim=-1)
         qr_fp8 = quantized_like(q_a)  # qr only feeds wq_b: its norm writes the GEMM's fp8 operand too
-        norm_rope(q_a, eps=eps, weight=self.q_norm, out_dtype=torch.float32, fp8_out=qr_fp8)
+        rms_norm(q_a, self.q_norm, eps, out_dtype=torch.float32, fp8_out=qr_fp8)
         q_all = self.wq_b(qr_fp8)
         q = norm_rope(q_all[:, : H * hd].view(N, H, hd), eps=eps, **rope)
         kv = norm_rope(kv, eps=eps, weight=self.kv_norm, **rope)
