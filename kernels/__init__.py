@@ -4,7 +4,8 @@
   ``sparse_mla_prefill_two_sources``: the same over two key sources in one softmax (DeepSeek-V4's
   window keys and compressed entries).
 - ``quantize_kv_fp8`` / ``dequantize_kv_fp8`` / ``write_kv_fp8`` / ``new_kv_cache``: the fp8 paged
-  latent cache in FlashMLA's 656-byte V32 layout.
+  latent cache in FlashMLA's 656-byte V32 layout (the writer can norm the latent and rope its key part
+  in its launch).
   ``decode_positions``: a V3.2 decode step's positions, rope angles and cache slots in one launch.
 - ``quantize_kv_model1`` / ``dequantize_kv_model1`` / ``write_kv_model1`` / ``new_model1_cache`` /
   ``model1_cache_from_entries`` / ``model1_cache_entries``: the fp8 paged K = V cache in FlashMLA's
@@ -26,8 +27,8 @@
   weight, the absorption writing the whole absorbed query (its rope part rotated beside it), the value
   projection o_proj's fp8 input directly.
 - ``rms_norm`` / ``apply_rope``: RMSNorm of every row, rope on the first dims of every head (either
-  pair layout, optionally after each row's layer norm), one launch each (the runtime layers' norms and
-  rope); ``add_rms_norm``: a residual add and the norm of its sum in one launch; either norm can also
+  pair layout, optionally after each row's layer norm, optionally scattering its rows into a cache), one
+  launch each (the runtime layers' norms and rope; V4's norms rounded to bf16); ``add_rms_norm``: a residual add and the norm of its sum in one launch; either norm can also
   quantise its result for an fp8 GEMM.
 - ``all_finite``: whether a tensor holds no NaN or ±inf, as a device tensor in one launch (the decode
   step's check of its logits).

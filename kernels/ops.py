@@ -229,6 +229,18 @@ def _(x, cos, sin, rope_dims, interleaved, out_dtype=None, norm_weight=None, nor
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 
+def apply_rope_scatter_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
+                          out: torch.Tensor, rows: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+                          norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 0.0) -> None:
+    """``minirt.kernels.apply_rope`` with ``scatter=(out, rows)`` as a custom op (writes out in place)."""
+    layer_norm = (norm_weight, norm_bias, norm_eps) if norm_weight is not None or norm_bias is not None else None
+    apply_rope(x, cos, sin, rope_dims, interleaved, layer_norm=layer_norm, scatter=(out, rows))
+
+
+apply_rope_scatter_op = _registered(apply_rope_scatter_op, ("out",))
+_fake(apply_rope_scatter_op)(_writes_in_place)
+
+
 indexer_weights_op = _registered(indexer_weights)  # [T, H] float32
 
 

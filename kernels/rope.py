@@ -31,14 +31,20 @@ def _layer_normed(v, cols, mean, rstd, w_ptr, b_ptr, LAYER_NORM: tl.constexpr):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, b_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
-                 eps, ROPE: tl.constexpr, DIM: tl.constexpr, INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROW: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr, w_ptr, b_ptr, heads, n_out_rows, stride_xt, stride_xh,
+                 stride_ct, stride_st, stride_ot, eps, ROPE: tl.constexpr, DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 LAYER_NORM: tl.constexpr, SCATTER: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_ROW: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h[:, None] < heads
     x_rows = x_ptr + t * stride_xt + h[:, None].to(tl.int64) * stride_xh
-    out_rows = out_ptr + (t * heads + h[:, None].to(tl.int64)) * DIM
+    dest = t
+    if SCATTER:  # token t's result goes to out's row rows[t]; none outside [0, n_out_rows)
+        dest = tl.load(rows_ptr + t).to(tl.int64)
+        h_mask = h_mask & (dest >= 0) & (dest < n_out_rows)
+        dest = tl.where(dest >= 0, dest, 0)
+    out_rows = out_ptr + dest * stride_ot + h[:, None].to(tl.int64) * DIM
     mean = tl.zeros((BLOCK_H,), tl.float32)
     rstd = tl.full((BLOCK_H,), 1.0, tl.float32)
     if LAYER_NORM:  # each head's row statistics first; the pieces below are normalised as they load
@@ -73,7 +79,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, b_ptr, heads, stride_x
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
                out_dtype: Optional[torch.dtype] = None, *,
-               layer_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+               layer_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
+               scatter: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """
     Rotate dims [0, rope_dims) of every head of every token by that token's angles, in fp32; the
     dims after them are copied. With ``layer_norm`` every head's row is first layer-normed (the V3.2
@@ -91,9 +98,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
         layer_norm: keyword-only, optional (weight [D], bias [D], eps) of any float dtype (read as fp32):
             each row x[t, h] becomes (x − mean) · rsqrt(var + eps) · weight + bias over its D dims (var
             biased, as ``torch.nn.functional.layer_norm``), in fp32, before the rotation.
+        scatter: keyword-only, optional (out [R, D] with unit stride along D, rows [T] int32 / int64), x 2-D:
+            token t's result goes to out[rows[t]] (out's dtype; out_dtype ignored) instead of a new tensor; rows
+            outside [0, R) (e.g. -1) are skipped. Two tokens with one row leave one of them, unspecified which.
+            (The V3.2 indexer's exact keys straight into their cache slots.)
 
     Returns:
-        A new contiguous tensor of x's shape: first' = first·cos − second·sin, second' =
+        ``out`` given ``scatter``; else a new contiguous tensor of x's shape: first' = first·cos − second·sin, second' =
         first·sin + second·cos per pair (the compiler may fuse a product into the subtraction: the
         torch functions' values to fp32 rounding).
 
@@ -101,23 +112,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
         minirt.errors.InputError: wrong ranks, shapes, dtypes or strides, or a device the kernels cannot use.
     """
     weight, bias, eps = layer_norm if isinstance(layer_norm, tuple) and len(layer_norm) == 3 else (None, None, None)
+    out, rows = scatter if isinstance(scatter, tuple) and len(scatter) == 2 else (None, None)
     kept = per_signature(_ROPES, lambda: (
         described(x), described(cos), described(sin), rope_dims.__class__, rope_dims, interleaved, out_dtype,
-        None if layer_norm is None else (layer_norm.__class__, len(layer_norm), described(weight), described(bias))),
-        lambda: _check(x, cos, sin, rope_dims, layer_norm) or Kept())
-    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+        None if layer_norm is None else (layer_norm.__class__, len(layer_norm), described(weight), described(bias)),
+        None if scatter is None else (scatter.__class__, len(scatter), described(out), described(rows))),
+        lambda: _check(x, cos, sin, rope_dims, layer_norm, scatter) or Kept())
+    if scatter is None:
+        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if kept.args is None:
         t, d = x.shape[0], x.shape[-1]
         heads = x.shape[1] if x.dim() == 3 else 1
         block_h = min(triton.next_power_of_2(heads), 16)
         kept.args = ((t, cdiv(heads, block_h)), t * heads > 0, (
-            heads, x.stride(0), x.stride(1) if x.dim() == 3 else 0, cos.stride(0), sin.stride(0)), dict(
-            ROPE=rope_dims, DIM=d, INTERLEAVED=interleaved, LAYER_NORM=layer_norm is not None, BLOCK_H=block_h,
-            BLOCK_D=triton.next_power_of_2(max(d - rope_dims, 1)), BLOCK_ROW=triton.next_power_of_2(d), num_warps=4))
+            heads, out.shape[0], x.stride(0), x.stride(1) if x.dim() == 3 else 0, cos.stride(0), sin.stride(0),
+            out.stride(0)), dict(
+            ROPE=rope_dims, DIM=d, INTERLEAVED=interleaved, LAYER_NORM=layer_norm is not None,
+            SCATTER=scatter is not None, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(max(d - rope_dims, 1)),
+            BLOCK_ROW=triton.next_power_of_2(d), num_warps=4))
     grid, launched, integers, constexprs = kept.args
     if launched:
-        launch(_rope_kernel, grid, (x, cos, sin, out, x if weight is None else weight, x if bias is None else bias,
-                                    *integers, 0.0 if eps is None else float(eps)), constexprs, kept.compiled)
+        launch(_rope_kernel, grid, (x, cos, sin, out, x if rows is None else rows, x if weight is None else weight,
+                                    x if bias is None else bias, *integers, 0.0 if eps is None else float(eps)),
+               constexprs, kept.compiled)
     return out
 
 
@@ -126,7 +143,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
 _ROPES: dict = {}
 
 
-def _check(x, cos, sin, rope_dims, layer_norm) -> None:
+def _check(x, cos, sin, rope_dims, layer_norm, scatter) -> None:
     """apply_rope's input checks (InputError)."""
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or \
             x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -146,4 +163,12 @@ def _check(x, cos, sin, rope_dims, layer_norm) -> None:
     if layer_norm is not None and not all(isinstance(v, torch.Tensor) and tuple(v.shape) == (d,) and
                                           v.is_floating_point() for v in (weight, bias)):
         raise InputError(f"layer_norm must be (weight [{d}], bias [{d}], eps), float tensors and a float")
-    check_device({"x": x, "cos": cos, "sin": sin, **({"weight": weight, "bias": bias} if layer_norm else {})})
+    out, rows = scatter if isinstance(scatter, tuple) and len(scatter) == 2 else (None, None)
+    if scatter is not None and not (
+            x.dim() == 2 and isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] == d and
+            out.dtype in (torch.bfloat16, torch.float16, torch.float32) and (d == 1 or out.stride(1) == 1) and
+            isinstance(rows, torch.Tensor) and tuple(rows.shape) == (t,) and rows.dtype in (torch.int32, torch.int64)):
+        raise InputError(f"scatter must be (out [R, {d}] float with unit stride along D, rows [{t}] int32 / int64) "
+                         f"with 2-D x")
+    check_device({"x": x, "cos": cos, "sin": sin, **({"weight": weight, "bias": bias} if layer_norm else {}),
+                  **({"out": out, "rows": rows} if scatter is not None else {})})

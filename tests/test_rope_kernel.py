@@ -55,6 +55,33 @@ def test_rope_after_a_layer_norm_matches_the_reference(heads, dim):
         apply_rope(x, cos.float().to(DEVICE), sin.float().to(DEVICE), rope, False, layer_norm=(weight[:4], bias, 1e-6))
 
 
+def test_rope_scatters_rows_into_a_cache():
+    """scatter: each token's result (layer norm, rope) written to its row of out, equal to the unscattered
+    result; rows -1 and past out skipped, every other row of out untouched (NaN poison kept)."""
+    gen = torch.Generator().manual_seed(3)
+    t, dim, rope = 6, 128, 64
+    x = torch.randn(t, dim + 16, generator=gen).to(DEVICE, torch.bfloat16)[:, 16:]
+    weight, bias = (1 + 0.5 * torch.randn(dim, generator=gen)).to(DEVICE), torch.randn(dim, generator=gen).to(DEVICE)
+    cos, sin = (v.float().to(DEVICE) for v in angles(t, rope // 2, gen))
+    cache = torch.full((4, 5, dim), float("nan"), device=DEVICE)
+    rows = torch.tensor([7, -1, 0, 19, 20, 12], device=DEVICE)
+    out = apply_rope(x, cos, sin, rope, False, layer_norm=(weight, bias, 1e-6), scatter=(cache.view(-1, dim), rows))
+    assert out.data_ptr() == cache.data_ptr()
+    whole = apply_rope(x, cos, sin, rope, False, torch.float32, layer_norm=(weight, bias, 1e-6))
+    flat = cache.view(-1, dim).cpu()
+    kept = [0, 2, 3, 5]
+    assert torch.equal(flat[rows.cpu()[kept]], whole.cpu()[kept])
+    others = torch.ones(20, dtype=torch.bool)
+    others[rows.cpu()[kept]] = False
+    assert flat[others].isnan().all()
+    with pytest.raises(InputError, match="scatter must be"):
+        apply_rope(x, cos, sin, rope, False, scatter=(cache.view(-1, dim), rows[:3]))
+    with pytest.raises(InputError, match="scatter must be"):
+        apply_rope(x[:, None], cos, sin, rope, False, scatter=(cache.view(-1, dim), rows))
+    torch.library.opcheck(torch.ops.minirt.apply_rope_scatter, (x, cos, sin, rope, False, cache.view(-1, dim), rows,
+                                                                 weight, bias, 1e-6))
+
+
 def test_rope_refuses_bad_input():
     x = torch.randn(2, 64, device=DEVICE)
     cos = torch.ones(2, 32, device=DEVICE)

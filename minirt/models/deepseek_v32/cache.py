@@ -11,7 +11,6 @@ from ...config import ModelConfig
 from ...errors import InputError
 from ...formats import CACHE_BLOCK_SIZE, INDEX_KEY_BYTES, KV_TOKEN_BYTES
 from ...kernels import new_index_cache, new_kv_cache
-from ...kernels.ops import write_index_keys_op as write_index_keys  # a custom op: compilable
 from ...runtime import CacheCapacity, check_cache_fits
 
 
@@ -31,13 +30,6 @@ class LayerCache:
 
     kv: torch.Tensor
     index_keys: torch.Tensor | None
-
-    def write_index_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store indexer keys [N, D] fp32 at ``slots`` [N] (quantised in the fp8 format)."""
-        if self.index_keys.dtype == torch.uint8:
-            write_index_keys(self.index_keys, keys, slots)
-        else:
-            self.index_keys.view(-1, keys.shape[-1])[slots] = keys
 
 
 class PagedCache(CacheCapacity):

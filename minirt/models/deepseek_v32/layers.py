@@ -27,14 +27,15 @@ from ...errors import InputError
 from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
 from ...kernels.ops import (add_rms_norm_fp8_op as add_rms_norm_fp8, add_rms_norm_op as add_rms_norm,
-                          apply_rope_op as apply_rope, decode_topk_op as decode_topk,
+                          apply_rope_op as apply_rope, apply_rope_scatter_op as apply_rope_scatter,
+                          decode_topk_op as decode_topk,
                           indexer_topk_op as indexer_topk, indexer_weights_op as indexer_weights,
                           mla_decode_fp8_op as mla_decode_fp8, mla_query_absorb_op as mla_query_absorb,
                           mla_value_proj_fp8_op as mla_value_proj_fp8,
                           paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
                           rms_norm_fp8_op as rms_norm_fp8, rms_norm_op as rms_norm,
                           sparse_mla_prefill_op as sparse_mla_prefill, swiglu_quantize_fp8_op as swiglu_quantize_fp8,
-                          write_kv_fp8_op as write_kv_fp8)
+                          write_index_keys_op as write_index_keys, write_kv_fp8_op as write_kv_fp8)
 from ...blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from ...formats import FP8_DTYPE
 from ...kernels import ExpertWeights, moe_experts, route_topk
@@ -146,11 +147,19 @@ class LightningIndexer(nn.Module):
         x = apply_rope(x, cos, sin, self.rope_dim, False, torch.float32, *norm_args)
         return hadamard_rotate(x) if self.precision == "fp8" else x
 
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden] -> indexer keys [T, head_dim] fp32: k_norm (in fp32), rope, and in fp8 mode the
-        rotation (the key cache quantises them). k: wk(x) when computed already (the attention's fused
-        projection)."""
-        return self._rope_and_rotate(self.wk(x) if k is None else k, cos, sin, self.k_norm)
+    def write_keys(self, key_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k: torch.Tensor | None = None) -> None:
+        """The keys of x [T, hidden] to ``slots`` [T] of the layer's key cache (``LayerCache.index_keys``):
+        k_norm (in fp32), rope, then exact: fp32, written by the rope launch itself; fp8: the rotation and the
+        cache's e4m3 quantisation (``write_index_keys``). Slots outside the cache are skipped. k: wk(x) when
+        computed already (the attention's fused projection)."""
+        k = self.wk(x) if k is None else k
+        if self.precision == "exact":
+            norm = self.k_norm
+            apply_rope_scatter(k, cos, sin, self.rope_dim, False, key_cache.view(-1, self.head_dim), slots,
+                               norm.weight, norm.bias, norm.eps)
+        else:
+            write_index_keys(key_cache, self._rope_and_rotate(k, cos, sin, self.k_norm), slots)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q: torch.Tensor | None = None):
@@ -302,7 +311,7 @@ class MLAAttention(nn.Module):
             write_kv_fp8(cache.kv, latent, k_rope, ctx.slots, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
                          ctx.cos, ctx.sin)
             if self.indexer is not None:
-                cache.write_index_keys(self.indexer.keys(x, ctx.cos, ctx.sin, index_k), ctx.slots)
+                self.indexer.write_keys(cache.index_keys, ctx.slots, x, ctx.cos, ctx.sin, index_k)
         override = ctx.topk_override[self.layer_index] if ctx.topk_override is not None else None
         if ctx.is_prefill:
             o_latent = self._prefill(q_abs, latent, k_rope, x, qr, index_q, ctx, override)
