@@ -25,11 +25,15 @@ Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET
+from minirt.errors import InputError
+
+from ._common import INTERPRET, check_device, paged_slot
 from ._launch import Kept, cdiv, described, launch, per_signature
 from .lightning_indexer import check_topk_inputs, indexer_topk
 
@@ -158,10 +162,21 @@ def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
     tl.store(keys_ptr + row.to(tl.int64) * SLOTS + slot, order_key, mask=chosen)
 
 
-@triton.jit(do_not_specialize=["n_keys", "stride_row", "stride_out", "topk"])
-def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, stride_out, topk,
-                 ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                 INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+@triton.jit
+def _selected(indices, mask, table_row_ptr, max_blocks, block_size, num_blocks, PAGED: tl.constexpr):
+    """What the rank kernel writes for selected key indices: the indices, or with PAGED their cache slots
+    through the row's block table (-1 past the table or on a page outside the cache)."""
+    if PAGED:
+        indices = paged_slot(table_row_ptr, indices, mask, max_blocks, block_size, num_blocks).to(tl.int32)
+    return indices
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_row", "stride_out", "topk", "max_blocks", "block_size",
+                               "num_blocks", "stride_table"])
+def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, table_ptr, n_keys, stride_row, stride_out, topk,
+                 max_blocks, block_size, num_blocks, stride_table, ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr,
+                 BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PAGED: tl.constexpr, INTERPRETED: tl.constexpr,
+                 INTERPRETED_KEYS: tl.constexpr):
     # Program (row, block): BLOCK of the row's gathered keys, each written to the output position given
     # by its rank (how many gathered keys exceed it: keys are unique); the padding -1 of its positions;
     # block 0 also the boundary ties.
@@ -170,6 +185,7 @@ def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, st
     hist_row = hist_ptr + row.to(tl.int64) * ROW_WORDS
     row_keys = keys_ptr + row.to(tl.int64) * SLOTS
     row_out = out_ptr + row.to(tl.int64) * stride_out
+    table_row = table_ptr + row.to(tl.int64) * stride_table
     take_all, n_valid, a, b, threshold, n_above, n_equal = _threshold(hist_row, topk, 3)
     n_selected = tl.where(take_all, n_valid, topk)
     tied = (take_all == 0) & (n_above + n_equal != topk)
@@ -184,7 +200,9 @@ def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, st
     other_keys = tl.load(row_keys + others, mask=others < n_gathered, other=_EMPTY_SLOT)
     rank = tl.sum((other_keys[None, :] > keys[:, None]).to(tl.int32), 1)
     indices = ((keys & 0xFFFFFFFF) ^ 0xFFFFFFFF).to(tl.int32)
-    tl.store(row_out + rank, indices, mask=mine < n_gathered)
+    gathered = mine < n_gathered
+    tl.store(row_out + rank, _selected(indices, gathered, table_row, max_blocks, block_size, num_blocks, PAGED),
+             mask=gathered)
     tl.store(row_out + mine, tl.full((BLOCK,), -1, tl.int32), mask=(mine >= n_selected) & (mine < topk))
     n_needed = topk - n_above
     n_seen = n_needed * 0
@@ -197,11 +215,14 @@ def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, n_keys, stride_row, st
         x = tl.load(row_scores + cols, mask=scan & (cols < n_keys), other=float("-inf"))
         equal = scan & (cols < n_keys) & (_ordered(x) == threshold)
         position = n_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
-        tl.store(row_out + n_above + position, cols, mask=equal & (position < n_needed))
+        taken = equal & (position < n_needed)
+        tl.store(row_out + n_above + position,
+                 _selected(cols, taken, table_row, max_blocks, block_size, num_blocks, PAGED), mask=taken)
         n_seen += tl.sum(equal.to(tl.int32), 0)
 
 
-def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.Tensor, int, int]] = None
+                ) -> torch.Tensor:
     """
     indexer_topk for a few long rows (a decode step's scores): per row, the key indices of the topk
     largest scores, best first, equal scores in ascending key order (the first topk of a stable
@@ -212,9 +233,14 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         scores: [..., S] float32 (paged_indexer_scores output), S < 2^31, on a CUDA device (or the
             CPU under TRITON_INTERPRET=1). NaN is unsupported.
         topk: int >= 1 (V3.2: 2048); may exceed S. topk > MAX_TOPK (4096) runs indexer_topk.
+        pages: keyword-only, optional (block_table [R, max_blocks] int32 with unit column stride, one row per
+            score row (R = scores' rows); block_size and num_blocks, positive ints), topk <= MAX_TOPK: the
+            selected key positions' cache slots instead, block_table[r, p // block_size] · block_size +
+            p % block_size (``positions_to_slots``' mapping, in the same launch): -1 where p is past the table
+            or its page outside [0, num_blocks).
 
     Returns:
-        [..., topk] int32 key indices in [0, S) or -1.
+        [..., topk] int32 key indices in [0, S) or -1 (with ``pages``, slots or -1).
 
     Five Triton launches and a workspace memset (module docstring), each histogram / gather pass
     over R x ceil(S / 2048) programs, so one row fills the GPU; no host synchronisation (CUDA-graph
@@ -224,8 +250,12 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
             the kernels cannot run on.
     """
-    kept = per_signature(_KEPT, lambda: (described(scores), topk.__class__, topk),
-                         lambda: check_topk_inputs(scores, topk) or Kept(({}, {})))
+    table, block_size, num_blocks = pages if isinstance(pages, tuple) and len(pages) == 3 else (None, 1, 1)
+    kept = per_signature(_KEPT, lambda: (
+        described(scores), topk.__class__, topk,
+        None if pages is None else (pages.__class__, len(pages), described(table), block_size.__class__, block_size,
+                                    num_blocks.__class__, num_blocks)),
+        lambda: _check(scores, topk, pages) or Kept(({}, {})))
     if topk > MAX_TOPK:
         return indexer_topk(scores, topk)
     n_keys = scores.shape[-1]
@@ -235,10 +265,12 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         copy = rows.stride(-1) != 1 or rows.data_ptr() != scores.data_ptr()   # (not a view of scores as rows)
         slots = triton.next_power_of_2(topk)
         row_stride = n_keys if copy else rows.stride(0)
+        paging = (0, block_size, num_blocks, 0) if table is None else (table.shape[1], block_size, num_blocks,
+                                                                        table.stride(0))
         kept.args = (n_rows, copy, slots, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk), dict(
-            TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4), (n_keys, row_stride, topk, topk), dict(
-            ROW_WORDS=_ROW_WORDS, SLOTS=slots, BLOCK=min(slots, _RANK_BLOCK),
-            ROW_BLOCK=_TIE_ROW_BLOCK, INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
+            TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4), (n_keys, row_stride, topk, topk, *paging), dict(
+            ROW_WORDS=_ROW_WORDS, SLOTS=slots, BLOCK=min(slots, _RANK_BLOCK), ROW_BLOCK=_TIE_ROW_BLOCK,
+            PAGED=table is not None, INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
             num_warps=4))
     n_rows, copy, slots, grid, integers, pass_constexprs, rank_integers, rank_constexprs = kept.args
     # (out [..., topk] contiguous: the rank kernel's rows of stride topk.)
@@ -252,11 +284,28 @@ def decode_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     for pass_, compiled in zip((1, 2, 3), (kept.compiled, *kept.value)):
         launch(_histogram_kernel, grid, (rows, hist, *integers), dict(PASS=pass_, **pass_constexprs), compiled)
     launch(_gather_kernel, grid, (rows, hist, keys, *integers), dict(SLOTS=slots, **pass_constexprs), kept.compiled)
-    launch(_rank_kernel, (n_rows, slots // rank_constexprs["BLOCK"]), (rows, hist, keys, out, *rank_integers),
-           rank_constexprs, kept.compiled)
+    launch(_rank_kernel, (n_rows, slots // rank_constexprs["BLOCK"]),
+           (rows, hist, keys, out, hist if table is None else table, *rank_integers), rank_constexprs, kept.compiled)
     return out
 
 
-# Call signature (scores' class, dtype, shape, strides, device and alignment; topk) -> its Kept (value: the
+def _check(scores, topk, pages) -> None:
+    """decode_topk's input checks (InputError)."""
+    check_topk_inputs(scores, topk)
+    if pages is None:
+        return
+    n_rows = scores.shape[:-1].numel()
+    table, block_size, num_blocks = pages if isinstance(pages, tuple) and len(pages) == 3 else (None, None, None)
+    if not (isinstance(table, torch.Tensor) and table.dtype == torch.int32 and table.dim() == 2 and
+            table.shape[0] == n_rows and (table.shape[1] <= 1 or table.stride(1) == 1) and
+            all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (block_size, num_blocks))):
+        raise InputError(f"pages must be (block_table [{n_rows}, max_blocks] int32 with unit column stride, "
+                         f"block_size, num_blocks positive ints), got {type(pages).__name__}")
+    if topk > MAX_TOPK:
+        raise InputError(f"pages needs topk <= {MAX_TOPK}, got {topk}")
+    check_device({"scores": scores, "block_table": table})
+
+
+# Call signature (scores' class, dtype, shape, strides, device and alignment; topk; pages) -> its Kept (value: the
 # second and third histogram passes' compiled kernels; args: the launches): a signature seen before passed the checks.
 _KEPT: dict = {}

@@ -73,14 +73,21 @@ write_index_keys_op = _registered(write_index_keys, ("cache",))   # writes the f
 for _op in (write_kv_fp8_op, write_kv_model1_op, write_index_keys_op):
     _fake(_op)(_writes_in_place)
 indexer_topk_op = _registered(indexer_topk)  # [..., topk] int32
-decode_topk_op = _registered(decode_topk)    # [..., topk] int32
 quantize_act_fp8_op = _registered(quantize_act_fp8)  # (x_fp8 [M, K], scales [M, K / 128])
 swiglu_quantize_fp8_op = _registered(swiglu_quantize_fp8)  # the same, of silu(gate) * up
 
 
+@_registered
+def decode_topk_op(scores: torch.Tensor, topk: int, block_table: Optional[torch.Tensor] = None, block_size: int = 1,
+                   num_blocks: int = 1) -> torch.Tensor:
+    """``minirt.kernels.decode_topk`` as a custom op: [..., topk] int32; block_table given,
+    ``pages=(block_table, block_size, num_blocks)`` (cache slots)."""
+    return decode_topk(scores, topk, pages=None if block_table is None else (block_table, block_size, num_blocks))
+
+
 @_fake(indexer_topk_op)
 @_fake(decode_topk_op)
-def _(scores, topk):
+def _(scores, topk, block_table=None, block_size=1, num_blocks=1):
     return scores.new_empty(*scores.shape[:-1], topk, dtype=torch.int32)
 
 

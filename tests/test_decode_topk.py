@@ -106,6 +106,35 @@ def test_bad_input(scores, topk, message):
         decode_topk(scores.to(DEVICE), topk)
 
 
+def test_pages_give_the_selections_cache_slots():
+    """pages: each selected position mapped through its row's block table (shuffled pages, an unallocated
+    page, a page outside the cache, positions past the table) equals positions_to_slots' mapping of the
+    plain selection; row 1's boundary ties go through the tie scan."""
+    n_keys, topk, block_size, num_blocks = 2 * dt.TILE + 100, 300, 64, 200
+    gen = torch.Generator(DEVICE).manual_seed(9)
+    scores = torch.randn(3, 1, n_keys, generator=gen, device=DEVICE)
+    scores[1, 0] = 1.5                                                     # every score tied
+    max_blocks = (n_keys - 500) // block_size                              # the last ~500 keys past the table
+    table = torch.randperm(num_blocks, generator=gen, device=DEVICE)[: 3 * max_blocks].view(3, max_blocks)
+    table = table.to(torch.int32)
+    table[0, ::5] = -1                                                     # unallocated pages
+    table[2, ::7] = num_blocks + 3                                         # outside the cache
+    scores[:, :, max_blocks * block_size:][..., :100] += 10                # 100 past the table: selected first
+    got = decode_topk(scores, topk, pages=(table, block_size, num_blocks))
+    positions = decode_topk(scores, topk).long()
+    page = table.long().gather(1, (positions[:, 0] // block_size).clamp(max=max_blocks - 1))
+    inside = (positions[:, 0] >= 0) & (positions[:, 0] < max_blocks * block_size) & (page >= 0) & (page < num_blocks)
+    expected = torch.where(inside, page * block_size + positions[:, 0] % block_size, -1)
+    assert got.dtype == torch.int32 and torch.equal(got[:, 0].long(), expected)
+    assert (got == -1).any() and (got >= 0).sum() > topk
+    with pytest.raises(InputError, match="pages must be"):
+        decode_topk(scores, topk, pages=(table[:2], block_size, num_blocks))
+    with pytest.raises(InputError, match="pages needs topk"):
+        decode_topk(scores, dt.MAX_TOPK + 1, pages=(table, block_size, num_blocks))
+    torch.library.opcheck(torch.ops.minirt.decode_topk, (scores, topk, table, block_size, num_blocks),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="V3.2's decode shape (163,840 keys); the interpreter would take minutes")
 def test_decode_shape_sync_free_and_graph_capturable():
     """16 rows of 163,840 scores (positions past each row's limit -inf), top 2048: equal to the stable

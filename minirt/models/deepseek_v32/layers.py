@@ -28,13 +28,13 @@ from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
 from ...kernels.ops import (add_rms_norm_fp8_op as add_rms_norm_fp8, add_rms_norm_op as add_rms_norm,
                           apply_rope_op as apply_rope, apply_rope_scatter_op as apply_rope_scatter,
-                          decode_topk_op as decode_topk,
-                          indexer_topk_op as indexer_topk, indexer_weights_op as indexer_weights,
-                          mla_decode_fp8_op as mla_decode_fp8, mla_query_absorb_op as mla_query_absorb,
-                          mla_value_proj_fp8_op as mla_value_proj_fp8,
+                          decode_topk_op as decode_topk, indexer_topk_op as indexer_topk,
+                          indexer_weights_op as indexer_weights, mla_decode_fp8_op as mla_decode_fp8,
+                          mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
                           paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
                           rms_norm_fp8_op as rms_norm_fp8, rms_norm_op as rms_norm,
-                          sparse_mla_prefill_op as sparse_mla_prefill, swiglu_quantize_fp8_op as swiglu_quantize_fp8,
+                          sparse_mla_decode_fp8_op as sparse_mla_decode_fp8, sparse_mla_prefill_op as sparse_mla_prefill,
+                          swiglu_quantize_fp8_op as swiglu_quantize_fp8,
                           write_index_keys_op as write_index_keys, write_kv_fp8_op as write_kv_fp8)
 from ...blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from ...formats import FP8_DTYPE
@@ -175,15 +175,22 @@ class LightningIndexer(nn.Module):
         return q, w
 
     def select(self, q: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
-               limit: torch.Tensor, n_keys: int | None = None) -> torch.Tensor:
+               limit: torch.Tensor, n_keys: int | None = None, as_slots: bool = False) -> torch.Tensor:
         """Top-k key positions [b, t, index_topk] int32 (−1 padded) of queries q [b, t, H, D] with
         weights w [b, t, H] over the paged key cache: position s of sequence b is a candidate when
         s <= limit[b, t]; ties go to the earlier position (``paged_indexer_scores``,
         ``indexer_topk``). n_keys: the width scored (default the block table's capacity). One query
         per sequence (decode) selects through ``decode_topk`` (the same result, its long rows split
-        over many programs)."""
+        over many programs); ``as_slots`` (decode only) gives the positions' cache slots instead, through
+        the block table in the same launch (the latent cache shares the key cache's pages)."""
         scores = paged_indexer_scores(q, w, key_cache, block_table, limit, n_keys=n_keys)
-        return (decode_topk if q.shape[1] == 1 else indexer_topk)(scores, self.index_topk)
+        if q.shape[1] != 1:
+            if as_slots:
+                raise InputError("select(as_slots=True) takes one query per sequence (decode)")
+            return indexer_topk(scores, self.index_topk)
+        if as_slots:
+            return decode_topk(scores, self.index_topk, block_table, key_cache.shape[1], key_cache.shape[0])
+        return decode_topk(scores, self.index_topk)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
@@ -359,17 +366,19 @@ class MLAAttention(nn.Module):
         up to its position only, with static shapes (the block table's width) and no host sync, so a
         whole decode step can be captured in a CUDA graph."""
         b, cache = x.shape[0], ctx.cache.layers[self.layer_index]
-        if override is not None:
-            topk = override.to(torch.int32)[:, None]
-        elif self.indexer is not None:
+        q = q_abs[:, None].to(torch.bfloat16)
+        if self.indexer is not None and override is None:  # the indexer selects cache slots directly
             index_q, index_w = self.indexer.queries(x, qr, ctx.cos, ctx.sin, index_q)
-            topk = self.indexer.select(index_q[:, None], index_w[:, None], cache.index_keys, ctx.block_table,
-                                       ctx.positions[:, None])
-        else:
-            pos = torch.arange(ctx.block_table.shape[1] * ctx.cache.block_size, device=x.device)
-            topk = torch.where(pos <= ctx.positions[:, None], pos, -1).to(torch.int32)[:, None]
-        o_latent, _ = mla_decode_fp8(q_abs[:, None].to(torch.bfloat16), cache.kv, ctx.block_table, topk,
-                                     self.sm_scale, d_v=self.kv_lora_rank)
+            slots = self.indexer.select(index_q[:, None], index_w[:, None], cache.index_keys, ctx.block_table,
+                                        ctx.positions[:, None], as_slots=True)
+            o_latent, _ = sparse_mla_decode_fp8(q, cache.kv, slots, self.sm_scale, d_v=self.kv_lora_rank)
+        else:  # positions: the override's, or (V3) every earlier one
+            if override is not None:
+                topk = override.to(torch.int32)[:, None]
+            else:
+                pos = torch.arange(ctx.block_table.shape[1] * ctx.cache.block_size, device=x.device)
+                topk = torch.where(pos <= ctx.positions[:, None], pos, -1).to(torch.int32)[:, None]
+            o_latent, _ = mla_decode_fp8(q, cache.kv, ctx.block_table, topk, self.sm_scale, d_v=self.kv_lora_rank)
         return o_latent.view(b, self.n_heads, self.kv_lora_rank)
 
 
