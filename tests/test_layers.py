@@ -125,3 +125,29 @@ def test_engine_runs_fused_projections_with_the_checkpoint_state_dict(tiny_maste
     # On the CPU these small GEMMs run unsplit either way: the same bits. A GPU's split-K follows the width.
     for a, b in zip(fused, alone):
         assert rel_err(a, b) == 0 if DEVICE == "cpu" else rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+@torch.no_grad()
+def test_a_layer_adds_the_previous_mlp_output_in_its_input_norm(tiny_master, weights):
+    """forward(x, ctx, delta, unsummed=True) sums to forward(x + delta) bit for bit (the input norm's add is
+    torch's add), and its parts are the layer's residual after attention and its MLP output."""
+    from minirt.context import KVStash
+    from minirt.models.deepseek_v32.context import prefill_context
+    engine = minirt.load(tiny_master, layers=1, device=DEVICE, weights=weights)
+    cfg, layer = engine.cfg, engine.model.model.layers[0]
+    engine.setup_cache(1, 16)
+    gen = torch.Generator().manual_seed(4)
+    x, delta = (torch.randn(2, 6, cfg.hidden_size, generator=gen) * torch.tensor([1.0, 0.3])[:, None, None]).to(
+        DEVICE, engine.dtype).unbind(0)
+
+    def ctx():
+        return prefill_context(cfg, [6], cache=engine.cache, stash=KVStash([6], DEVICE), rope=engine._rope, device=DEVICE)
+
+    whole = layer(x + delta, ctx())
+    h, mlp_out = layer(x, ctx(), delta, unsummed=True)
+    assert torch.equal(h + mlp_out, whole) and torch.equal(layer(x, ctx(), delta), whole)
+    h0, mlp0 = layer(x + delta, ctx(), unsummed=True)
+    assert torch.equal(h0, h) and torch.equal(mlp0, mlp_out) and mlp_out.abs().sum() > 0
+    with pytest.raises(InputError, match="delta must be"):
+        layer(x, ctx(), delta[:3])

@@ -142,8 +142,8 @@ class Engine(KernelRuntime):
         flagged = set()
 
         def check(name: str):
-            def hook(module, args, out):
-                if not bool(torch.isfinite(out).all()):
+            def hook(module, args, out):  # (a layer may return its residual and MLP output apart)
+                if not all(bool(torch.isfinite(o).all()) for o in (out if isinstance(out, tuple) else (out,))):
                     flagged.add(name)
             return hook
 

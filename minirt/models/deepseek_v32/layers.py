@@ -537,9 +537,14 @@ class DecoderLayer(nn.Module):
         if mlp is not None:
             mlp.fuse_projections()
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, delta: torch.Tensor | None = None, unsummed: bool = False):
         """x [N, hidden] float (the residual stream of a step's N tokens: a prefill step's segments back
         to back, or one token per sequence in a decode step) -> [N, hidden], x's dtype.
+
+        delta: optional [N, hidden] of x's dtype, the previous layer's MLP output not yet added: the layer
+        runs on x + delta, added in its input norm's launch (``RMSNorm.after_add``: bit for bit torch's add).
+        unsummed: return (h, mlp_out), the residual after the attention and the MLP output, instead of their
+        sum (``Transformer.forward`` hands mlp_out to the next layer as its delta: one launch a layer fewer).
 
         ctx: the step's ``StepContext`` (``minirt.models.deepseek_v32.context.prefill_context`` / ``decode_context``) with N
         positions. The layer writes the new tokens' latents and indexer keys to
@@ -551,12 +556,17 @@ class DecoderLayer(nn.Module):
         """
         _check_layer_input(x, ctx, self.layer_index, self.input_layernorm.weight.shape[0])
         fp8 = self.self_attn.fp8_weights  # the norms write their fp8 GEMMs' operands too
-        normed, normed_fp8 = self.input_layernorm.quantized(x) if fp8 else (self.input_layernorm(x), None)
+        if delta is not None:
+            x, normed, normed_fp8 = self.input_layernorm.after_add(x, delta, fp8)
+        else:
+            normed, normed_fp8 = self.input_layernorm.quantized(x) if fp8 else (self.input_layernorm(x), None)
         h, normed, normed_fp8 = self.post_attention_layernorm.after_add(x, self.self_attn(normed, ctx, normed_fp8), fp8)
         if isinstance(self.mlp, MoE):
             routing = ctx.expert_override[self.layer_index] if ctx.expert_override is not None else None
-            return h + self.mlp(normed, routing, normed_fp8)
-        return h + self.mlp(normed, normed_fp8)
+            mlp_out = self.mlp(normed, routing, normed_fp8)
+        else:
+            mlp_out = self.mlp(normed, normed_fp8)
+        return (h, mlp_out) if unsummed else h + mlp_out
 
 
 def _check_layer_input(x, ctx: StepContext, layer_index: int, hidden: int) -> None:
@@ -596,13 +606,14 @@ class Transformer(nn.Module):
             layer.fuse_projections()
 
     def forward(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """tokens [N] -> the last layer's residual stream [N, hidden]."""
-        h = self.model.embed_tokens(tokens)
+        """tokens [N] -> the last layer's residual stream [N, hidden]. Each layer's MLP output is added in
+        the next layer's input norm (``DecoderLayer.forward``'s delta)."""
+        h, delta = self.model.embed_tokens(tokens), None
         for layer in self.model.layers:
-            h = layer(h, ctx)
+            h, delta = layer(h, ctx, delta, unsummed=True)
             if ctx.trace is not None:
-                ctx.trace.record("hidden", layer.layer_index, h.float())
-        return h
+                ctx.trace.record("hidden", layer.layer_index, (h + delta).float())
+        return h if delta is None else h + delta
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Residual stream [N, hidden] -> next-token logits [N, vocab] fp32."""
