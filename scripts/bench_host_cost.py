@@ -103,6 +103,8 @@ def indexer_cases():
     scores = torch.randn(4, 4096, device=DEVICE)
     yield "indexer_topk", "4 rows of 4096, top-k 2048", lambda: indexer_topk(scores, 2048)
     yield "decode_topk", "4 rows of 4096, top-k 2048", lambda: decode_topk(scores, 2048)
+    pages = (torch.arange(256, dtype=torch.int32, device=DEVICE).view(4, 64), 64, 256)
+    yield "decode_topk", "the same, pages (cache slots)", lambda: decode_topk(scores, 2048, pages=pages)
     cache = new_index_cache(8, 64, DEVICE)
     qf = torch.randn(2, 1, 64, 128, device=DEVICE).to(torch.float8_e4m3fn)
     wf = torch.rand(2, 1, 64, device=DEVICE)
@@ -118,6 +120,9 @@ def writer_cases():
     cache = new_kv_cache(4, 64, DEVICE)
     latent, rope = bf16(4, 512), bf16(4, 64)
     yield "write_kv_fp8", "4 tokens", lambda: write_kv_fp8(cache, latent, rope, new)
+    norm, angles4 = torch.rand(512, device=DEVICE), torch.rand(4, 32, device=DEVICE)
+    yield "write_kv_fp8", "4 tokens, norm + rope", lambda: write_kv_fp8(cache, latent, rope, new, norm=(norm, 1e-6),
+                                                                         rope=(angles4, angles4))
     m1 = new_model1_cache(4, 64, DEVICE)
     kv = bf16(4, 512)
     yield "write_kv_model1", "4 entries", lambda: write_kv_model1(m1, kv, new)
@@ -163,6 +168,9 @@ def norm_cases():
     bias = torch.rand(128, device=DEVICE)
     yield "apply_rope", "2 x 128, layer_norm", lambda: apply_rope(keys, angles, angles, 64, False, torch.float32,
                                                                  layer_norm=(weight[:128], bias, 1e-6))
+    key_cache, rows = torch.zeros(256, 128, device=DEVICE), torch.tensor([5, 70], device=DEVICE)
+    yield "apply_rope", "the same, scattered into 2 cache rows", lambda: apply_rope(
+        keys, angles, angles, 64, False, layer_norm=(weight[:128], bias, 1e-6), scatter=(key_cache, rows))
 
 
 GROUPS = {"decode": decode_cases, "prefill": prefill_cases, "indexer": indexer_cases, "writers": writer_cases,
