@@ -98,16 +98,18 @@ def dequantize_kv_fp8(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16)
     return torch.cat([latent.to(dtype), k_rope.to(dtype)], dim=-1)
 
 
-def _check_token_inputs(latent, k_rope, rotated: bool = False) -> None:
+def _check_token_inputs(latent, k_rope, roped: bool = False) -> None:
+    """latent and k_rope of one leading shape and device; k_rope bfloat16 (stored bit-exactly) unless the
+    writer ropes it (``roped``: any float dtype)."""
     check_tensors({"latent": latent, "k_rope": k_rope})
     for name, t, dim in (("latent", latent, formats.KV_LATENT_DIM), ("k_rope", k_rope, formats.KV_ROPE_DIM)):
         if t.dim() < 1 or t.shape[-1] != dim:
             raise InputError(f"{name} must have last dim {dim}, got shape {tuple(t.shape)}")
     if latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InputError(f"latent must be bfloat16, float16 or float32, got {latent.dtype}")
-    if k_rope.dtype not in ((torch.bfloat16, torch.float16, torch.float32) if rotated else (torch.bfloat16,)):
-        raise InputError(f"k_rope must be bfloat16 (it is stored bit-exactly), got {k_rope.dtype}" if not rotated
-                         else f"k_rope must be bfloat16, float16 or float32, got {k_rope.dtype}")
+    if k_rope.dtype not in ((torch.bfloat16, torch.float16, torch.float32) if roped else (torch.bfloat16,)):
+        wanted = "bfloat16, float16 or float32" if roped else "bfloat16 (it is stored bit-exactly)"
+        raise InputError(f"k_rope must be {wanted}, got {k_rope.dtype}")
     if latent.shape[:-1] != k_rope.shape[:-1]:
         raise InputError(f"latent {tuple(latent.shape)} and k_rope {tuple(k_rope.shape)} "
                          "differ in their leading dims")
