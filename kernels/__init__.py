@@ -27,9 +27,10 @@
   weight, the absorption writing the whole absorbed query (its rope part rotated beside it), the value
   projection o_proj's fp8 input directly.
 - ``rms_norm`` / ``apply_rope``: RMSNorm of every row, rope on the first dims of every head (either
-  pair layout, optionally after each row's layer norm, optionally scattering its rows into a cache), one
-  launch each (the runtime layers' norms and rope; V4's norms rounded to bf16); ``add_rms_norm``: a residual add and the norm of its sum in one launch; either norm can also
-  quantise its result for an fp8 GEMM.
+  pair layout, optionally after each row's layer norm, then a rotation matrix and an fp8 quantisation,
+  optionally scattering its rows into a cache), one launch each (the runtime layers' norms and rope;
+  V4's norms rounded to bf16); ``add_rms_norm``: a residual add and the norm of its sum in one launch;
+  either norm can also quantise its result for an fp8 GEMM.
 - ``all_finite``: whether a tensor holds no NaN or ±inf, as a device tensor in one launch (the decode
   step's check of its logits).
 - ``route_topk`` / ``route_hash`` (and ``check_tid2eid``): MoE routing (V3.2's grouped sigmoid top-k,

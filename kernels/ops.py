@@ -224,16 +224,38 @@ def _(q, weights, cache, block_table, limit, n_keys=None):
 @_registered
 def apply_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
                   out_dtype: Optional[torch.dtype] = None, norm_weight: Optional[torch.Tensor] = None,
-                  norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 0.0) -> torch.Tensor:
+                  norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 0.0,
+                  rotation: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``minirt.kernels.apply_rope`` as a custom op: x's shape, out_dtype (default x's); norm_weight and
-    norm_bias given: ``layer_norm=(norm_weight, norm_bias, norm_eps)``."""
+    norm_bias given: ``layer_norm=(norm_weight, norm_bias, norm_eps)``; rotation as apply_rope's."""
     layer_norm = (norm_weight, norm_bias, norm_eps) if norm_weight is not None or norm_bias is not None else None
-    return apply_rope(x, cos, sin, rope_dims, interleaved, out_dtype, layer_norm=layer_norm)
+    return apply_rope(x, cos, sin, rope_dims, interleaved, out_dtype, layer_norm=layer_norm, rotation=rotation)
 
 
 @_fake(apply_rope_op)
-def _(x, cos, sin, rope_dims, interleaved, out_dtype=None, norm_weight=None, norm_bias=None, norm_eps=0.0):
+def _(x, cos, sin, rope_dims, interleaved, out_dtype=None, norm_weight=None, norm_bias=None, norm_eps=0.0,
+      rotation=None):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+@_registered
+def apply_rope_fp8_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,
+                      rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``minirt.kernels.apply_rope`` with ``rotation`` and ``fp8_out`` as a custom op: (out float32 of x's
+    shape, codes float8_e4m3fn of x's shape, scales [..., D / 128] float32)."""
+    codes, scales = _rope_fp8_like(x)
+    return apply_rope(x, cos, sin, rope_dims, interleaved, torch.float32, rotation=rotation,
+                      fp8_out=(codes, scales)), codes, scales
+
+
+def _rope_fp8_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((*x.shape[:-1], x.shape[-1] // FP8_GROUP), dtype=torch.float32, device=x.device))
+
+
+@_fake(apply_rope_fp8_op)
+def _(x, cos, sin, rope_dims, interleaved, rotation):
+    return (x.new_empty(x.shape, dtype=torch.float32), *_rope_fp8_like(x))
 
 
 def apply_rope_scatter_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,

@@ -10,18 +10,20 @@ from minirt.context import PrefillTrace
 from minirt.errors import InputError
 from minirt.fp8_linear import Fp8Linear
 from minirt.kernels.fp8_gemm import StreamConfig, fp8_gemm, quantize_act_fp8
-from minirt.models.deepseek_v32.layers import FusedProjection, hadamard_rotate
+from minirt.models.deepseek_v32.layers import FusedProjection, hadamard_matrix
 from minirt.rope import rope_cos_sin
 from minirt.report import rel_err, topk_overlap
 
 
 def test_hadamard_rotation_is_orthonormal():
     x, y = torch.randn(2, 5, 128, dtype=torch.float64).unbind(0)
-    hx, hy = hadamard_rotate(x), hadamard_rotate(y)
+    h = hadamard_matrix(128, torch.device("cpu"))
+    assert h.dtype == torch.float32 and torch.equal(h.abs(), torch.full_like(h, 128**-0.5))
+    hx, hy = x @ h.double(), y @ h.double()
     torch.testing.assert_close((hx * hy).sum(-1), (x * y).sum(-1))  # dot products unchanged
     assert not torch.allclose(hx, x)
     with pytest.raises(ValueError, match="power-of-two"):
-        hadamard_rotate(torch.randn(3, 96))
+        hadamard_matrix(96, torch.device("cpu"))
 
 
 def test_fp8_indexer_queries_are_e4m3_with_head_scales_folded_into_the_weights(tiny_master):
@@ -39,7 +41,7 @@ def test_fp8_indexer_queries_are_e4m3_with_head_scales_folded_into_the_weights(t
     assert q8.dtype == torch.float8_e4m3fn and q.dtype == w.dtype == w8.dtype == torch.float32
     scale = w8 / w
     assert torch.equal(scale, torch.exp2(torch.round(torch.log2(scale))))  # powers of two
-    rotated = hadamard_rotate(q)
+    rotated = q @ hadamard_matrix(q.shape[-1], q.device)
     assert (q8.float().abs().amax(-1) <= 448).all()
     err = (q8.float() * scale[..., None] - rotated).abs()
     assert (err <= torch.maximum(rotated.abs() * 2**-4, scale[..., None] * 2**-10)).all()

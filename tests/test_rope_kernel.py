@@ -82,6 +82,39 @@ def test_rope_scatters_rows_into_a_cache():
                                                                  weight, bias, 1e-6))
 
 
+@pytest.mark.parametrize("heads", [1, 5])
+def test_rope_then_rotation_and_fp8_out(heads):
+    """rotation: each row's rope (after its layer norm) times the Hadamard matrix, against the unrotated
+    kernel's rows times it in fp64; fp8_out: the stored rows' quantize_act_fp8, bit for bit, every element
+    written (NaN poison); the V3.2 fp8 indexer's queries (heads) and keys (one row a token)."""
+    from minirt.formats import FP8_DTYPE
+    from minirt.kernels import quantize_act_fp8
+    from minirt.models.deepseek_v32.layers import hadamard_matrix
+    gen = torch.Generator().manual_seed(heads)
+    t, dim, rope = 3, 128, 64
+    x = (torch.randn(t, heads, dim, generator=gen) * 4).to(DEVICE, torch.bfloat16)
+    x = x[:, 0] if heads == 1 else x
+    cos, sin = (v.float().to(DEVICE) for v in angles(t, rope // 2, gen))
+    weight, bias = (1 + 0.5 * torch.randn(dim, generator=gen)).to(DEVICE), torch.randn(dim, generator=gen).to(DEVICE)
+    norm = dict(layer_norm=(weight, bias, 1e-6)) if heads == 1 else {}
+    hadamard = hadamard_matrix(dim, torch.device(DEVICE))
+    codes = torch.full(x.shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)
+    scales = torch.full((*x.shape[:-1], 1), float("nan"), device=DEVICE)
+    out = apply_rope(x, cos, sin, rope, False, torch.float32, rotation=hadamard, fp8_out=(codes, scales), **norm)
+    plain = apply_rope(x, cos, sin, rope, False, torch.float32, **norm)
+    expected = plain.double().cpu() @ hadamard.double().cpu()
+    assert out.dtype == torch.float32 and rel_err(out, expected) < 1e-6
+    want_codes, want_scales = quantize_act_fp8(out.reshape(-1, dim))
+    assert torch.equal(codes.view(torch.uint8).reshape(-1, dim), want_codes.view(torch.uint8))
+    assert torch.equal(scales.reshape(-1, 1), want_scales)
+    torch.library.opcheck(torch.ops.minirt.apply_rope_fp8, (x, cos, sin, rope, False, hadamard),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(InputError, match="rotation must be"):
+        apply_rope(x, cos, sin, rope, False, rotation=hadamard[:64, :64])
+    with pytest.raises(InputError, match="fp8_out must be"):
+        apply_rope(x, cos, sin, rope, False, fp8_out=(codes, scales))
+
+
 def test_rope_refuses_bad_input():
     x = torch.randn(2, 64, device=DEVICE)
     cos = torch.ones(2, 32, device=DEVICE)

@@ -27,11 +27,12 @@ from ...errors import InputError
 from ...fp8_linear import Fp8Linear
 # The kernels as torch custom ops (same signatures), so torch.compile(layer, fullgraph=True) traces a layer.
 from ...kernels.ops import (add_rms_norm_fp8_op as add_rms_norm_fp8, add_rms_norm_op as add_rms_norm,
-                          apply_rope_op as apply_rope, apply_rope_scatter_op as apply_rope_scatter,
+                          apply_rope_op as apply_rope, apply_rope_fp8_op as apply_rope_fp8,
+                          apply_rope_scatter_op as apply_rope_scatter,
                           decode_topk_op as decode_topk, indexer_topk_op as indexer_topk,
                           indexer_weights_op as indexer_weights, mla_decode_fp8_op as mla_decode_fp8,
                           mla_query_absorb_op as mla_query_absorb, mla_value_proj_fp8_op as mla_value_proj_fp8,
-                          paged_indexer_scores_op as paged_indexer_scores, quantize_act_fp8_op as quantize_act_fp8,
+                          paged_indexer_scores_op as paged_indexer_scores,
                           rms_norm_fp8_op as rms_norm_fp8, rms_norm_op as rms_norm,
                           sparse_mla_decode_fp8_op as sparse_mla_decode_fp8, sparse_mla_prefill_op as sparse_mla_prefill,
                           swiglu_quantize_fp8_op as swiglu_quantize_fp8,
@@ -139,40 +140,32 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = _linear(cfg.hidden_size, self.n_heads)
 
-    def _rope_and_rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         norm: nn.LayerNorm | None = None) -> torch.Tensor:
-        """Half-split rope on the first dims in fp32 (after ``norm`` of each row, in the same launch), then
-        the Hadamard rotation in fp8 mode."""
-        norm_args = (norm.weight, norm.bias, norm.eps) if norm is not None else ()
-        x = apply_rope(x, cos, sin, self.rope_dim, False, torch.float32, *norm_args)
-        return hadamard_rotate(x) if self.precision == "fp8" else x
-
     def write_keys(self, key_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k: torch.Tensor | None = None) -> None:
         """The keys of x [T, hidden] to ``slots`` [T] of the layer's key cache (``LayerCache.index_keys``):
         k_norm (in fp32), rope, then exact: fp32, written by the rope launch itself; fp8: the rotation and the
         cache's e4m3 quantisation (``write_index_keys``). Slots outside the cache are skipped. k: wk(x) when
         computed already (the attention's fused projection)."""
-        k = self.wk(x) if k is None else k
+        k, norm = self.wk(x) if k is None else k, self.k_norm
         if self.precision == "exact":
-            norm = self.k_norm
             apply_rope_scatter(k, cos, sin, self.rope_dim, False, key_cache.view(-1, self.head_dim), slots,
                                norm.weight, norm.bias, norm.eps)
-        else:
-            write_index_keys(key_cache, self._rope_and_rotate(k, cos, sin, self.k_norm), slots)
+        else:  # the rotation in the rope launch
+            write_index_keys(key_cache, apply_rope(k, cos, sin, self.rope_dim, False, torch.float32, norm.weight,
+                                                   norm.bias, norm.eps, hadamard_matrix(self.head_dim, k.device)),
+                             slots)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q: torch.Tensor | None = None):
         """x [T, hidden], qr [T, q_lora_rank] (q_a_layernorm output) -> q [T, H, D], w [T, H] fp32:
         fp32 q (exact), or e4m3 q with each head's scale folded into w (fp8). q: wq_b(qr) [T, H * D]
         when computed already (the attention's fused projection)."""
-        q = self.wq_b(qr) if q is None else q
-        q = self._rope_and_rotate(q.view(-1, self.n_heads, self.head_dim), cos, sin)
+        q = (self.wq_b(qr) if q is None else q).view(-1, self.n_heads, self.head_dim)
         w = indexer_weights(x, self.weights_proj.weight, self.n_heads**-0.5 * self.head_dim**-0.5)
-        if self.precision == "fp8":
-            q, q_scale = quantize_act_fp8(q.flatten(0, 1))
-            q, w = q.view(-1, self.n_heads, self.head_dim), w * q_scale.view(-1, self.n_heads)
-        return q, w
+        if self.precision == "fp8":  # rope, rotation and quantisation in one launch
+            _, q, q_scale = apply_rope_fp8(q, cos, sin, self.rope_dim, False, hadamard_matrix(self.head_dim, q.device))
+            return q, w * q_scale.view(-1, self.n_heads)
+        return apply_rope(q, cos, sin, self.rope_dim, False, torch.float32), w
 
     def select(self, q: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                limit: torch.Tensor, n_keys: int | None = None, as_slots: bool = False) -> torch.Tensor:
@@ -193,20 +186,15 @@ class LightningIndexer(nn.Module):
         return decode_topk(scores, self.index_topk)
 
 
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] (D a power of two) -> x · H_D / sqrt(D): orthonormal, so dot products are unchanged;
-    it spreads outliers across dims before the fp8 cast (the official indexer's rotate_activation)."""
-    d = x.shape[-1]
-    if d & (d - 1):
-        raise InputError(f"Hadamard rotation needs a power-of-two dim, got {d}")
-    return x @ _hadamard(d, x.dtype, x.device)
-
-
 @functools.lru_cache(maxsize=8)
-def _hadamard(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """H_d / sqrt(d) (Sylvester's construction), built once per (d, dtype, device): a decode step
-    replays it from a CUDA graph instead of rebuilding it."""
-    h = torch.ones(1, 1, dtype=dtype, device=device)
+def hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
+    """H_d / sqrt(d) float32 [d, d] (Sylvester's construction, d a power of two): x · it rotates rows x
+    [..., d] orthonormally (dot products unchanged), spreading outliers across dims before the fp8 cast
+    (the official indexer's rotate_activation; ``apply_rope(..., rotation=)`` applies it after the rope).
+    Built once per (d, device): a decode step replays it from a CUDA graph instead of rebuilding it."""
+    if d < 1 or d & (d - 1):
+        raise InputError(f"Hadamard rotation needs a power-of-two dim, got {d}")
+    h = torch.ones(1, 1, device=device)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h * d**-0.5
