@@ -74,14 +74,14 @@ def pow2_quantize_rows(x, MIN_EXPONENT: tl.constexpr):
 
 
 def check_fp8_out(fp8_out, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-    """A norm kernel's ``fp8_out`` for an output of ``shape`` [M, N] -> (codes viewed as uint8, scales):
-    (codes [M, N] float8_e4m3fn, scales [M, N / 128] float32), unit last strides, N a multiple of 128.
+    """A kernel's ``fp8_out`` for an output of ``shape`` [..., N] -> (codes viewed as uint8, scales):
+    (codes [..., N] float8_e4m3fn, scales [..., N / 128] float32), unit last strides, N a multiple of 128.
     Raises InputError otherwise."""
     codes, scales = fp8_out if isinstance(fp8_out, tuple) and len(fp8_out) == 2 else (None, None)
-    m, n = shape[0], shape[-1]
-    if len(shape) != 2 or n % FP8_GROUP or not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor) \
+    n = shape[-1]
+    if n % FP8_GROUP or not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor) \
             or codes.dtype != FP8_DTYPE or codes.shape != shape or scales.dtype != torch.float32 \
-            or tuple(scales.shape) != (m, n // FP8_GROUP) or codes.stride(-1) != 1 or scales.stride(-1) != 1:
-        raise InputError(f"fp8_out must be (codes {tuple(shape)} float8_e4m3fn, scales [M, N / {FP8_GROUP}] float32) "
-                         f"with unit last strides, for 2-D rows of N a multiple of {FP8_GROUP}")
+            or tuple(scales.shape) != (*shape[:-1], n // FP8_GROUP) or codes.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise InputError(f"fp8_out must be (codes {tuple(shape)} float8_e4m3fn, scales [..., N / {FP8_GROUP}] "
+                         f"float32) with unit last strides, for rows of N a multiple of {FP8_GROUP}")
     return codes.view(torch.uint8), scales

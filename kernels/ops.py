@@ -243,19 +243,14 @@ def apply_rope_fp8_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rop
                       rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``minirt.kernels.apply_rope`` with ``rotation`` and ``fp8_out`` as a custom op: (out float32 of x's
     shape, codes float8_e4m3fn of x's shape, scales [..., D / 128] float32)."""
-    codes, scales = _rope_fp8_like(x)
+    codes, scales = quantized_like(x)
     return apply_rope(x, cos, sin, rope_dims, interleaved, torch.float32, rotation=rotation,
                       fp8_out=(codes, scales)), codes, scales
 
 
-def _rope_fp8_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-            torch.empty((*x.shape[:-1], x.shape[-1] // FP8_GROUP), dtype=torch.float32, device=x.device))
-
-
 @_fake(apply_rope_fp8_op)
 def _(x, cos, sin, rope_dims, interleaved, rotation):
-    return (x.new_empty(x.shape, dtype=torch.float32), *_rope_fp8_like(x))
+    return (x.new_empty(x.shape, dtype=torch.float32), *quantized_like(x))
 
 
 def apply_rope_scatter_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int, interleaved: bool,

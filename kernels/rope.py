@@ -14,10 +14,9 @@ import triton
 import triton.language as tl
 
 from minirt.errors import InputError
-from minirt.formats import FP8_DTYPE
 
 from ._common import check_device, rotated
-from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
+from ._fp8 import ACT_MIN_EXPONENT, check_fp8_out, pow2_quantize_rows
 from ._launch import Kept, cdiv, described, described_tuple, launch, per_signature
 
 
@@ -210,14 +209,10 @@ def _check(x, cos, sin, rope_dims, layer_norm, scatter, rotation, fp8_out) -> No
         raise InputError(f"rotation must be a contiguous float32 [{d}, {d}] tensor, D a power of two, rope_dims / 2 "
                          f"at least 16 and D - rope_dims 0 or at least 16 (the MMAs' sizes); got {getattr(rotation, 'dtype', type(rotation).__name__)} "
                          f"{tuple(getattr(rotation, 'shape', ()))}, rope_dims {rope_dims}")
-    codes, scales = fp8_out if isinstance(fp8_out, tuple) and len(fp8_out) == 2 else (None, None)
-    if fp8_out is not None and not (
-            rotation is not None and scatter is None and d % 128 == 0 and isinstance(codes, torch.Tensor) and
-            codes.dtype == FP8_DTYPE and codes.shape == x.shape and codes.is_contiguous() and
-            isinstance(scales, torch.Tensor) and scales.dtype == torch.float32 and
-            tuple(scales.shape) == (*x.shape[:-1], d // 128) and scales.is_contiguous()):
-        raise InputError(f"fp8_out must be (codes {list(x.shape)} float8_e4m3fn, scales {[*x.shape[:-1], d // 128]} "
-                         f"float32), contiguous, with rotation, without scatter and D a multiple of 128")
+    codes, scales = check_fp8_out(fp8_out, x.shape) if fp8_out is not None else (None, None)
+    if fp8_out is not None and not (rotation is not None and scatter is None and codes.is_contiguous() and
+                                    scales.is_contiguous()):
+        raise InputError("fp8_out must be contiguous, with rotation and without scatter")
     check_device({"x": x, "cos": cos, "sin": sin, **({"weight": weight, "bias": bias} if layer_norm else {}),
                   **({"out": out, "rows": rows} if scatter is not None else {}),
                   **({"rotation": rotation} if rotation is not None else {}),

@@ -93,7 +93,7 @@ def quantize_groups(x: torch.Tensor, min_scale: float = ACT_MIN_SCALE, group: in
 
 
 def quantized_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised (codes [M, K] e4m3, scales [M, K / 128] float32) on x's device: the buffers of x
-    [M, K]'s quantisation as ``quantize_groups`` lays it out (a norm kernel's ``fp8_out``)."""
+    """Uninitialised (codes [..., K] e4m3, scales [..., K / 128] float32) on x's device: the buffers of x
+    [..., K]'s quantisation as ``quantize_groups`` lays it out (a norm or rope kernel's ``fp8_out``)."""
     return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-            torch.empty(x.shape[0], x.shape[1] // FP8_GROUP, device=x.device))
+            torch.empty((*x.shape[:-1], x.shape[-1] // FP8_GROUP), device=x.device))
