@@ -41,7 +41,7 @@ from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, l
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 from ._launch import Kept, described, launch, per_signature
 from .kv_cache_fp8 import CacheGeometry
-from . import lightning_indexer
+from . import indexer_scores_sm90, lightning_indexer
 from .lightning_indexer import MAX_Q_ROW_BYTES, IndexerConfig, default_config, split_bf16_parts
 
 # Every kernel index is 32-bit: key positions, slots, page offsets.
@@ -399,10 +399,18 @@ def _launch_paged(q, weights, cache, block_table, limit, out, kept: Kept) -> tor
     cache_lo = cache
     if keys_split:
         cache, cache_lo, table = split_pages(cache, table, n_keys)
+    n_batch, n_queries, n_heads, head_dim = q.shape
+    if config is None:
+        # The sm_90 kernel (indexer_scores_sm90.takes): its key tiles are pages, ROWS query rows a program.
+        if plan is None:
+            plan = kept.args = (copy_table, keys_split, launch_shape(
+                n_batch, n_queries, n_heads, n_keys, IndexerConfig(indexer_scores_sm90.ROWS, geometry.block_size, 8, 1),
+                q.device)[1])
+        indexer_scores_sm90.paged_scores(q, weights, cache, cache_lo, table, limit, out, n_keys, fp8, plan[2])
+        return out
     if plan is None:
         if keys_split:
             geometry = CacheGeometry(cache.shape[0], geometry.block_size, geometry.block_size * q.shape[3] * 2)
-        n_batch, n_queries, n_heads, head_dim = q.shape
         grid, tiling, tile_args = launch_shape(n_batch, n_queries, n_heads, n_keys, config, q.device)
         plan = kept.args = (copy_table, keys_split, grid, (
             n_queries, n_keys, n_heads, *tiling,
@@ -463,7 +471,9 @@ def paged_indexer_scores(
             max_blocks_per_seq * block_size). Positions past the table score -inf.
         out: keyword-only, optional preallocated float32 [b, t, S] (any strides); every element is
             overwritten.
-        config: keyword-only, optional IndexerConfig launch shape (default: paged_config).
+        config: keyword-only, optional IndexerConfig launch shape of the Triton kernel (default: on sm_90, a
+            prefill chunk of 64 heads of 128 over pages of 64 runs a Gluon kernel, indexer_scores_sm90;
+            otherwise paged_config).
 
     No host synchronisation and static shapes: a decode step calling this can be captured in a CUDA
     graph. The key range is split across programs, so even b = 1 fills the GPU. All tensors must be
@@ -494,9 +504,13 @@ def paged_indexer_scores(
 
 
 def _checked_launch_shape(q, weights, cache, block_table, limit, n_keys, out, config) -> tuple:
-    """paged_indexer_scores' input checks (InputError); (fp8, the cache's geometry, the launch shape, n_keys)."""
+    """paged_indexer_scores' input checks (InputError); (fp8, the cache's geometry, the launch shape (None: the
+    sm_90 kernel's), n_keys)."""
     fp8, geometry, n_keys = _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out)
     check_config(config, IndexerConfig)
+    if config is None and block_table.shape[1] > 0 and indexer_scores_sm90.takes(
+            q.shape[2], q.shape[3], geometry.block_size, q.shape[1], q.device):
+        return fp8, geometry, None, n_keys
     return fp8, geometry, config or paged_config(q.shape[1], q.shape[2], q.shape[3], fp8), n_keys
 
 

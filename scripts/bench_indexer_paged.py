@@ -15,7 +15,8 @@ current decode indexer (gather every slot's fp32 key, torch einsums, full stable
 the same shapes for comparison.
 Prefill chunk: one sequence, the last t = 2048 queries of a 131072-token prompt (limit[t] = 129024 +
 t) over its 131072 keys; TFLOP/s counts the causal part needed, 2 H D sum_t (limit[t] + 1); exact keys
-are split into bf16 parts once (the pages the chunk sees), and, in one more row, as each tile loads. Variants
+are split into bf16 parts once (the pages the chunk sees), and, in one more row, as each tile loads. On
+sm_90 the default is the Gluon kernel (indexer_scores_sm90), timed beside the Triton kernel's. Variants
 (block_t, block_s, num_warps, num_stages) of the launch run at this shape; --sweep runs only the
 prefill chunk, over each format's SWEEP_VARIANTS (every one compiles for sm_90a within its shared
 memory), and ends each format with the fastest correct launch; --decode-sweep likewise times only the
@@ -39,7 +40,7 @@ from ceilings import measure_ceilings, write_report
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels.indexer_cache import (dequantize_index_cache, new_index_cache, paged_config,
                                           paged_indexer_scores, write_index_keys)
-from minirt.kernels import lightning_indexer
+from minirt.kernels import indexer_scores_sm90, lightning_indexer
 from minirt.kernels.decode_topk import decode_topk
 from minirt.kernels.lightning_indexer import indexer_topk
 
@@ -252,7 +253,12 @@ def main():
 
         name = f"prefill chunk t {CHUNK_T} / {CHUNK_KEYS} keys"
         default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
-        row(f"{name}: scores, default {default_text}", fmt, attempt(lambda: chunk_cell(default, default_text)))
+        sm90 = indexer_scores_sm90.takes(H, D, BLOCK_SIZE, CHUNK_T, q.device)
+        if sm90:
+            row(f"{name}: scores, default (sm_90: Gluon, indexer_scores_sm90)", fmt,
+                attempt(lambda: chunk_cell(None, "sm90")))
+        row(f"{name}: scores, Triton {default_text}{'' if sm90 else ' (default)'}", fmt,
+            attempt(lambda: chunk_cell(default, default_text)))
         if fmt == "exact" and not args.sweep:
             # The default launch of keys split as they load: paged_config's, taken under the override.
             with split_as_tiles_load():

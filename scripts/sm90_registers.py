@@ -1,7 +1,7 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
 few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and per-assignment decode products,
-the decode's split merge, fp8_gemm's weight-streaming kernel, the indexer's scores kernels (paged, and V4's
-CSA decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp
+the decode's split merge, fp8_gemm's weight-streaming kernel, the indexer's scores kernels (paged, Triton and
+the Gluon prefill chunk's, and V4's CSA decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp
 partition's register budget and each kernel's spill instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
@@ -36,7 +36,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from minirt.kernels import indexer_cache, lightning_indexer  # noqa: E402
+from minirt.kernels import indexer_cache, indexer_scores_sm90, lightning_indexer  # noqa: E402
 from minirt.kernels._launch import Kept  # noqa: E402
 from minirt.kernels import ExpertWeights, moe_experts  # noqa: E402
 from minirt.kernels.decode_topk import decode_topk  # noqa: E402
@@ -148,6 +148,30 @@ def recorded_indexer_launch(fp8: bool, n_queries: int, n_batch: int = 1):
         indexer_cache._launch_paged(q, weights, cache, table, limit, out, Kept((fp8, geometry, config, n_keys)))
     finally:
         indexer_cache._paged_scores_kernel = kernel
+    return (kernel, *recorder.calls[0])
+
+
+def recorded_indexer_sm90_launch(fp8: bool):
+    """(kernel, args, kwargs): the Gluon scores kernel's launch for a prefill chunk of 2048 queries (64 heads of
+    128) over 131072 keys in pages of 64, fp8 keys or exact keys split into bf16 parts (split_pages' layout)."""
+    n_queries, n_keys, heads, dim = 2048, 131072, 64, 128
+    num_blocks = n_keys // 64
+    if fp8:
+        q = torch.empty((1, n_queries, heads, dim), dtype=torch.float8_e4m3fn)
+        keys = keys_lo = torch.empty((num_blocks, 64, 1, 132), dtype=torch.uint8)
+    else:
+        q = torch.empty((1, n_queries, heads, dim))
+        keys, keys_lo = (torch.empty((num_blocks, 64, dim), dtype=torch.bfloat16) for _ in range(2))
+    weights, out = torch.empty((1, n_queries, heads)), torch.empty((1, n_queries, n_keys))
+    table = torch.empty((1, num_blocks), dtype=torch.int32)
+    limit = torch.empty((1, n_queries), dtype=torch.int64)
+    kernel, recorder = indexer_scores_sm90._paged_scores_sm90_kernel, Recorder()
+    indexer_scores_sm90._paged_scores_sm90_kernel = recorder
+    try:
+        indexer_scores_sm90.paged_scores(q, weights, keys, keys_lo, table, limit, out, n_keys, fp8,
+                                         (n_queries // indexer_scores_sm90.ROWS, 1, num_blocks))
+    finally:
+        indexer_scores_sm90._paged_scores_sm90_kernel = kernel
     return (kernel, *recorder.calls[0])
 
 
@@ -317,6 +341,9 @@ def main() -> int:
     for fp8, n_queries, n_batch in ((False, 2048, 1), (False, 1, 16), (True, 2048, 1), (True, 1, 16)):
         failing |= report(f"indexer scores over {'fp8' if fp8 else 'exact'} paged keys, b {n_batch} x t {n_queries}",
                           *recorded_indexer_launch(fp8, n_queries, n_batch))
+    for fp8 in (True, False):
+        failing |= report(f"indexer scores over {'fp8' if fp8 else 'exact'} paged keys, b 1 x t 2048, sm_90 (Gluon)",
+                          *recorded_indexer_sm90_launch(fp8))
     failing |= report("indexer scores over exact V4 CSA keys, b 16 x t 1", *recorded_csa_decode_launch())
     # (Its accumulator holds weight rows x tokens: a program stores its 64 bf16 outputs of a token 2 bytes at a time.)
     for name, kernel, args, kwargs in recorded_stream_launches():

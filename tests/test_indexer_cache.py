@@ -321,6 +321,30 @@ def test_prefill_chunk_deepseek_shape(fmt):
         assert (gap <= bound)[differs].all(), f"{int(differs.sum())} entries differ beyond near-ties"
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel compiles for sm_90 GPUs only")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_chunk_sm90(monkeypatch, fmt):
+    """The sm_90 kernel (pages of 64 as key tiles, 4 query rows a program), checked it ran: two sequences of
+    37 rows (a partial last query tile), rows limited mid-page, at a page's last key, -1 (all -inf) and past
+    the width; a page missing inside a length and one past the cache (their keys NaN, never read); a width
+    ending mid-page and past the table; one key chunk a query tile and many."""
+    if not ic.indexer_scores_sm90.takes(64, D, 64, 37, torch.device(DEVICE)):
+        pytest.skip("not an sm_90 GPU")
+    calls, launch = [], ic.indexer_scores_sm90.paged_scores
+    monkeypatch.setattr(ic.indexer_scores_sm90, "paged_scores", lambda *args: calls.append(1) or launch(*args))
+    gen = torch.Generator(DEVICE).manual_seed(20)
+    limit = torch.stack([200 + torch.arange(37, device=DEVICE) * 9, 600 - torch.arange(37, device=DEVICE) * 16])
+    limit[0, 3], limit[0, 4], limit[1, 5], limit[1, 36] = -1, 127, 10**6, 0
+    q, weights, cache, table, _ = make_case(gen, fmt, limit.clamp(max=639), block_size=64, max_blocks=10, n_heads=64)
+    table[0, 2], table[1, 4] = -1, cache.shape[0]
+    for programs in (1, 10**6):
+        monkeypatch.setattr(_indexer_tiles, "num_programs_target", lambda device: programs)
+        ic._KEPT.clear()
+        for n_keys in (None, 600, 700):
+            run_case(q, weights, cache, table, limit, fmt, n_keys=n_keys)
+    assert len(calls) == 6
+
+
 def test_static_width(fmt):
     """n_keys narrower than the table's capacity (positions past it are not scored) and wider
     (positions past the table are -inf); limits past the width are clamped."""

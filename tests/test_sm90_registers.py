@@ -23,7 +23,8 @@ def test_warp_specialised_kernels_compile_for_sm90_without_spills_or_2_byte_acce
     # partitions). Each line gives three partitions' register budgets
     # (none for the decode's split merge, a Triton kernel checked at h_q 128 and 32 for its 2-byte
     # accesses only); the indexer's scores (Triton, no partitions either) over exact and over fp8 paged keys,
-    # each for a prefill chunk and a decode batch, and over V4's CSA keys for a decode batch; fp8_gemm's
+    # each for a prefill chunk and a decode batch, the Gluon prefill chunk's in both formats (no partitions),
+    # and over V4's CSA keys for a decode batch; fp8_gemm's
     # weight-streaming kernel at one token with split-K and without; decode_topk's three histogram passes,
     # gather and rank (Triton).
     lines = result.stdout.splitlines()
@@ -31,9 +32,9 @@ def test_warp_specialised_kernels_compile_for_sm90_without_spills_or_2_byte_acce
     # (bf16 outputs: 2-byte stores allowed)
     per_assignment = [line for line in lines if "per-assignment" in line or "stream kernel" in line]
     assert len(per_assignment) == 6 and all("spill instructions 0," in line for line in per_assignment)
-    assert len(lines) == 36 and all(line.endswith(clean) for line in lines if line not in per_assignment), result.stdout
+    assert len(lines) == 38 and all(line.endswith(clean) for line in lines if line not in per_assignment), result.stdout
     assert [line.split()[0].rstrip(",") for line in lines] == ["prefill"] * 4 + ["decode"] * 11 + ["moe"] * 7 \
         + ["merge"] * 2 \
-        + ["indexer"] * 5 + ["fp8_gemm"] * 2 + ["decode_topk"] * 5
+        + ["indexer"] * 7 + ["fp8_gemm"] * 2 + ["decode_topk"] * 5
     assert sum("MODEL1" in line for line in lines) == 4
     assert all("setmaxnreg [" in line for line in lines)
