@@ -508,8 +508,10 @@ def _checked_launch_shape(q, weights, cache, block_table, limit, n_keys, out, co
     sm_90 kernel's), n_keys)."""
     fp8, geometry, n_keys = _check_scores_inputs(q, weights, cache, block_table, limit, n_keys, out)
     check_config(config, IndexerConfig)
+    key_rows = geometry.num_blocks * INDEX_KEY_BYTES * geometry.block_size // INDEX_KEY_DIM if fp8 else \
+        q.shape[0] * block_table.shape[1] * geometry.block_size
     if config is None and block_table.shape[1] > 0 and indexer_scores_sm90.takes(
-            q.shape[2], q.shape[3], geometry.block_size, q.shape[1], q.device):
+            q.shape[2], q.shape[3], geometry.block_size, key_rows, q.shape[1], q.device):
         return fp8, geometry, None, n_keys
     return fp8, geometry, config or paged_config(q.shape[1], q.shape[2], q.shape[3], fp8), n_keys
 

@@ -31,6 +31,10 @@ from ._common import INTERPRET, is_sm90
 HEADS = 64                  # index heads (V3.2): a query row is 64 of the MMA's N columns
 BLOCK_S = 64                # keys a tile: one page
 ROWS = 4                    # query rows a program: N = 256, 128 a warpgroup
+# Key tiles in flight: a stage is refilled once the tile after it has been multiplied, so STAGES - 2 tiles of
+# lead. Exact: 3 (q's two parts take 128 KB; three stages of both key parts, 96 KB, fill sm_90's 227 KB).
+FP8_STAGES, EXACT_STAGES = 4, 3
+PAIRS = True
 _HEADS = gl.constexpr(HEADS)
 _DIM = gl.constexpr(INDEX_KEY_DIM)
 _BLOCK_S = gl.constexpr(BLOCK_S)
@@ -47,11 +51,14 @@ KEY_L = gl.constexpr(gl.SliceLayout(1, OUT_L.value))
 ROW_L = gl.constexpr(gl.SliceLayout(0, OUT_L.value))
 
 
-def takes(n_heads: int, head_dim: int, block_size: int, n_queries: int, device: torch.device) -> bool:
+def takes(n_heads: int, head_dim: int, block_size: int, key_rows: int, n_queries: int, device: torch.device) -> bool:
     """Whether paged_indexer_scores runs here: 64 heads of 128, pages of 64, a prefill chunk (at least
-    lightning_indexer.PRESPLIT_MIN_QUERIES rows, so that exact keys come split), on sm_90."""
+    lightning_indexer.PRESPLIT_MIN_QUERIES rows, so that exact keys come split), key_rows (b x table width x 64
+    split exact keys, num_blocks x 66 rows of 128 bytes for the fp8 cache) within TMA's int32 coordinates, on
+    sm_90."""
     return not INTERPRET and n_heads == HEADS and head_dim == INDEX_KEY_DIM and block_size == BLOCK_S \
-        and n_queries >= lightning_indexer.PRESPLIT_MIN_QUERIES and device.type == "cuda" and is_sm90(device)
+        and key_rows < 2**31 and n_queries >= lightning_indexer.PRESPLIT_MIN_QUERIES and device.type == "cuda" \
+        and is_sm90(device)
 
 
 @gluon.jit
@@ -99,23 +106,57 @@ def _tile_logits(k_smem, k_lo_smem, q_smem, q_lo_smem, stage, FP8: gl.constexpr)
 
 
 @gluon.jit
-def _store_tile(logits, w, page, scale_ptr, out_rows, stride_os, last_key, t_mask, tile, chunk_start, chunk_end,
+def _key_scales(scale_ptr, page, FP8: gl.constexpr):
+    """fp8: the [64] scales of a page's keys (0 for no page); exact: page itself (no scales)."""
+    if FP8:
+        offs = gl.arange(0, _BLOCK_S, KEY_L)
+        return gl.load(scale_ptr + page.to(gl.int64) * _PAGE_WORDS + _BLOCK_S * _DIM // 4 + offs,
+                       mask=(offs >= 0) & (page >= 0), other=0.0)
+    else:
+        return page
+
+
+@gluon.jit
+def _store_tile(logits, w, page, scale, out_rows, stride_os, last_key, t_mask, tile, chunk_start, chunk_end,
                 FP8: gl.constexpr):
     """relu, head weights and head sum of one tile's logits, its keys' scales (fp8), the causal and page
     masks, stored."""
     weighted = gl.maximum(logits, 0.0) * w[None, :]
-    sums = gl.sum(gl.reshape(weighted, [_BLOCK_S, _ROWS, _HEADS]), axis=2)
-    scores = gl.convert_layout(sums, OUT_L)
-    offs = gl.arange(0, _BLOCK_S, KEY_L)
-    keys = chunk_start + tile * _BLOCK_S + offs
+    scores = gl.convert_layout(gl.sum(gl.reshape(weighted, [_BLOCK_S, _ROWS, _HEADS]), axis=2), OUT_L)
     if FP8:
         # relu(q . k s) = s relu(q . k) for the key's positive scale s.
-        scale = gl.load(scale_ptr + page.to(gl.int64) * _PAGE_WORDS + _BLOCK_S * _DIM // 4
-                        + offs, mask=(offs >= 0) & (page >= 0), other=0.0)
         scores = scores * scale[:, None]
+    keys = chunk_start + tile * _BLOCK_S + gl.arange(0, _BLOCK_S, KEY_L)
     scores = gl.where((page >= 0) & (keys[:, None] <= last_key[None, :]), scores, float("-inf"))
     gl.store(out_rows[None, :] + keys.to(gl.int64)[:, None] * stride_os, scores,
              mask=(keys < chunk_end)[:, None] & t_mask[None, :])
+
+
+@gluon.jit
+def _step(i, logits, page, scale, next_page, smem, k_desc, k_lo_desc, tiles, w, scale_ptr, out_rows, stride_os,
+          last_key, t_mask, FP8: gl.constexpr, STAGES: gl.constexpr):
+    """Tile i's epilogue beside tile i + 1's products (past the last tile: on a stale stage, unused; and past
+    n_computed, tile i stores nothing), then tile i's stage refilled STAGES tiles ahead. logits, page, scale:
+    tile i's; next_page: tile i + 1's. Returns tile i + 1's logits, page and scales, and tile i + 2's page."""
+    q_smem, q_lo_smem, k_smem, k_lo_smem, ready = smem
+    table_row, n_computed, chunk_start, chunk_end, max_blocks, num_blocks, batch_row0, oob_row = tiles
+    refill_page = _page(table_row, i + STAGES, n_computed, chunk_start, max_blocks, num_blocks)
+    later_page = _page(table_row, i + 2, n_computed, chunk_start, max_blocks, num_blocks)
+    next_scale = _key_scales(scale_ptr, next_page, FP8)
+    next_stage = (i + 1) % STAGES
+    mbarrier.wait(ready.index(next_stage), ((i + 1) // STAGES) & 1, pred=i + 1 < n_computed)
+    following = _tile_logits(k_smem, k_lo_smem, q_smem, q_lo_smem, next_stage, FP8)
+    # A wait that leaves the products just issued in flight, through which tile i's logits pass: it keeps the
+    # epilogue below after their issue.
+    logits = warpgroup_mma_wait(1, deps=(logits,))
+    _store_tile(logits, w, page, scale, out_rows, stride_os, last_key, t_mask & (i < n_computed), i, chunk_start,
+                chunk_end, FP8)
+    following = warpgroup_mma_wait(0, deps=(following,))
+    # Both warpgroups are done with tile i's stage: refill it STAGES tiles ahead.
+    gl.thread_barrier()
+    _load_tile(k_desc, k_lo_desc, k_smem, k_lo_smem, ready, refill_page, i + STAGES, n_computed, chunk_start,
+               batch_row0, oob_row, FP8, STAGES)
+    return following, next_page, next_scale, later_page
 
 
 @gluon.jit
@@ -123,7 +164,7 @@ def _paged_scores_sm90_kernel(
     q_desc, q_lo_desc, k_desc, k_lo_desc, w_ptr, scale_ptr, table_ptr, limit_ptr, out_ptr,
     n_queries, n_keys, n_t_tiles, n_chunks, tiles_per_chunk, num_blocks, max_blocks, oob_row,
     stride_wb, stride_wt, stride_wh, stride_tb, stride_lb, stride_lt, stride_ob, stride_ot, stride_os,
-    FP8: gl.constexpr, STAGES: gl.constexpr,
+    FP8: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr,
 ):
     # Program (batch, query tile, key chunk): the chunks of a query tile adjacent, query tiles last-first
     # (under a causal limit the last rows have the most keys), as _indexer_tiles.program_tile.
@@ -179,25 +220,26 @@ def _paged_scores_sm90_kernel(
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(ready.index(0), 0)
         logits = warpgroup_mma_wait(0, deps=(_tile_logits(k_smem, k_lo_smem, q_smem, q_lo_smem, 0, FP8),))
+        # Loop-carried: tile i's page and key scales, tile i + 1's page; each loaded a tile ahead of its use.
         page = _page(table_row, 0, n_computed, chunk_start, max_blocks, num_blocks)
-        for i in range(n_computed):
-            # Tile i + 1's products run while tile i's epilogue does (past the last tile: on a stale stage,
-            # unused).
-            next_stage = (i + 1) % STAGES
-            mbarrier.wait(ready.index(next_stage), ((i + 1) // STAGES) & 1, pred=i + 1 < n_computed)
-            following = _tile_logits(k_smem, k_lo_smem, q_smem, q_lo_smem, next_stage, FP8)
-            # A wait that leaves the products just issued in flight, through which tile i's logits pass: it keeps
-            # the epilogue below after their issue.
-            logits = warpgroup_mma_wait(1, deps=(logits,))
-            _store_tile(logits, w, page, scale_ptr, out_rows, stride_os, last_key, t_mask, i, chunk_start, chunk_end,
-                        FP8)
-            logits = warpgroup_mma_wait(0, deps=(following,))
-            # Both warpgroups are done with tile i's stage: refill it STAGES tiles ahead.
-            gl.thread_barrier()
-            _load_tile(k_desc, k_lo_desc, k_smem, k_lo_smem, ready,
-                       _page(table_row, i + STAGES, n_computed, chunk_start, max_blocks, num_blocks), i + STAGES,
-                       n_computed, chunk_start, batch_row0, oob_row, FP8, STAGES)
-            page = _page(table_row, i + 1, n_computed, chunk_start, max_blocks, num_blocks)
+        scale = _key_scales(scale_ptr, page, FP8)
+        next_page = _page(table_row, 1, n_computed, chunk_start, max_blocks, num_blocks)
+        smem = (q_smem, q_lo_smem, k_smem, k_lo_smem, ready)
+        tiles = (table_row, n_computed, chunk_start, chunk_end, max_blocks, num_blocks, batch_row0, oob_row)
+        if PAIRS:
+            # Two tiles an iteration, so that the two accumulators' registers alternate without copies.
+            for i in range(0, n_computed, 2):
+                following, page, scale, next_page = _step(
+                    i, logits, page, scale, next_page, smem, k_desc, k_lo_desc, tiles, w, scale_ptr, out_rows,
+                    stride_os, last_key, t_mask, FP8, STAGES)
+                logits, page, scale, next_page = _step(
+                    i + 1, following, page, scale, next_page, smem, k_desc, k_lo_desc, tiles, w, scale_ptr, out_rows,
+                    stride_os, last_key, t_mask, FP8, STAGES)
+        else:
+            for i in range(n_computed):
+                logits, page, scale, next_page = _step(
+                    i, logits, page, scale, next_page, smem, k_desc, k_lo_desc, tiles, w, scale_ptr, out_rows,
+                    stride_os, last_key, t_mask, FP8, STAGES)
         for i in gl.static_range(STAGES + 1):
             mbarrier.invalidate(ready.index(i))
 
@@ -226,13 +268,13 @@ def paged_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
         # A page of 64 tokens is 66 rows of 128 bytes: the values' 64, then the scales'.
         rows = keys.view(torch.float8_e4m3fn).view(-1, INDEX_KEY_DIM)
         key_parts = (rows, rows)
-        oob_row, stages = rows.shape[0], 4
+        oob_row, stages = rows.shape[0], FP8_STAGES
         scales = keys.view(torch.float32)
     else:
         q_parts = lightning_indexer.split_bf16_parts(q_rows)
         num_blocks = keys.shape[0]
         key_parts = (keys.view(-1, INDEX_KEY_DIM), keys_lo.view(-1, INDEX_KEY_DIM))
-        oob_row, stages = key_parts[0].shape[0], 2
+        oob_row, stages = key_parts[0].shape[0], EXACT_STAGES
         scales = weights   # (unread)
     dtype = gl.float8e4nv if fp8 else gl.bfloat16
     q_layout = gl.NVMMASharedLayout.get_default_for([ROWS * HEADS, INDEX_KEY_DIM], dtype)
@@ -243,4 +285,4 @@ def paged_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
         *q_descs, *k_descs, weights, scales, table, limit, out,
         n_queries, n_keys, n_t_tiles, n_chunks, tiles_per_chunk, num_blocks, table.shape[1], oob_row,
         *weights.stride(), table.stride(0), *limit.stride(), *out.stride(),
-        FP8=fp8, STAGES=stages, num_warps=8)
+        FP8=fp8, STAGES=stages, PAIRS=PAIRS, num_warps=8)

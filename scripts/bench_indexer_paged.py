@@ -253,7 +253,7 @@ def main():
 
         name = f"prefill chunk t {CHUNK_T} / {CHUNK_KEYS} keys"
         default_text = f"{default.block_t},{default.block_s},{default.num_warps},{default.num_stages}"
-        sm90 = indexer_scores_sm90.takes(H, D, BLOCK_SIZE, CHUNK_T, q.device)
+        sm90 = indexer_scores_sm90.takes(H, D, BLOCK_SIZE, 1, CHUNK_T, q.device)
         if sm90:
             row(f"{name}: scores, default (sm_90: Gluon, indexer_scores_sm90)", fmt,
                 attempt(lambda: chunk_cell(None, "sm90")))

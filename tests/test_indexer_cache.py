@@ -328,7 +328,7 @@ def test_prefill_chunk_sm90(monkeypatch, fmt):
     37 rows (a partial last query tile), rows limited mid-page, at a page's last key, -1 (all -inf) and past
     the width; a page missing inside a length and one past the cache (their keys NaN, never read); a width
     ending mid-page and past the table; one key chunk a query tile and many."""
-    if not ic.indexer_scores_sm90.takes(64, D, 64, 37, torch.device(DEVICE)):
+    if not ic.indexer_scores_sm90.takes(64, D, 64, 1, 37, torch.device(DEVICE)):
         pytest.skip("not an sm_90 GPU")
     calls, launch = [], ic.indexer_scores_sm90.paged_scores
     monkeypatch.setattr(ic.indexer_scores_sm90, "paged_scores", lambda *args: calls.append(1) or launch(*args))
