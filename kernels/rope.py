@@ -126,7 +126,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
             outside [0, R) (e.g. -1) are skipped. Two tokens with one row leave one of them, unspecified which.
             (The V3.2 indexer's exact keys straight into their cache slots.)
         rotation: keyword-only, optional [D, D] float32 contiguous matrix M: each row's result (after its rope)
-            becomes row · M in fp32 (V3.2's fp8 indexer: its Hadamard rotation, ``hadamard_rotate``'s matrix);
+            becomes row · M in fp32 (V3.2's fp8 indexer: its Hadamard rotation, ``hadamard_matrix``);
             D a power of two, rope_dims / 2 at least 16 and D - rope_dims 0 or at least 16.
         fp8_out: keyword-only, optional (codes of x's shape float8_e4m3fn, scales [..., D / 128] float32), both
             contiguous, with ``rotation`` and without ``scatter``, D a multiple of 128: also written, the stored
