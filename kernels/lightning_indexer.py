@@ -379,6 +379,9 @@ _PRESELECT_MIN_ROWS = 256
 # significant first; scores per step of a pass over the row (the candidate pass's too).
 _RADIX_BITS = 8
 _RADIX_BLOCK = 4096
+# Scores per step of the tau kernel's pass over the row, and maxima per step of its selection (at 4096 ptxas
+# spilled at sm_90a; at 2048: 79 registers, no spills).
+_TAU_BLOCK = 2048
 
 
 @triton.jit
@@ -389,32 +392,48 @@ def _ordered_bits(x):
 
 
 @triton.jit
-def _radix_top(row_scores, values, indices, n_keys, K: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-               INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr, WRITE):
-    """Write the row's K largest scores (value descending, then lower index) as a set into values[0, K),
-    their key indices into indices: 32 / BITS passes that each fix one digit of the K-th largest score's
-    bits (histograms of the entries sharing the digits so far), then one pass that writes every entry
-    above it and the lowest-indexed entries at it. Stores masked by WRITE (a scalar)."""
+def _from_ordered_bits(u):
+    """The float32 whose _ordered_bits are u (uint32)."""
+    return (u ^ tl.where((u >> 31) == 1, 0x80000000, 0xFFFFFFFF).to(tl.uint32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kth_largest_bits(row, n, K, BITS: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                      INTERPRETED_N: tl.constexpr):
+    """(_ordered_bits of the K-th largest of the n float32 values at row, how many values equal to it the K
+    largest take): 32 / BITS passes over the values, each fixing one digit of its bits (histograms of the
+    values sharing the digits so far), most significant first. n >= K."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 1 << BITS)
-    boundary = tl.zeros([], tl.uint32)     # the K-th largest score's bits, digit by digit
-    k_left = tl.full([], K, tl.int32)      # how many of the entries sharing the digits so far it takes
+    boundary = tl.zeros([], tl.uint32)     # the K-th largest value's bits, digit by digit
+    k_left = tl.full([], K, tl.int32)      # how many of the values sharing the digits so far it takes
     for p in tl.static_range(32 // BITS):
         shift = 32 - BITS * (p + 1)
         counts = tl.zeros([1 << BITS], tl.int32)
-        for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, BLOCK):
-            in_row = start + offs < n_keys
-            u = _ordered_bits(tl.load(row_scores + start + offs, mask=in_row, other=0.0))
+        for start in range(0, INTERPRETED_N if INTERPRETED else n, BLOCK):
+            in_row = start + offs < n
+            u = _ordered_bits(tl.load(row + start + offs, mask=in_row, other=0.0))
             if p == 0:
                 match = in_row
             else:
                 match = in_row & ((u >> (shift + BITS)) == (boundary >> (shift + BITS)))
             counts += tl.histogram(((u >> shift) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)
-        # at_least[d]: entries of digit >= d; the K-th largest has the largest digit with at_least >= k_left.
+        # at_least[d]: values of digit >= d; the K-th largest has the largest digit with at_least >= k_left.
         at_least = tl.sum(counts) - tl.cumsum(counts, 0) + counts
         digit = tl.sum((at_least >= k_left).to(tl.int32)) - 1
         k_left -= tl.sum(tl.where(bins > digit, counts, 0))
         boundary = boundary | (digit.to(tl.uint32) << shift)
+    return boundary, k_left
+
+
+@triton.jit
+def _radix_top(row_scores, values, indices, n_keys, K: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+               INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr, WRITE):
+    """Write the row's K largest scores (value descending, then lower index) as a set into values[0, K),
+    their key indices into indices: the K-th largest score's bits (_kth_largest_bits), then one pass that
+    writes every entry above it and the lowest-indexed entries at it. Stores masked by WRITE (a scalar)."""
+    offs = tl.arange(0, BLOCK)
+    boundary, k_left = _kth_largest_bits(row_scores, n_keys, K, BITS, BLOCK, INTERPRETED, INTERPRETED_KEYS)
     n_above = K - k_left
     seen_above = tl.zeros([], tl.int32)
     seen_at = tl.zeros([], tl.int32)
@@ -432,6 +451,27 @@ def _radix_top(row_scores, values, indices, n_keys, K: tl.constexpr, BITS: tl.co
         tl.store(indices + position, cols, mask=take)
         seen_above += tl.sum(above.to(tl.int32))
         seen_at += tl.sum(at.to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["n_keys", "n_groups", "stride_scores"])
+def _tau_kernel(scores_ptr, maxima_ptr, tau_ptr, n_keys, n_groups, stride_scores, K: tl.constexpr,
+                GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                INTERPRETED_KEYS: tl.constexpr, INTERPRETED_GROUPS: tl.constexpr):
+    # One row: the maximum of each group of GROUP consecutive scores (the last group: those left) into the
+    # row's maxima, then tau, the K-th largest of them.
+    row = tl.program_id(0).to(tl.int64)
+    row_scores = scores_ptr + row * stride_scores
+    row_maxima = maxima_ptr + row * n_groups
+    groups = tl.arange(0, BLOCK // GROUP)
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, BLOCK):
+        g = start // GROUP + groups
+        cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        x = tl.load(row_scores + cols, mask=cols < n_keys, other=float("-inf"))
+        tl.store(row_maxima + g, tl.max(x, axis=1), mask=g < n_groups)
+    # (The maxima, written by all of the program's threads, are read by all of them.)
+    tl.debug_barrier()
+    boundary, _ = _kth_largest_bits(row_maxima, n_groups, K, BITS, BLOCK, INTERPRETED, INTERPRETED_GROUPS)
+    tl.store(tau_ptr + row, _from_ordered_bits(boundary))
 
 
 @triton.jit(do_not_specialize=["n_keys", "stride_scores", "stride_candidates"])
@@ -489,22 +529,33 @@ def _overflow_kernel(scores_ptr, values_ptr, indices_ptr, counts_ptr, n_keys, st
     _pad_candidates(values, indices, K, n_keys, CAPACITY, BLOCK, overflow)
 
 
+def _tau(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """tau [R] float32 of float32 [R, S] rows (unit stride, S >= _GROUP * k): the k-th largest maximum of groups
+    of _GROUP consecutive scores (the last group: those left). One launch of a program a row, which reads
+    the row once and its maxima (a [R, S / _GROUP] scratch) 32 / _RADIX_BITS times."""
+    n_rows, n_keys = rows.shape
+    n_groups = cdiv(n_keys, _GROUP)
+    maxima = torch.empty((n_rows, n_groups), dtype=torch.float32, device=rows.device)
+    tau = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
+    _tau_kernel[(n_rows,)](
+        rows, maxima, tau, n_keys, n_groups, rows.stride(0), K=k, GROUP=_GROUP, BITS=_RADIX_BITS, BLOCK=_TAU_BLOCK,
+        INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
+        INTERPRETED_GROUPS=n_groups if INTERPRET else 0, num_warps=8)
+    return tau
+
+
 def _preselect(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates of float32 [R, S] rows (unit stride, S >= _GROUP * k) for their stable top-k (module
     comment above _GROUP): (values [R, C] float32, key indices [R, C] int32), C = _CANDIDATES_PER_SELECTED
     * k: the scores >= tau in key order, or the k largest where more than C are, then -inf entries of
-    index S. A torch group maximum and top-k over S / _GROUP maxima, then two launches of a program a
-    row: the candidates, and the radix selection of the rows that had more (others return at once)."""
+    index S. Three launches of a program a row: tau (the group maxima, then their k-th largest), the
+    candidates, and the radix selection of the rows that had more (others return at once)."""
     n_rows, n_keys = rows.shape
-    full = n_keys - n_keys % _GROUP
-    maxima = rows[:, :full].view(n_rows, -1, _GROUP).amax(-1)
-    if full < n_keys:
-        maxima = torch.cat([maxima, rows[:, full:].amax(-1, keepdim=True)], -1)
-    tau = torch.topk(maxima, k, dim=-1, sorted=False).values.amin(-1)
     capacity = _CANDIDATES_PER_SELECTED * k
     values = torch.empty((n_rows, capacity), dtype=torch.float32, device=rows.device)
     indices = torch.empty((n_rows, capacity), dtype=torch.int32, device=rows.device)
     counts = torch.empty(n_rows, dtype=torch.int32, device=rows.device)
+    tau = _tau(rows, k)
     interpreted = dict(INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0)
     _candidates_kernel[(n_rows,)](
         rows, tau, values, indices, counts, n_keys, rows.stride(0), values.stride(0),

@@ -1,7 +1,7 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
 few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and per-assignment decode products,
 the decode's split merge, fp8_gemm's weight-streaming kernel, the indexer's scores kernels (paged, Triton and
-the Gluon prefill chunk's, and V4's CSA decode) and decode_topk's kernels for sm_90a on this machine (no GPU needed) and report each warp
+the Gluon prefill chunk's, and V4's CSA decode), decode_topk's kernels and indexer_topk's candidate kernels for sm_90a on this machine (no GPU needed) and report each warp
 partition's register budget and each kernel's spill instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
@@ -280,6 +280,22 @@ def recorded_topk_launches():
     return [(f"{name} {i + 1}", kernels[name], *call) for name in names for i, call in enumerate(recorders[name].calls)]
 
 
+def recorded_preselect_launches():
+    """[(name, kernel, args, kwargs)]: indexer_topk's candidate launches (tau, candidates, overflow) for a
+    prefill chunk, 2048 rows of 131072 scores, top 2048."""
+    names = ("_tau_kernel", "_candidates_kernel", "_overflow_kernel")
+    kernels = {name: getattr(lightning_indexer, name) for name in names}
+    recorders = {name: Recorder() for name in names}
+    for name in names:
+        setattr(lightning_indexer, name, recorders[name])
+    try:
+        lightning_indexer._preselect(torch.empty((2048, 131072)), 2048)
+    finally:
+        for name in names:
+            setattr(lightning_indexer, name, kernels[name])
+    return [(name, kernels[name], *recorders[name].calls[0]) for name in names]
+
+
 def compile_for_sm90(kernel, args, kwargs):
     """The JIT's own path from arguments to a compiled kernel, for TARGET instead of the local device."""
     backend = make_backend(TARGET)
@@ -350,6 +366,8 @@ def main() -> int:
         failing |= report(name, kernel, args, kwargs, narrow_allowed=True)
     for name, kernel, args, kwargs in recorded_topk_launches():
         failing |= report(f"decode_topk {name}, 16 rows of 163840, top 2048", kernel, args, kwargs)
+    for name, kernel, args, kwargs in recorded_preselect_launches():
+        failing |= report(f"indexer_topk {name}, 2048 rows of 131072, top 2048", kernel, args, kwargs)
     return 1 if failing else 0
 
 

@@ -397,6 +397,33 @@ def test_candidates_hold_the_top_set(monkeypatch, per_selected):
     assert overflowed > 0 if per_selected == 1 else overflowed == 0
 
 
+@pytest.mark.parametrize("group, block", [(4, 128), (16, 2048)])
+def test_tau_is_the_kth_largest_group_maximum(monkeypatch, group, block):
+    """tau of each row against torch's k-th largest of the group maxima (the last group short), its maxima
+    scratch poisoned (NaN): rows of random scores, +-0.0 at the boundary, -inf masks leaving fewer than k
+    finite groups (tau -inf), one value throughout, a large-magnitude row, and a row whose finite scores
+    are all in the short last group."""
+    gen = torch.Generator(DEVICE).manual_seed(37)
+    n_rows, topk = 7, 70
+    n_keys = 2 * group * topk + group // 2 + 1    # a short last group; with group 4, two steps of maxima
+    scores = torch.randn((n_rows, n_keys), generator=gen, device=DEVICE)
+    scores[1] = torch.where(scores[1] > -0.3, torch.where(scores[1] > 0, 0.0, -0.0), scores[1])
+    scores[2, group * (topk - 1):] = -math.inf
+    scores[3] = 2.5
+    scores[4] *= 1e30
+    scores[5, :] = -math.inf
+    scores[5, -1] = 7.0
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(math.nan))
+    for name, value in (("_GROUP", group), ("_TAU_BLOCK", block)):
+        monkeypatch.setattr(li, name, value)
+    got = li._tau(scores, topk)
+    padded = torch.nn.functional.pad(scores, (0, -n_keys % group), value=-math.inf)
+    want = torch.topk(padded.view(n_rows, -1, group).amax(-1), topk).values[:, -1]
+    assert torch.equal(got, want), (got, want)
+    assert torch.isneginf(got[2]) and torch.isneginf(got[5]) and got[3] == 2.5
+
+
 def test_topk_takes_candidates_for_many_wide_rows(monkeypatch):
     """indexer_topk of _PRESELECT_MIN_ROWS rows or more of _PRESELECT_MIN_GROUPS_PER_SELECTED * _GROUP *
     topk scores or more (a prefill chunk over a long context) selects over candidates, fewer rows or
