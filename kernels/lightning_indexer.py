@@ -487,9 +487,12 @@ def _candidates_kernel(scores_ptr, tau_ptr, values_ptr, indices_ptr, counts_ptr,
     tau = tl.load(tau_ptr + row)
     offs = tl.arange(0, BLOCK)
     n_taken = tl.zeros([], tl.int32)
+    # Each step's scores load during the step before (the loop's running count serialises the steps).
+    x_next = tl.load(row_scores + offs, mask=offs < n_keys, other=0.0)
     for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, BLOCK):
         cols = start + offs
-        x = tl.load(row_scores + cols, mask=cols < n_keys, other=0.0)
+        x = x_next
+        x_next = tl.load(row_scores + BLOCK + cols, mask=BLOCK + cols < n_keys, other=0.0)
         take = (cols < n_keys) & (x >= tau)
         position = n_taken + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(values + position, x, mask=take & (position < CAPACITY))
