@@ -379,9 +379,10 @@ _PRESELECT_MIN_ROWS = 256
 # significant first; scores per step of a pass over the row (the candidate pass's too).
 _RADIX_BITS = 8
 _RADIX_BLOCK = 4096
-# Scores per step of the tau kernel's pass over the row, and maxima per step of its selection (at 4096 ptxas
-# spilled at sm_90a; at 2048: 79 registers, no spills).
-_TAU_BLOCK = 2048
+# Scores per step of the tau kernel's pass over the row, and maxima per step of its selection, and its warps.
+# On an H100, 2048 rows of 131072 scores: 0.76 ms at (2048, 8), the launch the tests and the long prefill ran;
+# 0.69 at (4096, 4) (0.06 ms a chunk, ~0.1% of a long prefill), 0.90 at (2048, 16); (4096, 8) spilled at sm_90a.
+_TAU_BLOCK, _TAU_WARPS = 2048, 8
 
 
 @triton.jit
@@ -543,7 +544,7 @@ def _tau(rows: torch.Tensor, k: int) -> torch.Tensor:
     _tau_kernel[(n_rows,)](
         rows, maxima, tau, n_keys, n_groups, rows.stride(0), K=k, GROUP=_GROUP, BITS=_RADIX_BITS, BLOCK=_TAU_BLOCK,
         INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
-        INTERPRETED_GROUPS=n_groups if INTERPRET else 0, num_warps=8)
+        INTERPRETED_GROUPS=n_groups if INTERPRET else 0, num_warps=_TAU_WARPS)
     return tau
 
 
