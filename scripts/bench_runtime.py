@@ -77,7 +77,7 @@ GIB = 2**30
 # CUTLASS and torch's own kernels by theirs).
 PARTS = {
     "indexer": ("indexer", "_paged_scores", "_write_index_keys", "topk", "_boundary_ties", "radix", "sort",
-                "bitonic"),
+                "bitonic", "_tau_kernel", "_candidates_kernel", "_overflow_kernel"),
     "attention": ("sparse_mla", "_sparse_decode"),
     "linear": ("gemm", "cutlass", "fp8_gemm", "quantize_act", "mla_head_proj", "nvjet", "sm90_xmma", "cublas"),
 }
