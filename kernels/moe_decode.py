@@ -9,26 +9,24 @@ Over every (token, slot) assignment t * top_k + j of the batch:
    helper), then silu(g) * u (V4's clamp optional) stored in float32, [T * top_k, I];
 2. down: rows [r, r + ROWS) of W2[e] against that row of h, quantised per 128 columns (as the
    grouped GEMM's epilogue quantises it: the same helper on the same float32 values), to bf16 y
-   [T * top_k, D];
-3. combine, in the down launch: the last of a token's programs of a column block to finish (arrival
-   counters) adds the token's slots' y there, weighted, in slot order (moe_experts' combine's sums).
+   [T * top_k, D], and each slot's y row (-1 if skipped) for moe_experts' combine.
 
 A shared expert (V4's, one fp8 expert) may join both launches: its T rows of h and y come first, its
-programs before the assignments'. The launches use programmatic dependent launch: each kernel may start
-while the one before ends, and waits for its inputs first.
+programs before the assignments'. The launches (and moe_experts' combine after them) use programmatic
+dependent launch: each kernel may start while the one before ends, and waits for its inputs first.
 
 fp8 weights (V3.2): FMAs in float32 (no tensor cores: a product has one token), the activations
 quantised in the program; each k block of 128 inputs summed in float32 and scaled by its activation
-scale and its 128 x 128 weight block scale. fp4 weights (V4): on fp8 tensor cores (_dot_rows_tc):
-the activations are quantised into block-diagonal e4m3 operands (_store_fp4_operand; x by a launch
-before gate/up, each 128-column block of h by the last gate/up program of the block to finish), the
-weights' e2m1 codes become e4m3 in registers (four bytes per 7 integer instructions), and one
-[rows, 256] x [256, 16] product gives each row's sums of 16 groups of 32 inputs at once, each scaled
-by 2^6 x its e8m0 scale and its activation scale. The products are exact either way and only the order
-(and, fp4, the tensor cores' accumulation) of the sums differs from the grouped GEMMs: results agree
-with them to float32 rounding (a bf16 ulp now and then). An assignment whose expert id is outside
-[0, E) does nothing: its weights are never read and its rows of h and y are left unwritten (the
-combine skips them).
+scale and its 128 x 128 weight block scale. fp4 weights (V4): on fp8 tensor cores (_dot_rows_fp4):
+a launch before each product quantises its activations (x per token, h per slot) into block-diagonal
+e4m3 operands (_fp4_operand_kernel), the weights' e2m1 codes become e4m3 in registers (four bytes
+per 7 integer instructions), and one [rows, 256] x [256, 16] product gives each row's sums of 16
+groups of 32 inputs at once, each scaled by 2^6 x its e8m0 scale and its activation scale. The
+products are exact either way and only the order (and, fp4, the tensor cores' accumulation) of the
+sums differs from the grouped GEMMs: results agree with them to float32 rounding (a bf16 ulp now
+and then). An assignment whose expert id is outside [0, E) does nothing: its weights are never read
+and its rows of h and y are left unwritten (the combine skips them; fp4: its h operand row is
+computed from those unwritten values and never read).
 """
 from __future__ import annotations
 
@@ -38,7 +36,7 @@ import triton.language as tl
 
 from minirt.formats import FP8_GROUP
 
-from ._common import INTERPRET, arrival_counters, flat_of, swiglu, wait_for_inputs
+from ._common import INTERPRET, flat_of, swiglu, wait_for_inputs
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows, pow2_scale
 
 _BLOCK_K = tl.constexpr(FP8_GROUP)
@@ -116,55 +114,31 @@ def _e2m1_pairs_as_e4m3(packed, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _store_fp4_operand(a, out_ptr, scale_ptr, first_block, NB: tl.constexpr, KB: tl.constexpr):
-    """Blocks [first_block, first_block + NB) of a chunk of KB * 128 inputs (a: their float32 values [NB * 128])
-    quantised per 128 (the fp8 path's rule) into their columns of the chunk's two block-diagonal e4m3 operands:
-    out_ptr [2, 16, CHUNK / 2] uint8, even inputs then odd ones, column g holding group g's codes in rows
-    16g .. 16g + 15 and zero elsewhere; scale_ptr [16] float32, each column's activation scale. The chunk's first
-    block also zeroes the columns past its groups (codes and scales: the products read them)."""
-    HALF: tl.constexpr = KB * _BLOCK_K // 2         # rows of a column
-    SPAN: tl.constexpr = NB * _BLOCK_K // 2         # the rows these blocks' groups fill
-    COLUMNS: tl.constexpr = NB * (_BLOCK_K // _FP4_GROUP)
-    a_even, a_odd = tl.split(tl.reshape(a, (SPAN, 2)))
-    a_even = tl.reshape(a_even, (NB, _BLOCK_K // 2))
-    a_odd = tl.reshape(a_odd, (NB, _BLOCK_K // 2))
-    a_scale, a_inv = pow2_scale(tl.maximum(tl.max(tl.abs(a_even), 1), tl.max(tl.abs(a_odd), 1)),
-                                _ACT_MIN_EXPONENT)
-    column = first_block * (_BLOCK_K // _FP4_GROUP) + tl.arange(0, COLUMNS)
-    filled = first_block * (_BLOCK_K // 2) + tl.arange(0, SPAN)
-    in_column = (filled // (_FP4_GROUP // 2))[None, :] == column[:, None]
-    rows = tl.arange(0, HALF)
-    outside = ((rows < first_block * (_BLOCK_K // 2)) | (rows >= first_block * (_BLOCK_K // 2) + SPAN))[None, :] \
-        & (column >= 0)[:, None]
-    for parity in tl.static_range(2):
-        codes = tl.reshape(e4m3_bits((a_odd if parity else a_even) * a_inv[:, None]), (SPAN,))
-        out = out_ptr + parity * (_FP4_COLUMNS * HALF) + column[:, None] * HALF
-        tl.store(out + filled[None, :], tl.where(in_column, codes[None, :], 0).to(tl.uint8))
-        tl.store(out + rows[None, :], tl.zeros((COLUMNS, HALF), dtype=tl.uint8), mask=outside)
-    tl.store(scale_ptr + column, tl.sum(tl.where((tl.arange(0, COLUMNS) // (_BLOCK_K // _FP4_GROUP))[None, :]
-                                                 == tl.arange(0, NB)[:, None], a_scale[:, None], 0.0), 0))
-    if KB * (_BLOCK_K // _FP4_GROUP) < _FP4_COLUMNS:
-        if first_block == 0:
-            pad = tl.arange(0, _FP4_COLUMNS)
-            past = pad >= KB * (_BLOCK_K // _FP4_GROUP)
-            for parity in tl.static_range(2):
-                tl.store(out_ptr + parity * (_FP4_COLUMNS * HALF) + pad[:, None] * HALF + rows[None, :],
-                         tl.zeros((_FP4_COLUMNS, HALF), dtype=tl.uint8), mask=past[:, None])
-            tl.store(scale_ptr + pad, 0.0, mask=past)
-
-
-@triton.jit
 def _fp4_operand_kernel(a_ptr, stride_a, out_ptr, scale_ptr, K: tl.constexpr, KB: tl.constexpr):
-    """Program (row, chunk of KB * 128 inputs): the row's activations as the chunk's operands (_store_fp4_operand),
-    stored [rows, chunks, 2, 16, CHUNK / 2] uint8, column scales [rows, chunks, 16]."""
+    """Program (row, chunk of KB * 128 inputs): the row's activations quantised per 128 (the fp8 path's
+    rule) as the chunk's two block-diagonal e4m3 operands, even inputs then odd ones, each stored
+    [16, CHUNK / 2] (column g, rows 16g .. 16g + 15: group g's codes; zero elsewhere and in columns
+    >= CHUNK / 32), and each column's activation scale (0 past the groups)."""
     wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     CHUNK: tl.constexpr = KB * _BLOCK_K
     a = tl.load(a_ptr + row * stride_a + chunk * CHUNK + tl.arange(0, CHUNK)).to(tl.float32)
-    operand = row * (K // CHUNK) + chunk
-    _store_fp4_operand(a, out_ptr + operand * (2 * _FP4_COLUMNS * (CHUNK // 2)), scale_ptr + operand * _FP4_COLUMNS,
-                       0, KB, KB)
+    a_even, a_odd = tl.split(tl.reshape(a, (CHUNK // 2, 2)))
+    a_even = tl.reshape(a_even, (KB, _BLOCK_K // 2))
+    a_odd = tl.reshape(a_odd, (KB, _BLOCK_K // 2))
+    a_scale, a_inv = pow2_scale(tl.maximum(tl.max(tl.abs(a_even), 1), tl.max(tl.abs(a_odd), 1)),
+                                _ACT_MIN_EXPONENT)
+    column = tl.arange(0, _FP4_COLUMNS)
+    in_column = (tl.arange(0, CHUNK // 2) // (_FP4_GROUP // 2))[None, :] == column[:, None]
+    out = out_ptr + (row * (K // CHUNK) + chunk) * (2 * _FP4_COLUMNS * (CHUNK // 2)) \
+        + column[:, None] * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, :]
+    for parity in tl.static_range(2):
+        codes = tl.reshape(e4m3_bits((a_odd if parity else a_even) * a_inv[:, None]), (CHUNK // 2,))
+        tl.store(out + parity * (_FP4_COLUMNS * (CHUNK // 2)), tl.where(in_column, codes[None, :], 0).to(tl.uint8))
+    column_scale = tl.sum(tl.where(column[None, :] // (_BLOCK_K // _FP4_GROUP) == tl.arange(0, KB)[:, None],
+                                   a_scale[:, None], 0.0), 0)
+    tl.store(scale_ptr + (row * (K // CHUNK) + chunk) * _FP4_COLUMNS + column, column_scale)
 
 
 @triton.jit
@@ -250,12 +224,11 @@ def _swiglu_rows(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, first_row, col, h_ptr, 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shared_ptr, shared_scale_ptr, h_ptr,
-                    h_operand_ptr, h_scale_ptr, arrivals_ptr, limit, n_shared, E: tl.constexpr, D: tl.constexpr,
-                    I: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr, KB: tl.constexpr, KB_DOWN: tl.constexpr,
-                    FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
+                    limit, n_shared, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                    ROWS: tl.constexpr, KB: tl.constexpr, FP4: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                    HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
     # Program (row r of h, block of ROWS columns): rows r < n_shared (HAS_SHARED) the shared expert on token r
-    # (first: its programs read the most), then assignment r - n_shared. fp4: the last of a 128-column block's
-    # programs to finish turns the block into the down product's operands.
+    # (first: its programs read the most), then assignment r - n_shared.
     wait_for_inputs()
     r = tl.program_id(0)
     col = tl.program_id(1) * ROWS
@@ -265,61 +238,22 @@ def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, 
         token = r.to(tl.int64)
         _swiglu_rows(x_ptr + token * stride_xt, x_scale_ptr + token * x_scales, shared_ptr, shared_scale_ptr, 0, col,
                      h_row, limit, D, I, ROWS, KB, FP4, False, HAS_LIMIT, INTERPRETED)
-        stored = r < n_shared
     else:
         slot = r - n_shared
         expert = tl.load(ids_ptr + slot)
-        stored = (expert >= 0) & (expert < E)
-        if stored:
+        if (expert >= 0) & (expert < E):
             token = (slot // TOP_K).to(tl.int64)
             _swiglu_rows(x_ptr + token * stride_xt, x_scale_ptr + token * x_scales, w_ptr, w_scale_ptr,
                          expert.to(tl.int64) * (2 * I), col, h_row, limit, D, I, ROWS, KB, FP4, FP4, HAS_LIMIT,
                          INTERPRETED)
-    if FP4:
-        if stored:
-            # All threads' stores precede the (acq_rel, gpu scope) count, one atomic per program.
-            tl.debug_barrier()
-            block = col // _BLOCK_K
-            counter = arrivals_ptr + r * (I // _BLOCK_K) + block
-            if tl.atomic_add(counter, 1) == _BLOCK_K // ROWS - 1:
-                CHUNK: tl.constexpr = KB_DOWN * _BLOCK_K
-                operand = r.to(tl.int64) * (I // CHUNK) + block // KB_DOWN
-                # .cg: the other programs' h values from L2, never a stale L1 line.
-                h = tl.load(h_row + block * _BLOCK_K + tl.arange(0, _BLOCK_K), cache_modifier=".cg")
-                _store_fp4_operand(h, h_operand_ptr + operand * (2 * _FP4_COLUMNS * (CHUNK // 2)),
-                                   h_scale_ptr + operand * _FP4_COLUMNS, block % KB_DOWN, 1, KB_DOWN)
-                tl.store(counter, 0)
-
-
-@triton.jit
-def weighted_rows(y_ptr, row_of_slot_ptr, weights_ptr, shared_ptr, tokens, token_mask, cols, col_mask,
-                  D: tl.constexpr, TOP_K: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HAS_SHARED: tl.constexpr):
-    """float32 [TOKENS, BLOCK_D]: for each token (int64 [TOKENS]) the weighted sum of its slots' rows of y
-    (bfloat16 [*, D]; row_of_slot: slot t * TOP_K + j's row, -1 skipped), in slot order, then its row of
-    shared_ptr ([T, D] bfloat16, weight 1) with HAS_SHARED; columns cols. Loads .cg: y may have been written by
-    other programs of the same launch."""
-    mask = token_mask[:, None] & col_mask[None, :]
-    acc = tl.zeros((TOKENS, BLOCK_D), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = tl.load(row_of_slot_ptr + tokens * TOP_K + j, mask=token_mask, other=-1, cache_modifier=".cg")
-        weight = tl.load(weights_ptr + tokens * TOP_K + j, mask=token_mask, other=0.0)
-        y = tl.load(y_ptr + row.to(tl.int64)[:, None] * D + cols[None, :], mask=mask & (row >= 0)[:, None],
-                    other=0.0, cache_modifier=".cg")
-        acc += tl.where(row >= 0, weight, 0.0)[:, None] * y.to(tl.float32)
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + tokens[:, None] * D + cols[None, :], mask=mask, cache_modifier=".cg").to(tl.float32)
-    return acc
 
 
 @triton.jit
 def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shared_ptr, shared_scale_ptr, y_ptr,
-                 row_of_slot_ptr, weights_ptr, rows_ptr, out_ptr, stride_ot, arrivals_ptr, n_shared, E: tl.constexpr,
-                 D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr, KB: tl.constexpr,
-                 FP4: tl.constexpr, HAS_SHARED: tl.constexpr, ADDS_ROWS: tl.constexpr, INTERPRETED: tl.constexpr):
+                 row_of_slot_ptr, n_shared, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr,
+                 KB: tl.constexpr, FP4: tl.constexpr, HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
     # Program (row r of h and y, block of ROWS output columns): rows [c, c + ROWS) of the shared expert's W2
-    # (r < n_shared, HAS_SHARED) or of assignment r - n_shared's expert's. The last of a token's programs of
-    # a column block to finish combines its rows there (weighted_rows; plus rows_ptr's row with ADDS_ROWS).
+    # (r < n_shared, HAS_SHARED) or of assignment r - n_shared's expert's.
     wait_for_inputs()
     r = tl.program_id(0)
     col = tl.program_id(1) * ROWS
@@ -330,7 +264,6 @@ def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shar
         y = _dot_rows_of(h_row, h_scales, shared_ptr, shared_scale_ptr, col + tl.arange(0, ROWS).to(tl.int64), I,
                          ROWS, KB, FP4, False, INTERPRETED)
         tl.store(y_row, y.to(tl.bfloat16))
-        token = r
     else:
         slot = r - n_shared
         expert = tl.load(ids_ptr + slot)
@@ -339,43 +272,28 @@ def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shar
             y = _dot_rows_of(h_row, h_scales, w_ptr, w_scale_ptr, expert.to(tl.int64) * D + col + tl.arange(0, ROWS),
                              I, ROWS, KB, FP4, FP4, INTERPRETED)
             tl.store(y_row, y.to(tl.bfloat16))
-        tl.store(row_of_slot_ptr + slot, tl.where(valid, r, -1))    # by every program: any may combine
-        token = slot // TOP_K
-    # All threads' stores precede the (acq_rel, gpu scope) count, one atomic per program.
-    tl.debug_barrier()
-    counter = arrivals_ptr + token * (D // ROWS) + tl.program_id(1)
-    if tl.atomic_add(counter, 1) == TOP_K + HAS_SHARED - 1:
-        tokens = tl.full((1,), token, tl.int64)
-        cols = col + tl.arange(0, ROWS)
-        acc = weighted_rows(y_ptr, row_of_slot_ptr, weights_ptr, rows_ptr, tokens, tokens >= 0, cols, cols < D, D,
-                            TOP_K, 1, ROWS, ADDS_ROWS)
-        tl.store(out_ptr + tokens[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty))
-        tl.store(counter, 0)
+        if tl.program_id(1) == 0:
+            tl.store(row_of_slot_ptr + slot, tl.where(valid, r, -1))
 
 
-def experts_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts,
-                           swiglu_limit: float | None, out: torch.Tensor, shared=None,
-                           shared_rows: torch.Tensor | None = None) -> torch.Tensor:
+def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, experts, swiglu_limit: float | None,
+                               shared=None) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    moe_experts on this path (its inputs already validated): out[t] = the weighted sum of token t's slots' expert
-    outputs (bf16 each, summed in slot order in fp32), plus its shared expert's output.
+    Every assignment's expert output (and the shared expert's), for moe_experts' combine (its inputs already
+    validated).
 
     Args:
         x: [T, D] bfloat16, float16 or float32, unit stride along D.
         expert_ids: [T, top_k] int32 or int64; ids outside [0, E) are skipped.
-        weights: [T, top_k] float32, the combine weights.
         experts: ExpertWeights (fp8 or fp4) of hidden size D.
         swiglu_limit: V4's clamp, or None.
-        out: [T, D] bfloat16, unit stride along D: written, every element.
         shared: None, or an fp8 ExpertWeights of one expert of the same sizes, run on every token in the same
             launches (V4's shared expert: its programs beside the routed ones').
-        shared_rows: None, or [T, D] bfloat16 contiguous added to each token's sum (a shared expert computed
-            apart); not with shared.
 
     Returns:
-        out. Three launches with fp4 experts (x's operands, gate/up, down), two with fp8; the last program of
-        each 128-column block of h writes its operands, the last of a token's column block of y combines.
-        Per-stream arrival counters (_common.arrival_counters), reset by the programs that used them.
+        (y [S + T * top_k, D] bfloat16, S = T with shared else 0: rows [0, S) the shared expert's output per
+        token, row S + t * top_k + j the expert output of slot j of token t, rows of skipped slots unwritten;
+        row_of_slot [T * top_k] int32: the slot's y row, -1 if skipped).
     """
     n_tokens, top_k = expert_ids.shape
     n_shared = n_tokens if shared is not None else 0
@@ -383,8 +301,7 @@ def experts_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, weights: t
     d, i, n_experts = experts.hidden_size, experts.intermediate_size, experts.n_experts
     fp4 = experts.format == "fp4"
     ids = flat_of(expert_ids)
-    adds = shared_rows if shared_rows is not None else out    # (no shared rows: never read)
-    shared = shared if shared is not None else experts        # (no shared expert: never read)
+    shared = shared if shared is not None else experts    # (no shared rows: never read)
 
     def step(k):    # k blocks a step: the largest power of two up to STEP_BLOCKS that divides them
         return max(kb for kb in (1, 2, 4, 8, 16) if kb <= STEP_BLOCKS and (k // FP8_GROUP) % kb == 0)
@@ -393,32 +310,24 @@ def experts_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, weights: t
     y = torch.empty((n_rows, d), dtype=torch.bfloat16, device=x.device)
     row_of_slot = torch.empty(n_tokens * top_k, dtype=torch.int32, device=x.device)
     gate_up_rows, down_rows = (FP4_GATE_UP_ROWS, FP4_DOWN_ROWS) if fp4 else (GATE_UP_ROWS, DOWN_ROWS)
-    h_blocks = n_rows * (i // FP8_GROUP) if fp4 else 0
-    arrivals = arrival_counters(x.device, h_blocks + n_tokens * (d // down_rows))
 
-    def operands(rows, k):    # fp4: a row's activations as block-diagonal e4m3 operands, and column scales
-        chunks = k // (FP8_GROUP * step(k))
-        return (torch.empty((rows, 16 * k), dtype=torch.uint8, device=x.device),
-                torch.empty((rows, chunks * 16), dtype=torch.float32, device=x.device))
-
-    if fp4:
-        x_operand, x_scales = operands(n_tokens, d)
-        _fp4_operand_kernel[(n_tokens, x_scales.shape[1] // 16)](x, x.stride(0), x_operand, x_scales, K=d, KB=step(d),
+    def operands(a, k):   # the products' activations: (values or fp4 operands, row stride, column scales)
+        if not fp4:
+            return a, a.stride(0), a
+        kb = step(k)
+        out = torch.empty((a.shape[0], 16 * k), dtype=torch.uint8, device=a.device)
+        scales = torch.empty((a.shape[0], k // (FP8_GROUP * kb) * 16), dtype=torch.float32, device=a.device)
+        _fp4_operand_kernel[(a.shape[0], k // (FP8_GROUP * kb))](a, a.stride(0), out, scales, K=k, KB=kb,
                                                                  num_warps=NUM_WARPS, launch_pdl=True)
-        (h_operand, h_scales), stride_xt = operands(n_rows, i), x_operand.stride(0)
-    else:
-        x_operand = x_scales = x
-        h_operand = h_scales = h
-        stride_xt = x.stride(0)
+        return out, out.stride(0), scales
+
     _gate_up_kernel[(n_rows, i // gate_up_rows)](
-        x_operand, stride_xt, x_scales, ids, experts.w13, experts.w13_scales, shared.w13, shared.w13_scales, h,
-        h_operand, h_scales, arrivals, 0.0 if swiglu_limit is None else float(swiglu_limit), n_shared, E=n_experts,
-        D=d, I=i, TOP_K=top_k, ROWS=gate_up_rows, KB=step(d), KB_DOWN=step(i), FP4=fp4,
-        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=n_shared > 0, INTERPRETED=INTERPRET, num_warps=NUM_WARPS,
-        launch_pdl=True)
+        *operands(x, d), ids, experts.w13, experts.w13_scales, shared.w13, shared.w13_scales, h,
+        0.0 if swiglu_limit is None else float(swiglu_limit), n_shared, E=n_experts, D=d, I=i, TOP_K=top_k,
+        ROWS=gate_up_rows, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=n_shared > 0,
+        INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
     _down_kernel[(n_rows, d // down_rows)](
-        h_operand, h_operand.stride(0), h_scales, ids, experts.w2, experts.w2_scales, shared.w2, shared.w2_scales, y,
-        row_of_slot, weights.contiguous(), y if n_shared else adds, out, out.stride(0), arrivals[h_blocks:], n_shared,
-        E=n_experts, D=d, I=i, TOP_K=top_k, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0,
-        ADDS_ROWS=n_shared > 0 or shared_rows is not None, INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
-    return out
+        *operands(h, i), ids, experts.w2, experts.w2_scales, shared.w2, shared.w2_scales, y, row_of_slot, n_shared,
+        E=n_experts, D=d, I=i, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0, INTERPRETED=INTERPRET,
+        num_warps=NUM_WARPS, launch_pdl=True)
+    return y, row_of_slot

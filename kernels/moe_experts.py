@@ -57,7 +57,7 @@ from ._common import INTERPRET, arrival_counters, check_device, rows_per_program
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _capability, _num_sms
 from . import moe_grouped_sm90
-from .moe_decode import experts_per_assignment, uses_per_assignment, weighted_rows
+from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
 FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
@@ -703,10 +703,16 @@ def _combine_kernel(y_ptr, row_of_slot_ptr, weights_ptr, shared_ptr, out_ptr, n_
     wait_for_inputs()
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = weighted_rows(y_ptr, row_of_slot_ptr, weights_ptr, shared_ptr, tokens, tokens < n_tokens, cols, cols < D,
-                        D, TOP_K, TOKENS, BLOCK_D, HAS_SHARED)
-    tl.store(out_ptr + tokens[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(tokens < n_tokens)[:, None] & (cols < D)[None, :])
+    mask = (tokens < n_tokens)[:, None] & (cols < D)[None, :]
+    acc = tl.zeros((TOKENS, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(row_of_slot_ptr + tokens * TOP_K + j, mask=tokens < n_tokens, other=-1).to(tl.int64)
+        weight = tl.load(weights_ptr + tokens * TOP_K + j, mask=tokens < n_tokens, other=0.0)
+        y = tl.load(y_ptr + row[:, None] * D + cols[None, :], mask=mask & (row >= 0)[:, None], other=0.0)
+        acc += tl.where(row >= 0, weight, 0.0)[:, None] * y.to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + tokens[:, None] * D + cols[None, :], mask=mask).to(tl.float32)
+    tl.store(out_ptr + tokens[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _GATHER_GROUPS = 8       # 128-column groups per gather program
@@ -864,12 +870,14 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         x = x.contiguous()
     if per_assignment and shared is not None and uses_per_assignment(n_tokens, 1, shared.format):
         # One token: the shared expert's programs join the routed ones' launches.
-        return experts_per_assignment(x, expert_ids, weights, experts, swiglu_limit, out, shared=shared)
+        y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit, shared)
+        return _combine(y, row_of_slot, weights, out, y[:n_tokens])
     if shared is not None:   # more tokens: its own grouped GEMMs read it once (per assignment: once a token)
         shared = moe_experts(x, torch.zeros((n_tokens, 1), dtype=torch.int32, device=x.device),
                              torch.ones((n_tokens, 1), device=x.device), shared, swiglu_limit=swiglu_limit)
     if per_assignment:
-        return experts_per_assignment(x, expert_ids, weights, experts, swiglu_limit, out, shared_rows=shared)
+        y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
+        return _combine(y, row_of_slot, weights, out, shared)
     fp4 = experts.format == "fp4"
     sm90 = config is PREFILL_CONFIG and moe_grouped_sm90.takes(x.device, experts.format, d, i)
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts,

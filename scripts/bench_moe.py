@@ -256,7 +256,8 @@ def per_assignment(model, experts, x, ids, weights, shape=None):
         moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS = shape
     try:
         out = torch.empty((x.shape[0], model.hidden), dtype=torch.bfloat16, device=DEVICE)
-        return moe_decode.experts_per_assignment(x, ids, weights, experts, model.limit, out)
+        y, row_of_slot = moe_decode.expert_rows_per_assignment(x, ids, experts, model.limit)
+        return moe._combine(y, row_of_slot, weights, out)
     finally:
         moe_decode.GATE_UP_ROWS, moe_decode.DOWN_ROWS, moe_decode.STEP_BLOCKS = saved
 

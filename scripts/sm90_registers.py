@@ -213,7 +213,7 @@ def recorded_moe_decode_launches():
     (256 fp4 experts, D 4096, I 2048, top-6, V4's clamp) with its fp8 shared expert in the same launches, and
     V3.2's (256 fp8 experts, D 7168, top-8): gate/up and down (the fp4 operand launches are elementwise)."""
     module = sys.modules[moe_experts.__module__]
-    decode_module = sys.modules[module.experts_per_assignment.__module__]
+    decode_module = sys.modules[module.expert_rows_per_assignment.__module__]
     names = ("_fp4_operand_kernel", "_gate_up_kernel", "_down_kernel")
 
     def experts(fmt, n, d, i):
@@ -233,10 +233,9 @@ def recorded_moe_decode_launches():
         for name in names:
             setattr(decode_module, name, recorders[name])
         try:
-            decode_module.experts_per_assignment(
+            decode_module.expert_rows_per_assignment(
                 torch.empty((1, d), dtype=torch.bfloat16), torch.zeros((1, top_k), dtype=torch.int32),
-                torch.empty((1, top_k)), experts(fmt, 256, d, 2048), limit, torch.empty((1, d), dtype=torch.bfloat16),
-                shared=experts("fp8", 1, d, 2048) if shared else None)
+                experts(fmt, 256, d, 2048), limit, experts("fp8", 1, d, 2048) if shared else None)
         finally:
             for name in names:
                 setattr(decode_module, name, kernels[name])
