@@ -536,6 +536,7 @@ def test_expert_weights_reject_bad_tensors():
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and host-sync detection need a GPU")
 @pytest.mark.parametrize("fmt, config, n_tokens", [
     ("fp8", None, 1), ("fp8", DECODE_CONFIG, 4),   # moe_decode's path, grouped GEMMs
+    ("fp4", None, 3),                              # moe_decode's path with its operand launches
     ("fp4", PREFILL_CONFIG_FP4, 64),               # the folded launch and its bf16 one
 ])
 def test_moe_decode_is_sync_free_and_graph_capturable(fmt, config, n_tokens):
