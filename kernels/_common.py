@@ -5,7 +5,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import formats
 from ..errors import InputError
@@ -33,6 +33,23 @@ def wait_for_inputs():
     with launch_pdl=True may have started before; otherwise, and interpreted, a no-op)."""
     if not _INTERPRET:
         gdc_wait()
+
+
+@triton.jit
+def launch_dependents():
+    """Let the next kernel on the stream, if launched with launch_pdl=True, start now (it waits for this one's
+    writes in its wait_for_inputs(); otherwise, and interpreted, a no-op)."""
+    if not _INTERPRET:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(ptrs, mask):
+    """Ask L2 to fetch the 128-byte lines holding ptrs where mask, without waiting for them (interpreted:
+    nothing)."""
+    if not _INTERPRET:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                                  "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # int32 counters per (device, stream) for kernels whose programs count themselves in (the last one to arrive

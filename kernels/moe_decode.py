@@ -36,7 +36,7 @@ import triton.language as tl
 
 from minirt.formats import FP8_GROUP
 
-from ._common import INTERPRET, flat_of, swiglu, wait_for_inputs
+from ._common import INTERPRET, flat_of, launch_dependents, prefetch_to_l2, swiglu, wait_for_inputs
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_quantize_rows, pow2_scale
 
 _BLOCK_K = tl.constexpr(FP8_GROUP)
@@ -64,6 +64,9 @@ MAX_PER_EXPERT = {"fp8": 0.25, "fp4": 1.5}
 GATE_UP_ROWS, DOWN_ROWS, STEP_BLOCKS = (64, 64, 4) if INTERPRET else (16, 16, 4)
 FP4_GATE_UP_ROWS, FP4_DOWN_ROWS = 32, 64
 NUM_WARPS = 4
+# Bytes of each weight row a program asks L2 for before it waits for the previous kernel (0: none): its
+# first steps' weights arrive while that kernel ends and this one launches.
+PREFETCH_BYTES = 512
 
 
 def uses_per_assignment(n_assignments: int, n_experts: int, fmt: str) -> bool:
@@ -120,6 +123,7 @@ def _fp4_operand_kernel(a_ptr, stride_a, out_ptr, scale_ptr, K: tl.constexpr, KB
     [16, CHUNK / 2] (column g, rows 16g .. 16g + 15: group g's codes; zero elsewhere and in columns
     >= CHUNK / 32), and each column's activation scale (0 past the groups)."""
     wait_for_inputs()
+    launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     CHUNK: tl.constexpr = KB * _BLOCK_K
@@ -223,15 +227,35 @@ def _swiglu_rows(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, first_row, col, h_ptr, 
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, rows, ROW_BYTES: tl.constexpr, BYTES: tl.constexpr, valid):
+    """Into L2 without waiting: the first BYTES bytes of each of rows (int64 [R]) of a byte matrix [*, ROW_BYTES]
+    at w_ptr, if valid."""
+    lines = tl.arange(0, BYTES // 128) * 128
+    prefetch_to_l2(w_ptr + rows[:, None] * ROW_BYTES + lines[None, :],
+                   (rows >= 0)[:, None] & (lines < ROW_BYTES)[None, :] & valid)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shared_ptr, shared_scale_ptr, h_ptr,
                     limit, n_shared, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                     ROWS: tl.constexpr, KB: tl.constexpr, FP4: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
+                    HAS_SHARED: tl.constexpr, PREFETCH: tl.constexpr, INTERPRETED: tl.constexpr):
     # Program (row r of h, block of ROWS columns): rows r < n_shared (HAS_SHARED) the shared expert on token r
-    # (first: its programs read the most), then assignment r - n_shared.
-    wait_for_inputs()
+    # (first: its programs read the most), then assignment r - n_shared. PREFETCH > 0: before waiting for the
+    # previous kernel, the first PREFETCH bytes of each weight row into L2 (expert ids: the routing's, done
+    # before the previous kernel's wait returned, which came before this launch: fp4's operand launch).
     r = tl.program_id(0)
     col = tl.program_id(1) * ROWS
+    if PREFETCH > 0:
+        gate_up = tl.arange(0, 2 * ROWS) // ROWS * I + col + tl.arange(0, 2 * ROWS) % ROWS
+        if HAS_SHARED and r < n_shared:
+            _prefetch_rows(shared_ptr, gate_up.to(tl.int64), D, PREFETCH, r < n_shared)
+        else:
+            expert = tl.load(ids_ptr + r - n_shared, cache_modifier=".cg")
+            _prefetch_rows(w_ptr, expert.to(tl.int64) * (2 * I) + gate_up, D // 2 if FP4 else D, PREFETCH,
+                           (expert >= 0) & (expert < E))
+    wait_for_inputs()
+    launch_dependents()
     x_scales = D // (KB * _BLOCK_K) * _FP4_COLUMNS    # a token's operand column scales (fp4 launches)
     h_row = h_ptr + r.to(tl.int64) * I
     if HAS_SHARED and r < n_shared:
@@ -251,12 +275,22 @@ def _gate_up_kernel(x_ptr, stride_xt, x_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, 
 @triton.jit
 def _down_kernel(h_ptr, stride_h, h_scale_ptr, ids_ptr, w_ptr, w_scale_ptr, shared_ptr, shared_scale_ptr, y_ptr,
                  row_of_slot_ptr, n_shared, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr,
-                 KB: tl.constexpr, FP4: tl.constexpr, HAS_SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
+                 KB: tl.constexpr, FP4: tl.constexpr, HAS_SHARED: tl.constexpr, PREFETCH: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     # Program (row r of h and y, block of ROWS output columns): rows [c, c + ROWS) of the shared expert's W2
-    # (r < n_shared, HAS_SHARED) or of assignment r - n_shared's expert's.
-    wait_for_inputs()
+    # (r < n_shared, HAS_SHARED) or of assignment r - n_shared's expert's. PREFETCH > 0: as in _gate_up_kernel
+    # (the gate/up launch came between the routing and this one's previous launch).
     r = tl.program_id(0)
     col = tl.program_id(1) * ROWS
+    if PREFETCH > 0:
+        if HAS_SHARED and r < n_shared:
+            _prefetch_rows(shared_ptr, (col + tl.arange(0, ROWS)).to(tl.int64), I, PREFETCH, r < n_shared)
+        else:
+            expert = tl.load(ids_ptr + r - n_shared, cache_modifier=".cg")
+            _prefetch_rows(w_ptr, expert.to(tl.int64) * D + col + tl.arange(0, ROWS), I // 2 if FP4 else I, PREFETCH,
+                           (expert >= 0) & (expert < E))
+    wait_for_inputs()
+    launch_dependents()
     h_row = h_ptr + r.to(tl.int64) * stride_h
     h_scales = h_scale_ptr + r.to(tl.int64) * (I // (KB * _BLOCK_K) * _FP4_COLUMNS)
     y_row = y_ptr + r.to(tl.int64) * D + col + tl.arange(0, ROWS)
@@ -325,9 +359,9 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
         *operands(x, d), ids, experts.w13, experts.w13_scales, shared.w13, shared.w13_scales, h,
         0.0 if swiglu_limit is None else float(swiglu_limit), n_shared, E=n_experts, D=d, I=i, TOP_K=top_k,
         ROWS=gate_up_rows, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=n_shared > 0,
-        INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
+        PREFETCH=PREFETCH_BYTES if fp4 else 0, INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
     _down_kernel[(n_rows, d // down_rows)](
         *operands(h, i), ids, experts.w2, experts.w2_scales, shared.w2, shared.w2_scales, y, row_of_slot, n_shared,
-        E=n_experts, D=d, I=i, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0, INTERPRETED=INTERPRET,
-        num_warps=NUM_WARPS, launch_pdl=True)
+        E=n_experts, D=d, I=i, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0, PREFETCH=PREFETCH_BYTES,
+        INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
     return y, row_of_slot

@@ -383,17 +383,27 @@ def test_moe_experts_with_shared_expert(poisoned, monkeypatch, fmt, n_tokens, co
 
 def test_kernels_launched_early_wait_for_their_inputs_first():
     """Every kernel launched with launch_pdl=True (it may start while the previous kernel still runs) calls
-    wait_for_inputs() before anything else."""
+    wait_for_inputs() before anything else but its program ids and, under ``if PREFETCH > 0``, L2 prefetches of
+    weight rows and loads of the routing's expert ids (written two launches back at least); it lets the next
+    kernel launch (launch_dependents()) only after its wait."""
     launched = []
     for module in (moe_decode, sys.modules["minirt.kernels.moe_experts"]):
         for call in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(call, ast.Call) and any(k.arg == "launch_pdl" for k in call.keywords):
                 kernel = getattr(module, call.func.value.id)   # kernel[grid](...)
+                name = kernel.fn.__name__
                 body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
                 body = body[1:] if isinstance(body[0].value, ast.Constant) else body   # (its docstring)
-                first = body[0]
-                assert isinstance(first, ast.Expr) and ast.unparse(first) == "wait_for_inputs()", kernel.fn.__name__
-                launched.append(kernel.fn.__name__)
+                wait = next(n for n, node in enumerate(body) if ast.unparse(node) == "wait_for_inputs()")
+                for node in body[:wait]:
+                    if isinstance(node, ast.If):
+                        assert ast.unparse(node.test) == "PREFETCH > 0", name
+                        loads = [c for c in ast.walk(node) if isinstance(c, ast.Call) and ast.unparse(c.func) == "tl.load"]
+                        assert all(ast.unparse(c.args[0]).startswith("ids_ptr") for c in loads), name
+                    else:
+                        assert isinstance(node, ast.Assign) and "tl.program_id" in ast.unparse(node.value), name
+                assert "launch_dependents()" not in "".join(ast.unparse(node) for node in body[:wait]), name
+                launched.append(name)
     assert {"_fp4_operand_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"} <= set(launched)
 
 
