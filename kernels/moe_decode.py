@@ -13,7 +13,10 @@ Over every (token, slot) assignment t * top_k + j of the batch:
 
 A shared expert (V4's, one fp8 expert) may join both launches: its T rows of h and y come first, its
 programs before the assignments'. The launches (and moe_experts' combine after them) use programmatic
-dependent launch: each kernel may start while the one before ends, and waits for its inputs first.
+dependent launch: each kernel may start while the one before ends, waits for its inputs first and lets the
+next one launch once that wait returns; at one token the products' programs, before waiting, ask L2 for
+the first bytes of their weight rows (the expert ids they read then are the routing's, finished two
+launches back).
 
 fp8 weights (V3.2): FMAs in float32 (no tensor cores: a product has one token), the activations
 quantised in the program; each k block of 128 inputs summed in float32 and scaled by its activation
@@ -64,9 +67,12 @@ MAX_PER_EXPERT = {"fp8": 0.25, "fp4": 1.5}
 GATE_UP_ROWS, DOWN_ROWS, STEP_BLOCKS = (64, 64, 4) if INTERPRET else (16, 16, 4)
 FP4_GATE_UP_ROWS, FP4_DOWN_ROWS = 32, 64
 NUM_WARPS = 4
-# Bytes of each weight row a program asks L2 for before it waits for the previous kernel (0: none): its
-# first steps' weights arrive while that kernel ends and this one launches.
-PREFETCH_BYTES = 512
+# Bytes of each weight row a program asks L2 for before it waits for the previous kernel, at one token (its
+# programs then all fit on the GPU at once): their first steps' weights arrive while that kernel ends and this
+# one launches. On an H100 (CUDA-graph replays, one process): V4-Flash's b 1 layer 65.0 us without, 62.8 at
+# 256 bytes, 63.3 at 512, 65.9 at 1024; at 16 and 64 tokens (many waves of programs) it only competed with
+# the streaming (b 64: 1302 us without, 1314 at 256), so more tokens take none.
+PREFETCH_BYTES = 256
 
 
 def uses_per_assignment(n_assignments: int, n_experts: int, fmt: str) -> bool:
@@ -344,6 +350,7 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
     y = torch.empty((n_rows, d), dtype=torch.bfloat16, device=x.device)
     row_of_slot = torch.empty(n_tokens * top_k, dtype=torch.int32, device=x.device)
     gate_up_rows, down_rows = (FP4_GATE_UP_ROWS, FP4_DOWN_ROWS) if fp4 else (GATE_UP_ROWS, DOWN_ROWS)
+    prefetch = PREFETCH_BYTES if n_tokens == 1 else 0
 
     def operands(a, k):   # the products' activations: (values or fp4 operands, row stride, column scales)
         if not fp4:
@@ -359,9 +366,9 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
         *operands(x, d), ids, experts.w13, experts.w13_scales, shared.w13, shared.w13_scales, h,
         0.0 if swiglu_limit is None else float(swiglu_limit), n_shared, E=n_experts, D=d, I=i, TOP_K=top_k,
         ROWS=gate_up_rows, KB=step(d), FP4=fp4, HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=n_shared > 0,
-        PREFETCH=PREFETCH_BYTES if fp4 else 0, INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
+        PREFETCH=prefetch if fp4 else 0, INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
     _down_kernel[(n_rows, d // down_rows)](
         *operands(h, i), ids, experts.w2, experts.w2_scales, shared.w2, shared.w2_scales, y, row_of_slot, n_shared,
-        E=n_experts, D=d, I=i, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0, PREFETCH=PREFETCH_BYTES,
+        E=n_experts, D=d, I=i, ROWS=down_rows, KB=step(i), FP4=fp4, HAS_SHARED=n_shared > 0, PREFETCH=prefetch,
         INTERPRETED=INTERPRET, num_warps=NUM_WARPS, launch_pdl=True)
     return y, row_of_slot
