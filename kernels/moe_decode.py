@@ -69,9 +69,9 @@ FP4_GATE_UP_ROWS, FP4_DOWN_ROWS = 32, 64
 NUM_WARPS = 4
 # Bytes of each weight row a program asks L2 for before it waits for the previous kernel, at one token
 # (V4-Flash's launches then have 448 programs, about one wave): their first steps' weights arrive while that
-# kernel ends and this one launches. On an H100 (CUDA-graph replays, one process): V4-Flash's b 1 layer 65.0 us without, 62.8 at
-# 256 bytes, 63.3 at 512, 65.9 at 1024; at 16 and 64 tokens (many waves of programs) it only competed with
-# the streaming (b 64: 1302 us without, 1314 at 256), so more tokens take none.
+# kernel ends and this one launches. On an H100 (CUDA-graph replays, one process): V4-Flash's b 1 layer
+# 65.0 us without, 62.8 at 256 bytes, 63.3 at 512, 65.9 at 1024; at 16 and 64 tokens (many waves of
+# programs) it only competed with the streaming (b 64: 1302 us without, 1314 at 256), so they take none.
 PREFETCH_BYTES = 256
 
 

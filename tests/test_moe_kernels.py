@@ -398,7 +398,8 @@ def test_kernels_launched_early_wait_for_their_inputs_first():
                 for node in body[:wait]:
                     if isinstance(node, ast.If):
                         assert ast.unparse(node.test) == "PREFETCH > 0", name
-                        loads = [c for c in ast.walk(node) if isinstance(c, ast.Call) and ast.unparse(c.func) == "tl.load"]
+                        loads = [c for c in ast.walk(node)
+                                 if isinstance(c, ast.Call) and ast.unparse(c.func) == "tl.load"]
                         assert all(ast.unparse(c.args[0]).startswith("ids_ptr") for c in loads), name
                     else:
                         assert isinstance(node, ast.Assign) and "tl.program_id" in ast.unparse(node.value), name
@@ -546,7 +547,7 @@ def test_expert_weights_reject_bad_tensors():
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and host-sync detection need a GPU")
 @pytest.mark.parametrize("fmt, config, n_tokens", [
     ("fp8", None, 1), ("fp8", DECODE_CONFIG, 4),   # moe_decode's path, grouped GEMMs
-    ("fp4", None, 3),                              # moe_decode's path with its operand launches
+    ("fp4", None, 1), ("fp4", None, 3),            # moe_decode's path (one token: its L2 prefetch)
     ("fp4", PREFILL_CONFIG_FP4, 64),               # the folded launch and its bf16 one
 ])
 def test_moe_decode_is_sync_free_and_graph_capturable(fmt, config, n_tokens):
