@@ -13,6 +13,8 @@
 #               CUDA-graph replay; the decode rows again with where their host time goes, by function)
 # moe-bench:    scripts/bench_moe.py (routing, grouped GEMMs beside torch._scaled_mm, the expert block at
 #               decode and prefill sizes, V3.2 and V4-Flash shapes) with its launch-shape variants
+# moe-decode:   the MoE kernel tests with CUDA tensors, then bench_moe.py at 1, 16 and 64 tokens (the decode
+#               paths and each model's b 1 layer with its shared expert; about 2 minutes)
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
 #               bench_indexer_paged.py, bench_mhc.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
@@ -104,6 +106,9 @@ for stage in "$@"; do
     host-cost)
       run host-cost python3 scripts/bench_host_cost.py --out "$OUT/host_cost.md"
       run host-cost-profile python3 scripts/bench_host_cost.py --only decode --calls 300 --profile ;;
+    moe-decode)
+      run moe-tests python3 -m pytest -q tests/test_moe_kernels.py
+      run moe-decode-bench python3 scripts/bench_moe.py --out "$OUT/moe_decode.md" --tokens 1 16 64 ;;
     moe-bench) run bench-moe python3 scripts/bench_moe.py --out "$OUT/moe.md" --tokens 1 16 4096 \
                  --configs 16,4,3,swap 16,4,3,swap,split8 16,4,4,swap,e4m3 128,8,3 64,8,2,swap,e4m3 ;;
     bench)
