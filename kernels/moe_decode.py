@@ -237,6 +237,7 @@ def _prefetch_rows(w_ptr, rows, ROW_BYTES: tl.constexpr, BYTES: tl.constexpr, va
     """Into L2 without waiting: the first BYTES bytes of each of rows (int64 [R]) of a byte matrix [*, ROW_BYTES]
     at w_ptr, if valid."""
     lines = tl.arange(0, BYTES // 128) * 128
+    # (rows >= 0 always holds: it gives the mask its [R, lines] shape.)
     prefetch_to_l2(w_ptr + rows[:, None] * ROW_BYTES + lines[None, :],
                    (rows >= 0)[:, None] & (lines < ROW_BYTES)[None, :] & valid)
 
