@@ -1,8 +1,9 @@
 """Compile the warp-specialised Gluon kernels (sparse prefill; fp8 sparse decode over V32 caches, 64 heads and
 few, and over MODEL1 caches), the MoE layers' fp8 grouped GEMM (Gluon) and per-assignment decode products,
 the decode's split merge, fp8_gemm's weight-streaming kernel, the indexer's scores kernels (paged, Triton and
-the Gluon prefill chunk's, and V4's CSA decode), decode_topk's kernels and indexer_topk's candidate kernels for sm_90a on this machine (no GPU needed) and report each warp
-partition's register budget and each kernel's spill instructions and 2-byte global accesses.
+the Gluon prefill chunk's, and V4's CSA decode), decode_topk's kernels and indexer_topk's candidate kernels
+for sm_90a on this machine (no GPU needed) and report each warp partition's register budget and each
+kernel's spill instructions and 2-byte global accesses.
 
     python3 scripts/sm90_registers.py        # exit status 1 if any partition spills, or any kernel
                                              # loads or stores global memory 2 bytes at a time
@@ -21,6 +22,7 @@ import os
 # without a GPU unless told otherwise, before its kernels are defined.
 os.environ["TRITON_INTERPRET"] = "0"
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -61,6 +63,20 @@ class Recorder:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+@contextlib.contextmanager
+def recording(module, names):
+    """Within: module's kernels of those names replaced by Recorders, yielded as {name: (kernel, recorder)};
+    the kernels put back on exit."""
+    kept = {name: (getattr(module, name), Recorder()) for name in names}
+    for name, (_, recorder) in kept.items():
+        setattr(module, name, recorder)
+    try:
+        yield kept
+    finally:
+        for name, (kernel, _) in kept.items():
+            setattr(module, name, kernel)
 
 
 def recorded_prefill_launch(d_qk: int, with_options: bool):
@@ -228,18 +244,11 @@ def recorded_moe_decode_launches():
     launches = []
     for label, fmt, d, top_k, limit, shared in (("V4-Flash fp4 + fp8 shared expert", "fp4", 4096, 6, 10.0, True),
                                                 ("V3.2 fp8", "fp8", 7168, 8, None, False)):
-        kernels = {name: getattr(decode_module, name) for name in names}
-        recorders = {name: Recorder() for name in names}
-        for name in names:
-            setattr(decode_module, name, recorders[name])
-        try:
+        with recording(decode_module, names) as kept:
             decode_module.expert_rows_per_assignment(
                 torch.empty((1, d), dtype=torch.bfloat16), torch.zeros((1, top_k), dtype=torch.int32),
                 experts(fmt, 256, d, 2048), limit, experts("fp8", 1, d, 2048) if shared else None)
-        finally:
-            for name in names:
-                setattr(decode_module, name, kernels[name])
-        launches += [(f"{label} {name}", kernels[name], *recorders[name].calls[0]) for name in names[1:]]
+        launches += [(f"{label} {name}", kept[name][0], *kept[name][1].calls[0]) for name in names[1:]]
     return launches
 
 
@@ -264,36 +273,24 @@ def recorded_topk_launches():
     """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of 163840 scores, top 2048."""
     module = sys.modules[decode_topk.__module__]
     names = ("_histogram_kernel", "_gather_kernel", "_rank_kernel")
-    kernels = {name: getattr(module, name) for name in names}
-    recorders = {name: Recorder() for name in names}
     # (Its input checks, lightning_indexer.check_topk_inputs, refuse CPU tensors outside the interpreter.)
     check_device = lightning_indexer.check_device
     lightning_indexer.check_device = lambda tensors: None
-    for name in names:
-        setattr(module, name, recorders[name])
     try:
-        decode_topk(torch.empty((16, 163840)), 2048)
+        with recording(module, names) as kept:
+            decode_topk(torch.empty((16, 163840)), 2048)
     finally:
         lightning_indexer.check_device = check_device
-        for name in names:
-            setattr(module, name, kernels[name])
-    return [(f"{name} {i + 1}", kernels[name], *call) for name in names for i, call in enumerate(recorders[name].calls)]
+    return [(f"{name} {i + 1}", kept[name][0], *call) for name in names for i, call in enumerate(kept[name][1].calls)]
 
 
 def recorded_preselect_launches():
     """[(name, kernel, args, kwargs)]: indexer_topk's candidate launches (tau, candidates, overflow) for a
     prefill chunk, 2048 rows of 131072 scores, top 2048."""
     names = ("_tau_kernel", "_candidates_kernel", "_overflow_kernel")
-    kernels = {name: getattr(lightning_indexer, name) for name in names}
-    recorders = {name: Recorder() for name in names}
-    for name in names:
-        setattr(lightning_indexer, name, recorders[name])
-    try:
+    with recording(lightning_indexer, names) as kept:
         lightning_indexer._preselect(torch.empty((2048, 131072)), 2048)
-    finally:
-        for name in names:
-            setattr(lightning_indexer, name, kernels[name])
-    return [(name, kernels[name], *recorders[name].calls[0]) for name in names]
+    return [(name, kept[name][0], *kept[name][1].calls[0]) for name in names]
 
 
 def compile_for_sm90(kernel, args, kwargs):
