@@ -16,8 +16,8 @@ meet at mbarriers, so the tensor cores keep working while a warpgroup runs its s
 So consumer 1's score MMAs run during consumer 0's softmax, and each one's P.V during the other's
 exchange. The schedule is FlashMLA's sm90 sparse prefill (csrc/sm90/prefill/sparse/phase1.cuh), written
 here in Gluon from its description. What decides the speed in Gluon is register pressure: the three
-partitions share 512 registers per thread slot (192 / 240 / 72 here), and nothing may spill
-(docs/perf/prefill.md: 222 TFLOP/s with spills, 439 without).
+partitions share 512 registers per thread slot (consumer 0 / consumer 1 / producer: 240 / 192 / 72 here),
+and nothing may spill (docs/perf/prefill.md: 222 TFLOP/s with spills, 439 without).
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_prefill dispatches to it
 there (uses_sm90_kernel) and to the portable kernel everywhere else (CPU interpreter, other GPUs, other
