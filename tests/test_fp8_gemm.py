@@ -486,7 +486,7 @@ def test_value_proj_fp8(dims, tokens):
     assert (scales[tokens // 2, zero.start // FP8_GROUP:] == 2.0**ACT_MIN_EXPONENT).all()
 
 
-@pytest.mark.parametrize("tokens", [1, 70])
+@pytest.mark.parametrize("tokens", [1, 70, 300])   # 300: three token tiles of 128, the last partial
 @pytest.mark.parametrize("dims", list(HEAD_DIMS))
 def test_query_absorb(dims, tokens):
     """q_lat = q_nope . W_k per head from a view q[..., :nope] of the full query (no copy), rounded
@@ -505,7 +505,7 @@ def test_query_absorb(dims, tokens):
     assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the bf16 rounding bound"
 
 
-@pytest.mark.parametrize("tokens", [1, 70])
+@pytest.mark.parametrize("tokens", [1, 70, 300])
 def test_query_absorb_with_rope_writes_the_whole_absorbed_query(tokens):
     """rope=(q_rope, cos, sin): out [T, H, 512 + 64] is the absorption (as without rope, bit for bit) and
     then q_rope rotated in interleaved pairs (apply_rope's fp64 reference to bf16 rounding), from views
