@@ -14,9 +14,9 @@ Over every (token, slot) assignment t * top_k + j of the batch:
 A shared expert (V4's, one fp8 expert) may join both launches: its T rows of h and y come first, its
 programs before the assignments'. The launches (and moe_experts' combine after them) use programmatic
 dependent launch: each kernel may start while the one before ends, waits for its inputs first and lets the
-next one launch once that wait returns; at one token the products' programs, before waiting, ask L2 for
-the first bytes of their weight rows (the expert ids they read then are the routing's, finished two
-launches back).
+next one launch once that wait returns; at one token the down programs and fp4's gate/up programs (an
+operand launch between them and the routing), before waiting, ask L2 for the first bytes of their weight
+rows (the expert ids they read then are the routing's, finished two launches back).
 
 fp8 weights (V3.2): FMAs in float32 (no tensor cores: a product has one token), the activations
 quantised in the program; each k block of 128 inputs summed in float32 and scaled by its activation
