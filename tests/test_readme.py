@@ -15,5 +15,5 @@ def test_readme_layer_example_runs(tmp_path, monkeypatch, capsys):
 
 def test_readme_test_command_is_what_ci_runs():
     ci = (README.parent / ".ci" / "run").read_text()
-    command = "TRITON_INTERPRET=1 python -m pytest -q"
+    command = "TRITON_INTERPRET=1 python -m pytest -q -n 2"
     assert command in README.read_text() and command in ci
