@@ -257,7 +257,7 @@ def sparse_mla_prefill(
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
     are honoured, nothing is copied. On sm_90 GPUs, calls without a config with d_qk 576 or 512, d_v 512
-    and contiguous q and kv rows (16-byte aligned kv rows) run the Gluon kernel of sparse_mla_prefill_sm90
+    and contiguous, 16-byte aligned q and kv rows run the Gluon kernel of sparse_mla_prefill_sm90
     (uses_sm90_kernel); all others run the portable Triton kernel here, with default_config(h_q) when
     config is None. Both kernels have the semantics below.
 

@@ -5,9 +5,9 @@ Same semantics as the portable Triton kernel in sparse_mla_prefill.py, for d_v 5
 columns). One program = one query token x 64 heads, warp-specialised into three warpgroups that
 meet at mbarriers, so the tensor cores keep working while a warpgroup runs its softmax:
 
-- the producer gathers the key rows of two 64-key blocks (A, B) per step with cp.async, in four
-  pieces (A left, A right, B right, B left: left = latent columns 0..255, right = 256..511 plus the
-  rope), each refilled as soon as its readers release it;
+- the producer gathers the program's q rows first, then the key rows of two 64-key blocks (A, B) per
+  step, all with cp.async, the keys in four pieces (A left, A right, B right, B left: left = latent
+  columns 0..255, right = 256..511 plus the rope), each refilled as soon as its readers release it;
 - consumer 0 computes the scores of block A, consumer 1 those of block B (64 x 64 each, all of d_qk);
 - for O = P.V each consumer owns 256 of the 512 output columns and multiplies both blocks' P: its own
   from registers, the other's through shared memory. The running max is chained: consumer 0's max
@@ -70,6 +70,8 @@ RIGHT = gl.constexpr(1)
 # Exchanges between the consumers: max of consumer 0 / 1, P of block A / B stored, row sums; and the
 # producer's kv row indices of a step (two slots: steps alternate).
 M0, M1, PA, PB, L0, L1, ROWS = (gl.constexpr(i) for i in range(7))
+# q in shared memory (the producer's cp.async copies of it have landed): after the two ROWS slots.
+Q_READY = gl.constexpr(8)
 
 
 @gluon.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks"])
@@ -112,15 +114,14 @@ def _sparse_mla_prefill_sm90_kernel(
     key_rows = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N], VEC_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    sync = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [9, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(4):
         # Every producer thread arrives once its own copies have landed (cp.async's noinc arrive).
         mbarrier.init(ready.index(i), count=128)
         mbarrier.init(free.index(i), count=1)
     for i in gl.static_range(8):
         mbarrier.init(sync.index(i), count=1)
-
-    load_q(q_ptr + token * stride_q_s, stride_q_h, head0, h_q, q_halves, q_rope, HAS_ROPE)
+    mbarrier.init(sync.index(Q_READY), count=128)
 
     smem = (q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync)
     # The tuples are written out in the call: a tuple bound to a name first would turn its
@@ -131,8 +132,8 @@ def _sparse_mla_prefill_sm90_kernel(
         (_consumer_b, (smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q, n_steps, token, head0,
                        sm_scale_log2, stride_sink_h, stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h,
                        stride_lse_s, stride_lse_h, HAS_ATTN_SINK, HAS_ROPE)),
-        (_producer, (smem, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv_s, stride_idx_s, stride_idx_k,
-                     HAS_ROPE)),
+        (_producer, (smem, q_ptr + token * stride_q_s, stride_q_h, head0, h_q, kv_ptr, indices_ptr, s_kv, n_keys,
+                     n_steps, token, stride_kv_s, stride_idx_s, stride_idx_k, HAS_ROPE)),
     ], [4, 4], [192, 72])
 
 
@@ -167,12 +168,14 @@ def _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, block, n_keys
 
 
 @gluon.jit
-def _producer(smem, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv_s, stride_idx_s, stride_idx_k,
-              HAS_ROPE: gl.constexpr):
+def _producer(smem, q_row, stride_q_h, head0, h_q, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv_s,
+              stride_idx_s, stride_idx_k, HAS_ROPE: gl.constexpr):
     """Gather the kv rows of blocks A and B of each step, piece by piece, each into its buffer once the
     consumers have released it (block A first: its right piece, released last, is on consumer 0's
     path to its next scores). Invalid rows are never read: the masked copies zero-fill."""
     q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
+    # q first, with the same copies as the keys (its latency now overlaps the first gathers').
+    _gather_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, sync.index(Q_READY), HAS_ROPE)
     rows_a = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 0, n_keys, VEC_L)
     rows_b = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 1, n_keys, VEC_L)
     for step in range(n_steps):
@@ -220,6 +223,24 @@ def _gather(kv_ptr, stride_kv_s, s_kv, block_rows, col0, dst, k_rope, buf, WITH_
                                        src[:, None] + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
                                        mask=valid[:, None])
     cp.mbarrier_arrive(ready_bar, increment_count=False)
+
+
+@gluon.jit
+def _gather_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, bar, HAS_ROPE: gl.constexpr):
+    """cp.async heads head0.. of one query row (latent | rope contiguous per head) into q_halves [2, heads, 256]
+    and, HAS_ROPE, q_rope [1, heads, 64], then have bar count this thread's arrival once they have landed;
+    heads >= h_q become zero rows (masked copies zero-fill, their addresses clamped to head 0)."""
+    h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
+    rows = q_row + gl.where(h < h_q, h, 0).to(gl.int64)[:, None] * stride_q_h
+    cols = gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))[None, :]
+    cp.async_copy_global_to_shared(q_halves.index(0), rows + cols, mask=(h < h_q)[:, None])
+    cp.async_copy_global_to_shared(q_halves.index(1), rows + HALF + cols, mask=(h < h_q)[:, None])
+    if HAS_ROPE:
+        h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ROPE_L))
+        rows = q_row + gl.where(h < h_q, h, 0).to(gl.int64)[:, None] * stride_q_h + 2 * HALF
+        cp.async_copy_global_to_shared(q_rope.index(0), rows + gl.arange(0, D_ROPE, gl.SliceLayout(0, ROPE_L))[None, :],
+                                       mask=(h < h_q)[:, None])
+    cp.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
@@ -272,6 +293,7 @@ def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, 
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+    wait_piece(sync, Q_READY, 0)   # (also before store_out stages its output in q's buffer)
     if n_steps > 0:
         s = _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, 0, A, HAS_ROPE)
         s = warpgroup_mma_wait(0, deps=(s,))
@@ -304,14 +326,15 @@ def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, 
         # (Each branch issues P.V itself: a value of a runtime branch must keep its type, and an
         # issued MMA's result is not yet a tensor.)
         if step + 1 < n_steps:
-            # The next step's scores are issued behind this P.V.
+            # The next step's scores are issued behind this P.V, block B's left piece released as soon as
+            # the P.V is done (with the left score MMA pending), before block A's right piece has arrived:
+            # the producer refills B's left piece for consumer 1's next scores while A's right one lands.
             acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
-            s = _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, parity ^ 1, a, HAS_ROPE)
-            if HAS_ROPE:    # P.V is done when at most the 3 score MMAs issued after it are pending
-                acc = warpgroup_mma_wait(3, deps=(acc,))
-            else:
-                acc = warpgroup_mma_wait(2, deps=(acc,))
+            wait_piece(ready, 2 * A + LEFT, parity ^ 1)
+            s = score_piece(q_halves.index(a), k_left.index(a), s, True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
             mbarrier.arrive(free.index(2 * B + LEFT))
+            s = _scores_a_right(q_halves, q_rope, k_right, k_rope, ready, s, parity ^ 1, a, HAS_ROPE)
             s = warpgroup_mma_wait(0, deps=(s,))
         else:
             acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
@@ -335,6 +358,12 @@ def _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, parity, a, HA
     """Issue the score MMAs of block A (left piece first: the producer fills it first)."""
     wait_piece(ready, 2 * A + LEFT, parity)
     s = score_piece(q_halves.index(a), k_left.index(a), s, True)
+    return _scores_a_right(q_halves, q_rope, k_right, k_rope, ready, s, parity, a, HAS_ROPE)
+
+
+@gluon.jit
+def _scores_a_right(q_halves, q_rope, k_right, k_rope, ready, s, parity, a, HAS_ROPE: gl.constexpr):
+    """Issue the score MMAs of block A's right piece (and rope), accumulating into s."""
     wait_piece(ready, 2 * A + RIGHT, parity)
     s = score_piece(q_halves.index(a + 1), k_right.index(a), s, False)
     if HAS_ROPE:
@@ -360,6 +389,7 @@ def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q
     m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+    wait_piece(sync, Q_READY, 0)   # (also before store_out stages its output in q's buffer)
     for step in range(n_steps):
         parity = step & 1
         a = opaque_zero(step)     # buffer A (0), and B (a + 1)
@@ -386,9 +416,12 @@ def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q
         acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
         p_op = p.to(p_b.dtype)
         acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_right.index(b), acc, is_async=True)
+        # P of block B is stored while consumer 0's P of block A is awaited; handed over after.
+        p_b.store(p_op)
         mbarrier.wait(sync.index(PA), parity)
         acc = warpgroup_mma(_p_a_tile(p_a, k_rope, a, HAS_ROPE), k_right.index(a), acc, is_async=True)
-        publish(p_b, p_op, sync.index(PB))
+        fence_async_shared()
+        publish_done(sync.index(PB))
         acc = warpgroup_mma_wait(1, deps=(acc,))
         mbarrier.arrive(free.index(2 * B + RIGHT))
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -461,11 +494,12 @@ def store_out(acc, m_i, l_i, col0, staging, sink_ptr, stride_sink_h, out_row, st
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU, d_v 512 with d_qk 576 or 512, and q / kv rows
-    that are contiguous with 16-byte aligned kv rows (the copies move 16-byte vectors)."""
+    that are contiguous and 16-byte aligned (the copies move 16-byte vectors)."""
     return (q.is_cuda and is_sm90(q.device)
             and q.shape[2] in (2 * HALF + D_ROPE, 2 * HALF) and d_v == 2 * HALF
             and q.stride(2) == 1 and kv.stride(2) == 1
-            and kv.stride(0) * kv.element_size() % 16 == 0 and kv.data_ptr() % 16 == 0)
+            and all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (q, kv))
+            and q.stride(1) * q.element_size() % 16 == 0)
 
 
 def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
