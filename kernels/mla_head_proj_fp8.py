@@ -44,14 +44,16 @@ def _mla_head_proj_kernel(
     HEAD_ROWS: tl.constexpr, ROW_OFFSET: tl.constexpr, REDUCE: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     TRANSPOSED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, ROPE: tl.constexpr, ROPE_AT: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr, INTERPRETED: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr, N_TILES_O: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program: BLOCK_T tokens x one head x BLOCK_O output columns. The head's weight rows start at
     # row0; the reduction runs over x's last dim in CHUNK steps, each inside one 128-block of the
-    # weight along the reduction, so that the block scales vary only along the output columns.
-    tile_t = tl.program_id(0)
+    # weight along the reduction, so that the block scales vary only along the output columns. The
+    # N_TILES_O programs of one token tile and head are consecutive: they read the same x tile (the
+    # query absorption's four 128-column tiles of the latent), which then comes from L2, not memory.
+    tile_t = tl.program_id(0) // N_TILES_O
+    tile_o = tl.program_id(0) % N_TILES_O
     head = tl.program_id(1)
-    tile_o = tl.program_id(2)
     offs_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < n_tokens
     offs_o = tile_o * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -157,10 +159,10 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
             HEAD_ROWS=nope + v_dim, ROW_OFFSET=nope if transposed else 0, REDUCE=reduce, CHUNK=chunk,
             BLOCK_T=block_t, BLOCK_O=BLOCK_O, SCALE_BLOCK=WEIGHT_BLOCK, TRANSPOSED=transposed,
             QUANTIZE_OUT=quantize, ROPE=q_rope.shape[-1] if rope is not None else 0, ROPE_AT=n_out,
-            MIN_EXPONENT=ACT_MIN_EXPONENT, INTERPRETED=INTERPRET,
+            MIN_EXPONENT=ACT_MIN_EXPONENT, N_TILES_O=n_out // BLOCK_O, INTERPRETED=INTERPRET,
             num_warps=8, num_stages=3)   # (8 warps at decode too: on an H100, V3.2's absorption 7.3 us a call
         # against 7.9 with 4, the value projection 7.7 against 8.5)
-        kept.args = ((cdiv(n_tokens, block_t), n_heads, n_out // BLOCK_O), integers, constexprs)
+        kept.args = ((cdiv(n_tokens, block_t) * (n_out // BLOCK_O), n_heads), integers, constexprs)
     grid, integers, constexprs = kept.args
     launch(_mla_head_proj_kernel, grid, (x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
                                          out_scales if quantize else out, q_rope, cos, sin, *integers), constexprs,
