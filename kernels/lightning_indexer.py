@@ -375,6 +375,14 @@ _CANDIDATES_PER_SELECTED = 4
 # fills the GPU; a decode batch has fewer rows and selects on torch.topk directly).
 _PRESELECT_MIN_GROUPS_PER_SELECTED = 2
 _PRESELECT_MIN_ROWS = 256
+# At most _RADIX_MAX_ROWS rows, each at least _RADIX_MIN_KEYS wide (a short prefill chunk at a long context:
+# torch.topk takes one block a row), and topk <= decode_topk.MAX_TOPK: compiled, decode_topk's radix select (the
+# same result, each row spread over many programs). Eager calls, top-k 2048, µs of the torch.topk path against
+# the radix select at 4,096 and 163,840 keys: H100, 1 row 128 / 32 and 201 / 33, 16 rows 131 / 59 and 204 / 99,
+# 64 rows 131 / 143 and 328 / 310, 128 rows 121 / 257 and 529 / 588; an H200 alike (64 rows 199-340 / 141-304).
+# (Interpreted, its programs cost seconds: torch.topk there.)
+_RADIX_MAX_ROWS = 32
+_RADIX_MIN_KEYS = 4096
 # The radix selection: digits of _RADIX_BITS of the order-preserving uint32 image of the score, most
 # significant first; scores per step of a pass over the row (the candidate pass's too).
 _RADIX_BITS = 8
@@ -603,6 +611,10 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     selection). The selection, less its smallest element, is then sorted by unique int64 keys
     (value, then lower index: _order_keys).
 
+    Compiled, at most 32 rows of at least 4,096 scores (a short prefill chunk at a long context) with
+    topk <= 4096 take decode_topk's radix select instead (the same result, each row spread over many
+    programs where torch.topk takes one block a row).
+
     Many wide rows (a prefill chunk: >= 256 rows of >= 32 * topk scores) select over candidates
     instead of the whole row (_preselect): the scores >= tau, the topk-th largest maximum of groups of
     16 consecutive scores (so every top-k score is one), in key order, about 1.2 * topk a row on random
@@ -621,6 +633,10 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     if k == 0 or scores.numel() == 0:
         return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     n_rows = scores.numel() // n_keys
+    if not INTERPRET and n_rows <= _RADIX_MAX_ROWS and n_keys >= _RADIX_MIN_KEYS:
+        from .decode_topk import MAX_TOPK, decode_topk   # (decode_topk imports this module)
+        if topk <= MAX_TOPK:
+            return decode_topk(scores, topk)
     candidates = None
     if n_rows >= _PRESELECT_MIN_ROWS and n_keys >= _PRESELECT_MIN_GROUPS_PER_SELECTED * _GROUP * k:
         rows = scores.reshape(n_rows, n_keys)

@@ -4,6 +4,7 @@ indexer_topk against a stable descending torch.sort.
 Runs the real Triton kernel: compiled with CUDA tensors on a GPU, under TRITON_INTERPRET=1 on the CPU.
 Every call gets a NaN-poisoned preallocated out; strided inputs keep NaN in the gaps of their buffers.
 """
+import importlib
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from minirt.errors import InputError
 from minirt.kernels import _indexer_tiles
 from minirt.kernels._launch import Kept
 from minirt.kernels import lightning_indexer as li
+from minirt.kernels.decode_topk import decode_topk
 from minirt.kernels.lightning_indexer import IndexerConfig, indexer_topk, lightning_indexer_scores
 
 ON_GPU = DEVICE == "cuda"
@@ -285,13 +287,20 @@ def tied_scores(gen, shape):
     return scores
 
 
-@pytest.fixture(params=["torch-topk", "candidates", "candidates-overflowing-4-bit-digits"])
+@pytest.fixture(params=["torch-topk", "candidates", "candidates-overflowing-4-bit-digits"]
+                + (["decode-topk"] if ON_GPU else []))
 def topk_path(request, monkeypatch):
     """indexer_topk's selection: torch.topk and the tie kernel over the row (few or narrow rows), or
     over the row's candidates (many wide rows: prefill chunks; here any row of 2 groups of 2 per
     selected key), and those with room for k candidates only, so that most rows overflow into the radix
-    selection (4-bit digits in 128-score steps: eight digit passes over rows of several steps)."""
-    if request.param != "torch-topk":
+    selection (4-bit digits in 128-score steps: eight digit passes over rows of several steps); compiled,
+    also decode_topk's radix select (few wide rows; here rows of any width)."""
+    if request.param == "decode-topk":
+        monkeypatch.setattr(li, "_RADIX_MIN_KEYS", 1)
+        monkeypatch.setattr(li, "_RADIX_MAX_ROWS", 1 << 30)
+    else:
+        monkeypatch.setattr(li, "_RADIX_MAX_ROWS", 0)
+    if request.param not in ("torch-topk", "decode-topk"):
         for name, value in (("_PRESELECT_MIN_ROWS", 1), ("_PRESELECT_MIN_GROUPS_PER_SELECTED", 1), ("_GROUP", 2)):
             monkeypatch.setattr(li, name, value)
     if request.param == "candidates-overflowing-4-bit-digits":
@@ -299,8 +308,13 @@ def topk_path(request, monkeypatch):
             monkeypatch.setattr(li, name, value)
     calls, preselect = [], li._preselect
     monkeypatch.setattr(li, "_preselect", lambda *args: calls.append(args) or preselect(*args))
+    radix, dispatched = importlib.import_module("minirt.kernels.decode_topk"), []
+    monkeypatch.setattr(radix, "decode_topk", lambda *args: dispatched.append(args) or decode_topk(*args))
+    if request.param == "decode-topk":   # every selection dispatched: the torch.topk path's key order never runs
+        monkeypatch.setattr(li, "_order_keys", lambda *args: pytest.fail("torch.topk path taken"))
     yield request.param
-    assert not calls or request.param != "torch-topk", "candidates taken on the torch.topk path"
+    assert not calls or request.param not in ("torch-topk", "decode-topk"), "candidates taken on the torch.topk path"
+    assert not dispatched or request.param == "decode-topk", "decode_topk taken"
 
 
 @pytest.mark.parametrize("shape, topk", [
