@@ -267,7 +267,8 @@ def _toy_kernel(x_ptr, n, A: tl.constexpr, B: tl.constexpr = 7):
 def test_launch_reuses_the_compiled_kernel_with_every_parameter_in_order(monkeypatch):
     """launch's direct path, with Triton's JIT dispatch and the compiled kernel stood in for: the first launch
     goes through kernel[grid] and keeps the compiled kernel; later ones call its launcher with the grid, the
-    stream, its handles and every parameter in the kernel's order (constexprs included, defaults filled in);
+    stream, its handles and every parameter in the kernel's order (tensors as their addresses, constexprs
+    included, defaults filled in);
     launch hooks (a profiler's) and kernels that are not JITFunctions always take kernel[grid]."""
     launched = []
 
@@ -288,18 +289,20 @@ def test_launch_reuses_the_compiled_kernel_with_every_parameter_in_order(monkeyp
     monkeypatch.setattr(_launch, "_current", [lambda: 3, lambda device: f"stream of {device}"])
     kernel, compiled = ToyJIT(_toy_kernel), {}
     options = dict(A=1, num_warps=4)
-    _launch.launch(kernel, (5, 2), ("x0", 16), options, compiled)
-    _launch.launch(kernel, (6,), ("x1", 16), options, compiled)
-    assert launched == [("jit", (5, 2), ("x0", 16), options),
+    x0, x1 = torch.ones(2), torch.ones(3)
+    _launch.launch(kernel, (5, 2), (x0, 16), options, compiled)
+    _launch.launch(kernel, (6,), (x1, 16), options, compiled)
+    # The direct launch passes a tensor as its address (the launcher then skips its pointer query).
+    assert launched == [("jit", (5, 2), (x0, 16), options),
                         ("direct", (6, 1, 1, "stream of 3", "function", "cooperative", "pdl", None, None, "metadata",
-                                    None, None, None, "x1", 16, 1, 7))]
+                                    None, None, None, x1.data_ptr(), 16, 1, 7))]
     hook = lambda metadata: None   # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        _launch.launch(kernel, (7,), ("x2", 16), options, compiled)
+        _launch.launch(kernel, (7,), (x1, 16), options, compiled)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert launched[-1] == ("jit", (7,), ("x2", 16), options)
+    assert launched[-1] == ("jit", (7,), (x1, 16), options)
 
     class StandIn:   # a test's recorder: not compiled, so never kept
         def __getitem__(self, grid):
