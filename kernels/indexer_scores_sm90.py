@@ -242,23 +242,18 @@ def _paged_scores_sm90_kernel(
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(free.index(i), count=2)   # one arrive a consumer
         mbarrier.init(q_bar.index(0), count=1)
-        # The tuples are written out in the call: a tuple bound to a name first would turn its constexprs into
-        # tensors.
+        smem = (q_smem, q_lo_smem, k_smem, k_lo_smem, ready, free, q_bar.index(0))
+        tiles = (table_ptr + batch * stride_tb, n_computed, chunk_start, chunk_end, max_blocks, num_blocks,
+                 batch * max_blocks * _BLOCK_S, oob_row)
+        # The argument tuples are written out in the call: a tuple bound to a name first would turn its
+        # constexprs (ROW0, FP8, STAGES) into tensors.
         gl.warp_specialize([
-            (_consumer, ((q_smem, q_lo_smem, k_smem, k_lo_smem, ready, free, q_bar.index(0)),
-                         (table_ptr + batch * stride_tb, n_computed, chunk_start, chunk_end, max_blocks, num_blocks,
-                          batch * max_blocks * _BLOCK_S, oob_row),
-                         w_ptr, scale_ptr, limit_ptr, out_ptr, n_queries, n_keys, batch, t0, stride_wb, stride_wt,
-                         stride_wh, stride_lb, stride_lt, stride_ob, stride_ot, stride_os, 0, FP8, STAGES)),
-            (_consumer, ((q_smem, q_lo_smem, k_smem, k_lo_smem, ready, free, q_bar.index(0)),
-                         (table_ptr + batch * stride_tb, n_computed, chunk_start, chunk_end, max_blocks, num_blocks,
-                          batch * max_blocks * _BLOCK_S, oob_row),
-                         w_ptr, scale_ptr, limit_ptr, out_ptr, n_queries, n_keys, batch, t0, stride_wb, stride_wt,
-                         stride_wh, stride_lb, stride_lt, stride_ob, stride_ot, stride_os, 2, FP8, STAGES)),
-            (_producer, ((q_smem, q_lo_smem, k_smem, k_lo_smem, ready, free, q_bar.index(0)), q_desc, q_lo_desc,
-                         k_desc, k_lo_desc, (batch * n_queries + t0) * _HEADS,
-                         (table_ptr + batch * stride_tb, n_computed, chunk_start, chunk_end, max_blocks, num_blocks,
-                          batch * max_blocks * _BLOCK_S, oob_row), FP8, STAGES)),
+            (_consumer, (smem, tiles, w_ptr, scale_ptr, limit_ptr, out_ptr, n_queries, n_keys, batch, t0, stride_wb,
+                         stride_wt, stride_wh, stride_lb, stride_lt, stride_ob, stride_ot, stride_os, 0, FP8, STAGES)),
+            (_consumer, (smem, tiles, w_ptr, scale_ptr, limit_ptr, out_ptr, n_queries, n_keys, batch, t0, stride_wb,
+                         stride_wt, stride_wh, stride_lb, stride_lt, stride_ob, stride_ot, stride_os, 2, FP8, STAGES)),
+            (_producer, (smem, q_desc, q_lo_desc, k_desc, k_lo_desc, (batch * n_queries + t0) * _HEADS, tiles, FP8,
+                         STAGES)),
         ], [4, 4], [232, 40])
 
     # Tiles past every row's limit: -inf.
