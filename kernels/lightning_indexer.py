@@ -15,6 +15,7 @@ from ._common import INTERPRET, check_config, check_device, check_tensor, check_
 from ._indexer_tiles import (fill_uncomputed, head_sum, key_chunk, key_logits, launch_shape, program_tile, query_tile,
                              split_query)
 from ._launch import Kept, cdiv, described, launch, per_signature
+from . import indexer_scores_sm90
 
 # The q tile of one query row, [D, next_pow2(H)], stays in shared memory for the whole key loop; with
 # the key-tile pipeline and the reduction scratch, 64 KiB for it is what fits an H100/H200's 227 KiB.
@@ -95,6 +96,14 @@ def default_config(n_queries: int, n_heads: int, head_dim: int, element_size: in
     num_stages = max(1, min(3, KEY_PIPELINE_BYTES // (block_s * head_dim * element_size)))
     num_warps = 4 if n_queries == 1 and element_size == 4 else 8
     return IndexerConfig(block_t=block_t, block_s=block_s, num_warps=num_warps, num_stages=num_stages)
+
+
+def _takes_sm90(q, k, limit, config) -> bool:
+    """Whether lightning_indexer_scores runs the paged cache's sm_90 kernel (indexer_scores_sm90): float32 q
+    [T, 64, 128] of a prefill chunk and keys [S, 128], a limit, the default launch shape, on sm_90."""
+    return config is None and limit is not None and q.dim() == 3 and k.dim() == 2 and q.dtype == torch.float32 \
+        and k.shape[0] > 0 and indexer_scores_sm90.takes(q.shape[1], q.shape[2], indexer_scores_sm90.BLOCK_S,
+                                                         k.shape[0], q.shape[0], q.device)
 
 
 def _check_inputs(q, k, weights, limit, out, config) -> None:
@@ -204,7 +213,9 @@ def lightning_indexer_scores(
         out: keyword-only, optional preallocated float32 [T, S] / [B, T, S] (any strides); every
             element is overwritten.
         config: keyword-only, optional IndexerConfig: the launch shape (the benchmark's variants).
-            Default: default_config(T, H, D, itemsize).
+            Default: default_config(T, H, D, itemsize); on sm_90 a prefill chunk of float32 q [T, 64, 128]
+            (T >= PRESPLIT_MIN_QUERIES) over keys [S, 128] with a limit runs the paged cache's Gluon kernel
+            (indexer_scores_sm90), k's split rows standing for one sequence's pages.
 
     All tensors must be on one CUDA device (or on the CPU under TRITON_INTERPRET=1); any strides
     are honoured, nothing is copied but float32 keys for T >= PRESPLIT_MIN_QUERIES (16), split once
@@ -227,10 +238,24 @@ def lightning_indexer_scores(
         described(q), described(k), described(weights), described(limit), described(out), config.__class__, config,
         PRESPLIT_MIN_QUERIES),
         lambda: _check_inputs(q, k, weights, limit, out, config)
-        or Kept(config or default_config(*q.shape[-3:], q.element_size())))
+        or Kept(None if _takes_sm90(q, k, limit, config) else config or default_config(*q.shape[-3:], q.element_size())))
     if out is None:
         out = torch.empty((*q.shape[:-2], k.shape[-2]), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
+        return out
+    if kept.value is None:
+        # A prefill chunk on sm_90: the paged cache's Gluon kernel, k's split rows standing for one sequence's
+        # pages of 64 (its block table: 0, 1, 2, ...).
+        n_queries, n_heads, _ = q.shape
+        n_keys = k.shape[0]
+        if kept.args is None:
+            kept.args = (torch.arange(cdiv(n_keys, indexer_scores_sm90.BLOCK_S), dtype=torch.int32, device=q.device)[None],
+                         launch_shape(1, n_queries, n_heads, n_keys, IndexerConfig(
+                             indexer_scores_sm90.ROWS, indexer_scores_sm90.BLOCK_S, 8, 1), q.device)[1])
+        table, tiling = kept.args
+        k_hi, k_lo = split_bf16_parts(k)
+        indexer_scores_sm90.paged_scores(q[None], weights[None], k_hi, k_lo, table, limit[None], out[None], n_keys,
+                                         False, tiling)
         return out
     if kept.args is None:
         kept.args = _launch_args(q, k, weights, limit, out, kept.value)

@@ -259,6 +259,28 @@ def test_deepseek_shape():
     run_case(q, k, weights, torch.arange(n_keys - n_queries, n_keys, device=DEVICE))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel compiles for sm_90 GPUs only")
+def test_prefill_chunk_sm90(monkeypatch):
+    """float32 q of 64 heads of 128 and keys [S, 128] (DeepSeek-V4's CSA keys) take the paged cache's sm_90
+    kernel, checked it ran: 37 rows (a partial last query tile), S ending mid-page, limits mid-page, at a
+    page's last key, -1 (all -inf) and past S; strided inputs; one key chunk a query tile and many."""
+    if not li.indexer_scores_sm90.takes(64, 128, 64, 1, 37, torch.device(DEVICE)):
+        pytest.skip("not an sm_90 GPU")
+    calls, launch = [], li.indexer_scores_sm90.paged_scores
+    monkeypatch.setattr(li.indexer_scores_sm90, "paged_scores", lambda *args: calls.append(1) or launch(*args))
+    gen = torch.Generator(DEVICE).manual_seed(27)
+    n_keys = 700
+    q, k, weights = random_inputs(gen, (37,), n_keys, 64, 128, torch.float32)
+    limit = 300 + torch.arange(37, device=DEVICE) * 9
+    limit[3], limit[4], limit[5], limit[36] = -1, 127, 10**6, 0
+    for programs in (1, 10**6):
+        monkeypatch.setattr(_indexer_tiles, "num_programs_target", lambda device: programs)
+        li._KEPT.clear()
+        for strided in (False, True):
+            run_case(q, k, weights, limit, strided=strided, strided_out=strided)
+    assert len(calls) == 4
+
+
 def test_empty_sizes():
     gen = torch.Generator(DEVICE).manual_seed(27)
     q, k, weights = random_inputs(gen, (3,), 5, 4, 64, torch.bfloat16)
