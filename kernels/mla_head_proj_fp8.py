@@ -32,7 +32,8 @@ from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from ._launch import Kept, cdiv, described, described_tuple, launch, per_signature
 
 WEIGHT_BLOCK = DEFAULT_BLOCK[0]
-BLOCK_O = FP8_GROUP      # output columns per program: one activation group of the quantised output
+BLOCK_O = FP8_GROUP      # output columns per tile: one activation group of the quantised output
+PROGRAMS_PER_SM = 1      # the value projection's prefill: the fewest programs an SM (heads a program: up to 8)
 
 
 # Strides stay specialised (divisibility by 16 lets the loads and stores vectorise); n_tokens only masks.
@@ -44,26 +45,32 @@ def _mla_head_proj_kernel(
     HEAD_ROWS: tl.constexpr, ROW_OFFSET: tl.constexpr, REDUCE: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     TRANSPOSED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, ROPE: tl.constexpr, ROPE_AT: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr, N_TILES_O: tl.constexpr, INTERPRETED: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr, N_TILES_O: tl.constexpr, HEADS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    # Program: BLOCK_T tokens x one head x BLOCK_O output columns. The head's weight rows start at
-    # row0; the reduction runs over x's last dim in CHUNK steps, each inside one 128-block of the
-    # weight along the reduction, so that the block scales vary only along the output columns. The
-    # N_TILES_O programs of one token tile and head are consecutive: they read the same x tile (the
-    # query absorption's four 128-column tiles of the latent), which then comes from L2, not memory.
+    # Program: BLOCK_T tokens x HEADS heads x BLOCK_O output columns, one loop over (head, reduction
+    # chunk), so that one head's loads are issued under the previous head's MMAs and store. Each chunk
+    # lies inside one 128-block of the weight along the reduction, so that the block scales vary only
+    # along the output columns. The N_TILES_O programs of one token tile and heads are consecutive:
+    # they read the same x tile (the query absorption's four 128-column tiles of the latent), which
+    # then comes from L2, not memory.
+    tl.static_assert(ROPE == 0 or HEADS == 1)
+    N_CHUNKS: tl.constexpr = REDUCE // CHUNK
     tile_t = tl.program_id(0) // N_TILES_O
     tile_o = tl.program_id(0) % N_TILES_O
-    head = tl.program_id(1)
+    first_head = tl.program_id(1) * HEADS
     offs_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < n_tokens
+    t64 = offs_t.to(tl.int64)[:, None]
     offs_o = tile_o * BLOCK_O + tl.arange(0, BLOCK_O)
-    row0 = head * HEAD_ROWS + ROW_OFFSET
-    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + head.to(tl.int64) * stride_xh
 
     acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
-    for c in range(0, REDUCE // CHUNK):
+    for step in range(HEADS * N_CHUNKS):
+        c = step % N_CHUNKS
+        head = first_head + step // N_CHUNKS
+        row0 = head * HEAD_ROWS + ROW_OFFSET
         offs_r = c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(x_rows + offs_r[None, :], mask=t_mask[:, None], other=0.0)
+        x = tl.load(x_ptr + t64 * stride_xt + head.to(tl.int64) * stride_xh + offs_r[None, :],
+                    mask=t_mask[:, None], other=0.0)
         if TRANSPOSED:   # W_v[h]^T: weight row row0 + o, column r (loaded row-major, then transposed)
             w_rows = row0 + offs_o
             w = tl.trans(tl.load(w_ptr + w_rows.to(tl.int64)[:, None] * stride_w + offs_r[None, :]))
@@ -80,25 +87,25 @@ def _mla_head_proj_kernel(
             w = w.to(x.dtype)    # e4m3 values are exact in bf16 and fp16
         acc += tl.dot(x, w) * scale[None, :]
 
-    out_cols = head.to(tl.int64) * stride_oh + offs_o[None, :]
-    out_rows = offs_t.to(tl.int64)[:, None] * stride_ot
-    if QUANTIZE_OUT:
-        codes, group_scale = pow2_quantize_rows(acc, MIN_EXPONENT)
-        tl.store(out_ptr + out_rows + out_cols, codes.to(tl.uint8), mask=t_mask[:, None])
-        group = (head * stride_oh + tile_o * BLOCK_O) // BLOCK_O
-        tl.store(out_scale_ptr + offs_t.to(tl.int64) * stride_ost + group, group_scale, mask=t_mask)
-    else:
-        tl.store(out_ptr + out_rows + out_cols, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
+        if c == N_CHUNKS - 1:   # the head's reduction is complete: store it, start the next head's
+            out_cols = head.to(tl.int64) * stride_oh + offs_o[None, :]
+            if QUANTIZE_OUT:
+                codes, group_scale = pow2_quantize_rows(acc, MIN_EXPONENT)
+                tl.store(out_ptr + t64 * stride_ot + out_cols, codes.to(tl.uint8), mask=t_mask[:, None])
+                group = (head * stride_oh + tile_o * BLOCK_O) // BLOCK_O
+                tl.store(out_scale_ptr + offs_t.to(tl.int64) * stride_ost + group, group_scale, mask=t_mask)
+            else:
+                tl.store(out_ptr + t64 * stride_ot + out_cols, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
+            acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
     if ROPE > 0:
         if tile_o == 0:  # the query's rope part, rotated (interleaved pairs) into columns ROPE_AT + [0, ROPE)
             pair = tl.arange(0, ROPE // 2)
-            t64 = offs_t.to(tl.int64)[:, None]
-            rope_rows = rope_ptr + t64 * stride_rt + head.to(tl.int64) * stride_rh
+            rope_rows = rope_ptr + t64 * stride_rt + first_head.to(tl.int64) * stride_rh
             a = tl.load(rope_rows + 2 * pair[None, :], mask=t_mask[:, None]).to(tl.float32)
             b = tl.load(rope_rows + 2 * pair[None, :] + 1, mask=t_mask[:, None]).to(tl.float32)
             cos = tl.load(cos_ptr + t64 * stride_ct + pair[None, :], mask=t_mask[:, None]).to(tl.float32)
             sin = tl.load(sin_ptr + t64 * stride_st + pair[None, :], mask=t_mask[:, None]).to(tl.float32)
-            pairs_out = out_ptr + out_rows + head.to(tl.int64) * stride_oh + ROPE_AT + 2 * pair[None, :]
+            pairs_out = out_ptr + t64 * stride_ot + first_head.to(tl.int64) * stride_oh + ROPE_AT + 2 * pair[None, :]
             a, b = rotated(a, b, cos, sin)
             dtype = out_ptr.dtype.element_ty
             tl.store(pairs_out, a.to(dtype), mask=t_mask[:, None])
@@ -151,6 +158,16 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
         chunk = min(WEIGHT_BLOCK, starts & -starts)
         # Prefill: 128 tokens over two warpgroups; decode (few tokens): the smallest tile the MMA takes.
         block_t = 128 if n_tokens > 64 else max(16, 1 << (n_tokens - 1).bit_length())
+        n_tiles_o, token_tiles = n_out // BLOCK_O, cdiv(n_tokens, block_t)
+        # The value projection's prefill: heads a program while PROGRAMS_PER_SM programs an SM remain (its
+        # four chunks a head then pipeline across heads; the query absorption's one chunk a head ran slower
+        # so: one head a program).
+        heads = 1
+        if transposed and block_t == 128:
+            programs = PROGRAMS_PER_SM * (torch.cuda.get_device_properties(x.device).multi_processor_count
+                                          if x.device.type == "cuda" else 1)
+            heads = max(g for g in (1, 2, 4, 8) if n_heads % g == 0 and token_tiles * n_heads // g >= programs
+                        or g == 1)
         integers = (n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0),
                     kv_b_scale.stride(1), out.stride(0), n_out if quantize else out.stride(1),
                     out_scales.stride(0) if quantize else 0, *((q_rope.stride(0), q_rope.stride(1), cos.stride(0),
@@ -159,10 +176,10 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
             HEAD_ROWS=nope + v_dim, ROW_OFFSET=nope if transposed else 0, REDUCE=reduce, CHUNK=chunk,
             BLOCK_T=block_t, BLOCK_O=BLOCK_O, SCALE_BLOCK=WEIGHT_BLOCK, TRANSPOSED=transposed,
             QUANTIZE_OUT=quantize, ROPE=q_rope.shape[-1] if rope is not None else 0, ROPE_AT=n_out,
-            MIN_EXPONENT=ACT_MIN_EXPONENT, N_TILES_O=n_out // BLOCK_O, INTERPRETED=INTERPRET,
+            MIN_EXPONENT=ACT_MIN_EXPONENT, N_TILES_O=n_tiles_o, HEADS=heads, INTERPRETED=INTERPRET,
             num_warps=8, num_stages=3)   # (8 warps at decode too: on an H100, V3.2's absorption 7.3 us a call
         # against 7.9 with 4, the value projection 7.7 against 8.5)
-        kept.args = ((cdiv(n_tokens, block_t) * (n_out // BLOCK_O), n_heads), integers, constexprs)
+        kept.args = ((token_tiles * n_tiles_o, n_heads // heads), integers, constexprs)
     grid, integers, constexprs = kept.args
     launch(_mla_head_proj_kernel, grid, (x, kv_b_weight, kv_b_scale, out.view(torch.uint8) if quantize else out,
                                          out_scales if quantize else out, q_rope, cos, sin, *integers), constexprs,

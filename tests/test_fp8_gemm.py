@@ -23,6 +23,7 @@ from minirt.rope import apply_rope_interleaved
 from minirt.kernels.fp8_gemm import (PREFILL_CONFIG, STREAM_MAX_M, Fp8GemmConfig, StreamConfig, decode_config,
                                      default_config, default_path, fp8_gemm, quantize_act_fp8, swiglu_quantize_fp8,
                                      uses_scaled_mm)
+from minirt.kernels import mla_head_proj_fp8 as head_proj
 from minirt.kernels.mla_head_proj_fp8 import mla_query_absorb, mla_value_proj_fp8
 
 # The module (minirt.kernels re-exports the function fp8_gemm under the module's name).
@@ -454,12 +455,16 @@ def kv_b_weight(gen, heads, nope, v_dim):
     return w_fp8, scales, dequantize_block_fp8(w_fp8, scales, dtype=torch.float64).view(heads, nope + v_dim, LATENT)
 
 
-@pytest.mark.parametrize("tokens", [1, 19, 70])
+@pytest.mark.parametrize("programs_per_sm", [0, head_proj.PROGRAMS_PER_SM])   # 0: the most heads a program
+@pytest.mark.parametrize("tokens", [1, 19, 70, 300])
 @pytest.mark.parametrize("dims", list(HEAD_DIMS))
-def test_value_proj_fp8(dims, tokens):
+def test_value_proj_fp8(dims, tokens, programs_per_sm, monkeypatch):
     """o = o_lat . W_v^T per head, written as e4m3 + power-of-two scales per 128 values: the scales
     are the rule's scales of the exact product, the values its e4m3 rounding; an all-zero o_lat row
-    gives zeros with the smallest (finite) scale."""
+    gives zeros with the smallest (finite) scale. At prefill (more than 64 tokens) a program takes several
+    heads, one after the other (as many as the launch rule gives, and the most it allows)."""
+    monkeypatch.setattr(head_proj, "PROGRAMS_PER_SM", programs_per_sm)
+    head_proj._PLANS.clear()
     heads, nope, v_dim = HEAD_DIMS[dims]
     gen = generator(tokens * 10 + heads)
     w_fp8, w_scales, w = kv_b_weight(gen, heads, nope, v_dim)
@@ -484,6 +489,9 @@ def test_value_proj_fp8(dims, tokens):
     zero = slice((heads - 1) * v_dim, heads * v_dim)
     assert (got[tokens // 2, zero] == 0).all()
     assert (scales[tokens // 2, zero.start // FP8_GROUP:] == 2.0**ACT_MIN_EXPONENT).all()
+    if tokens > 64 and programs_per_sm == 0:
+        (plan,) = head_proj._PLANS.values()
+        assert plan.args[2]["HEADS"] == heads, "the prefill launch took every head in one program"
 
 
 @pytest.mark.parametrize("tokens", [1, 70, 300])   # 300: three token tiles of 128, the last partial
