@@ -1,15 +1,16 @@
 """Sparse MLA prefill over two key sources in one softmax (DeepSeek-V4: each query's sliding-window keys
 and its selected compressed entries), on top of sparse_mla_prefill.
 
-Design: the two sources are gathered into one bf16 buffer (their concatenation) and the two index lists
-into one list per query, each list's used entries first (the window's, then the compressed ones, shifted
-past the window rows), so one topk_length cuts every row's unused tail; then sparse_mla_prefill runs
-unchanged, with both of its kernels (the portable one and the sm90 Gluon one, whose producer follows one
-index stream). vLLM's V4 prefill does the same (it dequantises both caches into one buffer for
-FlashMLA's flash_mla_sparse_fwd). Reading both sources in the kernels instead would save only the copy:
-(s_kv + s_extra) rows of d_qk bf16 values and s_q * (topk + extra_topk) indices, against attention work of
-s_q * h_q * (topk + extra_topk) * 2 * (d_qk + d_v) FLOP (V4-Flash, a 4096-token chunk, 128 + 512 keys per
-query over 4096 window rows and 16384 compressed entries: a 21 MB copy against 0.34 TFLOP);
+Design: the two sources are one bf16 buffer (their concatenation) and the two index lists one list per
+query, each list's used entries first (the window's, then the compressed ones, shifted past the window
+rows), so one topk_length cuts every row's unused tail; then sparse_mla_prefill runs unchanged, with both
+of its kernels (the portable one and the sm90 Gluon one, whose producer follows one index stream). vLLM's
+V4 prefill does the same (it dequantises both caches into one buffer for FlashMLA's
+flash_mla_sparse_fwd). When the caller keeps the sources adjacent in one allocation (extra_kv's rows right
+after kv's, as DeepSeek-V4's engine keeps a prefill's keys and a layer's compressed entries) the buffer is
+a view of them; otherwise they are copied into one: (s_kv + s_extra) rows of d_qk bf16 values (V4-Flash, a
+4096-token chunk over 4096 window rows and 16384 compressed entries: 21 MB, against 0.34 TFLOP of
+attention for 128 + 512 keys per query; in a long prefill the window rows are every earlier token's).
 scripts/bench_prefill.py measures the gather's share.
 """
 from __future__ import annotations
@@ -85,7 +86,8 @@ def combine_sources(kv: torch.Tensor, indices: torch.Tensor, extra_kv: torch.Ten
         (Inputs as sparse_mla_prefill_two_sources checks them; this function does not check them.)
 
     Returns:
-        (kv_all [s_kv + s_extra, 1, d_qk]: kv then extra_kv (a copy),
+        (kv_all [s_kv + s_extra, 1, d_qk]: kv then extra_kv (a view of their memory when extra_kv's rows
+         follow kv's in one allocation with kv's strides, else a copy),
          indices_all [s_q, 1, topk + extra_topk] int32: row i's used window entries, then its used extra
          entries + s_kv, then -1; invalid entries as -1 (never shifted into the other source's rows),
          topk_length_all [s_q] int32 (the used count, or None when neither length is given)).
@@ -111,7 +113,17 @@ def _combined(combination: tuple, kv, indices, extra_kv, extra_indices, topk_len
             indices, extra_indices, topk_length if topk_length is not None else indices,
             extra_topk_length if extra_topk_length is not None else indices, combined,
             lengths if lengths is not None else combined, *integers), constexprs, compiled)
-    return torch.cat([kv, extra_kv], 0), combined, lengths
+    return _joined(kv, extra_kv), combined, lengths
+
+
+def _joined(kv: torch.Tensor, extra_kv: torch.Tensor) -> torch.Tensor:
+    """kv's rows then extra_kv's as one tensor: a view of both in place when extra_kv's rows follow kv's in
+    one allocation with kv's strides (e.g. two slices of one buffer), else a copy."""
+    s_kv = kv.shape[0]
+    if extra_kv.stride() == kv.stride() and extra_kv.data_ptr() == kv.data_ptr() + s_kv * kv.stride(0) * \
+            kv.element_size() and extra_kv.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr():
+        return kv.as_strided((s_kv + extra_kv.shape[0], *kv.shape[1:]), kv.stride())
+    return torch.cat([kv, extra_kv], 0)
 
 
 def sparse_mla_prefill_two_sources(

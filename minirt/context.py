@@ -48,6 +48,15 @@ class KVStash:
             self._layers[index] = torch.empty(self.rows, 1, width, dtype=torch.bfloat16, device=self.device)
         return self._layers[index]
 
+    def allocate_before(self, then: "KVStash", index: int, width: int) -> None:
+        """Allocate layer ``index`` of this stash and of ``then`` as one buffer [rows + then.rows, 1, width],
+        this stash's rows first: a kernel taking both as one key buffer (``sparse_mla_prefill_two_sources``)
+        then reads them in place instead of copying them together. Neither may have the layer yet."""
+        if index in self._layers or index in then._layers:
+            raise ValueError(f"layer {index} is already allocated")
+        joint = torch.empty(self.rows + then.rows, 1, width, dtype=torch.bfloat16, device=self.device)
+        self._layers[index], then._layers[index] = joint[: self.rows], joint[self.rows:]
+
 
 @dataclass
 class PrefillTrace:

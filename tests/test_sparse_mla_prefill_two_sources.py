@@ -86,6 +86,27 @@ def test_combined_list_puts_used_entries_first():
     assert combined.tolist() == [[[2, -1, -1, 1, -1, 4, 6]], [[0, 1, 2, 3, 5, 5, -1]]]
 
 
+def test_adjacent_sources_are_read_in_place():
+    """Sources that are two slices of one buffer, extra_kv's rows right after kv's (as DeepSeek-V4's engine
+    keeps a prefill's keys and a layer's entries), are used in place: combine_sources' buffer is a view of
+    them and the attention equals that over separate copies bit for bit; slices with a gap between them or in
+    the other order are copied."""
+    gen = torch.Generator().manual_seed(5)
+    buf = torch.randn(70, 1, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kv, extra_kv = buf[:50], buf[50:]
+    q = torch.randn(3, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    indices, extra_indices = random_list(3, 16, 50, gen).to(DEVICE), random_list(3, 8, 20, gen).to(DEVICE)
+    kv_all = combine_sources(kv, indices, extra_kv, extra_indices)[0]
+    assert kv_all.data_ptr() == buf.data_ptr() and kv_all.stride() == buf.stride() and torch.equal(kv_all, buf)
+    in_place = sparse_mla_prefill_two_sources(q, kv, indices, extra_kv, extra_indices, 512 ** -0.5)
+    copies = sparse_mla_prefill_two_sources(q, kv.clone(), indices, extra_kv.clone(), extra_indices, 512 ** -0.5)
+    assert all(torch.equal(a, b) for a, b in zip(in_place, copies))
+    for first, second in ((buf[:40], buf[50:]), (buf[50:], buf[:50])):
+        joined = combine_sources(first, indices, second, extra_indices)[0]
+        assert joined.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+        assert torch.equal(joined, torch.cat([first, second]))
+
+
 def test_bad_inputs_raise_input_error():
     q = torch.zeros(2, 16, 512, dtype=torch.bfloat16, device=DEVICE)
     kv = torch.zeros(8, 1, 512, dtype=torch.bfloat16, device=DEVICE)

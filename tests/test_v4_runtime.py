@@ -2,6 +2,7 @@
 on v4-tiny over a prompt longer than one prefill chunk and than the 128-token window (so the window ring
 wraps, the HCA compressor completes a 128-token window and its state crosses chunks), then decode steps
 reading the fp8 MODEL1 caches. Runs on CUDA when available, else on the CPU under the Triton interpreter."""
+import importlib
 import json
 import threading
 from types import SimpleNamespace
@@ -120,3 +121,17 @@ def test_indexer_scores_in_row_blocks_select_as_one_block(v4_tiny, monkeypatch):
     assert topk.shape == (100, 16) and (topk[-1] >= 0).all()  # the last rows choose 16 of 25 entries
     assert torch.equal(blocked_topk, topk)
     assert torch.equal(blocked_logits, logits) and torch.isfinite(logits).all()
+
+
+def test_prefill_attends_keys_and_entries_in_place(v4_tiny, monkeypatch):
+    """A prefill's CSA and HCA layers keep the prompt's keys and the layer's compressed entries adjacent in one
+    buffer, so their two-source attention reads both in place: no copy of every earlier token's keys a chunk
+    (at 1,048,576 tokens 1 GiB a layer and chunk)."""
+    two_sources = importlib.import_module("minirt.kernels.sparse_mla_prefill_two_sources")
+    joined, real = [], two_sources._joined
+    monkeypatch.setattr(two_sources, "_joined", lambda kv, extra_kv: joined.append(
+        (kv, real(kv, extra_kv))) or joined[-1][1])
+    engine = minirt.load(v4_tiny, layers=3, device=DEVICE, prefill_chunk=64)  # SWA, CSA, HCA
+    engine.prefill([list(range(1, 100))])
+    assert len(joined) == 4   # two chunks, two layers
+    assert all(buffer.data_ptr() == kv.data_ptr() for kv, buffer in joined)

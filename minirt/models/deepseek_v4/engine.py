@@ -124,8 +124,11 @@ class EngineV4(KernelRuntime):
         dev, W = self.device, self.cfg.sliding_window
         tokens = torch.tensor([t for p in prompts for t in p], device=dev)
         stash = KVStash(lens, dev)
-        ratios = {k.ratio for k in self.cfg.layer_kinds[: self.num_layers] if k != LayerKind.SWA}
-        entry_stash = {m: KVStash([n // m + 1 for n in lens], dev) for m in ratios}
+        kinds = self.cfg.layer_kinds[: self.num_layers]
+        entry_stash = {k.ratio: KVStash([n // k.ratio + 1 for n in lens], dev) for k in kinds if k != LayerKind.SWA}
+        for i, kind in enumerate(kinds):   # a layer's keys and entries adjacent: its attention reads them in place
+            if kind != LayerKind.SWA:
+                stash.allocate_before(entry_stash[kind.ratio], i, self.cfg.head_dim)
         logits, first = [], 0
         if progress is not None:
             progress(0, len(tokens))
