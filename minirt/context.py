@@ -33,7 +33,7 @@ class Segment:
 class KVStash:
     """The bf16 attention keys/values ``[latent | k_rope]`` of every token of one prefill, per layer:
     what the sparse prefill kernel attends. Rows: sequence i's position p is row ``base[i] + p``;
-    a layer's tensor is allocated on first use."""
+    a layer's tensor is allocated on first use, or beside another stash's by ``allocate_before``."""
 
     def __init__(self, lengths: Sequence[int], device: torch.device | str):
         self.base = [0]
