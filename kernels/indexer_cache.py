@@ -403,9 +403,7 @@ def _launch_paged(q, weights, cache, block_table, limit, out, kept: Kept) -> tor
     if config is None:
         # The sm_90 kernel (indexer_scores_sm90.takes): its key tiles are pages, ROWS query rows a program.
         if plan is None:
-            plan = kept.args = (copy_table, keys_split, launch_shape(
-                n_batch, n_queries, n_heads, n_keys, IndexerConfig(indexer_scores_sm90.ROWS, geometry.block_size, 8, 1),
-                q.device)[1])
+            plan = kept.args = (copy_table, keys_split, indexer_scores_sm90.tiling(n_batch, n_queries, n_keys, q.device))
         indexer_scores_sm90.paged_scores(q, weights, cache, cache_lo, table, limit, out, n_keys, fp8, plan[2])
         return out
     if plan is None:

@@ -29,6 +29,7 @@ from minirt.formats import INDEX_KEY_BYTES, INDEX_KEY_DIM
 
 from . import lightning_indexer
 from ._common import INTERPRET, is_sm90
+from ._indexer_tiles import launch_shape
 
 HEADS = 64                  # index heads (V3.2): a query row is 64 of the MMA's N columns
 BLOCK_S = 64                # keys a tile: one page
@@ -59,6 +60,13 @@ def takes(n_heads: int, head_dim: int, block_size: int, key_rows: int, n_queries
     return not INTERPRET and n_heads == HEADS and head_dim == INDEX_KEY_DIM and block_size == BLOCK_S \
         and key_rows < 2**31 and n_queries >= lightning_indexer.PRESPLIT_MIN_QUERIES and device.type == "cuda" \
         and is_sm90(device)
+
+
+def tiling(n_batch: int, n_queries: int, n_keys: int, device: torch.device) -> tuple:
+    """paged_scores' tiling argument: launch_shape's (n_t_tiles, n_chunks, tiles_per_chunk) for ROWS query rows of
+    HEADS heads a program and key tiles of one page."""
+    config = lightning_indexer.IndexerConfig(ROWS, BLOCK_S, 8, 1)
+    return launch_shape(n_batch, n_queries, HEADS, n_keys, config, device)[1]
 
 
 @gluon.jit
@@ -271,8 +279,7 @@ def paged_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
                  tiling: tuple) -> None:
     """One launch of the scores of q's rows into out (paged_indexer_scores' contract; checked inputs that
     takes() accepts). fp8: keys the fp8 index cache (uint8 [num_blocks, 64, 1, 132]), keys_lo unused; exact:
-    keys, keys_lo split_pages' bfloat16 parts [b * P, 64, 128] and table its table. tiling: (n_t_tiles,
-    n_chunks, tiles_per_chunk) of launch_shape for block_t ROWS, block_s 64."""
+    keys, keys_lo split_pages' bfloat16 parts [b * P, 64, 128] and table its table. tiling: tiling()'s."""
     n_batch, n_queries = q.shape[:2]
     n_t_tiles, n_chunks, tiles_per_chunk = tiling
     q_rows = q.reshape(-1, INDEX_KEY_DIM)

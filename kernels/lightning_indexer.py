@@ -246,12 +246,10 @@ def lightning_indexer_scores(
     if kept.value is None:
         # A prefill chunk on sm_90: the paged cache's Gluon kernel, k's split rows standing for one sequence's
         # pages of 64 (its block table: 0, 1, 2, ...).
-        n_queries, n_heads, _ = q.shape
-        n_keys = k.shape[0]
+        n_queries, n_keys = q.shape[0], k.shape[0]
         if kept.args is None:
             kept.args = (torch.arange(cdiv(n_keys, indexer_scores_sm90.BLOCK_S), dtype=torch.int32, device=q.device)[None],
-                         launch_shape(1, n_queries, n_heads, n_keys, IndexerConfig(
-                             indexer_scores_sm90.ROWS, indexer_scores_sm90.BLOCK_S, 8, 1), q.device)[1])
+                         indexer_scores_sm90.tiling(1, n_queries, n_keys, q.device))
         table, tiling = kept.args
         k_hi, k_lo = split_bf16_parts(k)
         indexer_scores_sm90.paged_scores(q[None], weights[None], k_hi, k_lo, table, limit[None], out[None], n_keys,
