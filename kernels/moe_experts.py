@@ -54,13 +54,13 @@ from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
 from ._common import INTERPRET, arrival_counters, check_device, rows_per_program, swiglu, wait_for_inputs
+from ._fp4 import FOLD_PTX, FOLD_SPREAD, FP4_GROUP
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from .fp8_gemm import _capability, _num_sms
-from . import moe_grouped_sm90
+from . import moe_grouped_fp4_sm90, moe_grouped_sm90
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
 BLOCK_K = FP8_GROUP          # one k block = one activation scale group = one fp8 weight block column
-FP4_GROUP = 32               # inputs per e8m0 scale of an fp4 weight
 # The same as @triton.jit code reads them (its globals must be constexprs).
 _BLOCK_K = tl.constexpr(BLOCK_K)
 _FP4_GROUP = tl.constexpr(FP4_GROUP)
@@ -405,28 +405,8 @@ def _e2m1_as_e4m3(packed):
     return (((codes & 7) << 2) | ((codes & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
-# fp4_fold: a weight row's e8m0 scales s within one k block may span at most 2^FOLD_SPREAD: its e2m1
-# values are then held in e4m3 as value x 2^(s - top + 6) (top: the row's largest s in the block),
-# in [2^-6, 384]: all normal e4m3, exact; the product is multiplied by 2^(top - 133) per row.
-FOLD_SPREAD = 11
 _FOLD_SPREAD = tl.constexpr(FOLD_SPREAD)
-def _fold_ptx_half(magnitudes: str, signs: str, out: str) -> str:
-    """One nibble half of _FOLD_PTX: magnitudes / signs, the instructions leaving its 3-bit magnitudes in
-    x and its sign bits (0x80 of each byte) in d; out, the operand it writes."""
-    return (magnitudes + "shr.b32 y, x, 4;\nor.b32 y, y, x;\nprmt.b32 s, y, y, 0x0020;\nprmt.b32 m, lut0, lut1, s;\n"
-            "prmt.b32 n, nz0, nz1, s;\nand.b32 n, n, $3;\nadd.u32 m, m, n;\n" + signs + f"or.b32 {out}, m, d;\n")
-
-
-# PTX of _e2m1_folded for 4 packed bytes ($2) and their exponent offsets ($3): each nibble's magnitude
-# (3 bits) indexes two byte tables (prmt): the e4m3 code of its value x 2^-5 (0x08 .. 0x24) and a
-# nonzero mask; the offset (a multiple of 8, <= 88: no byte carries) is added to nonzero codes'
-# exponent fields and the sign bit put on. $0: the low nibbles' codes, $1: the high nibbles'.
-_FOLD_PTX = tl.constexpr(
-    "\n{\n.reg .b32 x, y, s, m, n, d, lut0, lut1, nz0, nz1;\nmov.b32 lut0, 0x14100800;\nmov.b32 lut1, 0x24201C18;\n"
-    "mov.b32 nz0, 0xFFFFFF00;\nmov.b32 nz1, 0xFFFFFFFF;\n"
-    + _fold_ptx_half("and.b32 x, $2, 0x07070707;\n", "shl.b32 d, $2, 4;\nand.b32 d, d, 0x80808080;\n", "$0")
-    + _fold_ptx_half("shr.b32 x, $2, 4;\nand.b32 x, x, 0x07070707;\n", "and.b32 d, $2, 0x80808080;\n", "$1")
-    + "}\n")
+_FOLD_PTX = tl.constexpr(FOLD_PTX)
 
 
 @triton.jit
@@ -744,8 +724,10 @@ def _splits(programs: int, n_k_blocks: int, device: torch.device, split_k: Optio
 
 
 def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, fp4: bool, swiglu: bool,
-                  limit: Optional[float], n_experts: int, config: MoeConfig) -> None:
-    """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]."""
+                  limit: Optional[float], n_experts: int, config: MoeConfig, unfolded=None) -> None:
+    """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]. unfolded
+    (fp4_fold): the marks of a first pass already run (moe_grouped_fp4_sm90): only the marked blocks' bf16
+    pass runs."""
     n, k_stored = weight.shape[1], weight.shape[2]
     k = 2 * k_stored if fp4 else k_stored
     n_out = n // 2 if swiglu else n
@@ -757,20 +739,21 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     b_block_k = FP4_GROUP // 2 if e4m3 else a_block_k
     tile_cols = tile_expert.numel() * (n_out // config.block_n)
     splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
-    partials = arrivals = unfolded = out      # unread placeholders without split-K, fp4_fold
+    partials = arrivals = out      # unread placeholders without split-K
     if splits > 1:
         partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
                                device=a.device)
         arrivals = arrival_counters(a.device, tile_cols)
     fold = fp4 and config.fp4_fold
-    if fold:
+    passes = (1, 2) if fold and unfolded is None else (2,) if fold else (0,)
+    if fold and unfolded is None:
         unfolded = torch.zeros(tile_cols, dtype=torch.int32, device=a.device)
     a_desc = TensorDescriptor.from_tensor(a, [config.block_m, a_block_k])
     b_desc = TensorDescriptor.from_tensor(stacked, [config.block_n, b_block_k])
-    for fold_pass in (1, 2) if fold else (0,):
+    for fold_pass in passes:
         _grouped_gemm_kernel[(tile_cols * splits,)](
             a_desc, a_scales, b_desc, scales, tile_expert, out, out if out_scales is None else out_scales, partials,
-            arrivals, unfolded, 0.0 if limit is None else float(limit),
+            arrivals, out if unfolded is None else unfolded, 0.0 if limit is None else float(limit),
             E=n_experts, N=n, K=k, N_OUT=n_out, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLITS=splits,
             SWAP_AB=config.swap_ab, FP4=fp4, FP4_E4M3=e4m3, FOLD_PASS=fold_pass,
             FOLD_CHUNK=math.gcd(k // BLOCK_K, _FOLD_CHUNK_BLOCKS), SPLIT_COLS=fp4 and not e4m3,
@@ -880,6 +863,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         return _combine(y, row_of_slot, weights, out, shared)
     fp4 = experts.format == "fp4"
     sm90 = config is PREFILL_CONFIG and moe_grouped_sm90.takes(x.device, experts.format, d, i)
+    fp4_sm90 = config is PREFILL_CONFIG_FP4 and moe_grouped_fp4_sm90.takes(x.device, experts.format, d, i)
     row_token, tile_expert, row_of_slot = _plan(expert_ids, n_experts,
                                                 moe_grouped_sm90.BLOCK_M if sm90 else config.block_m)
     x_fp8, x_scales = _gather_quantize(x, row_token, fp4 and not config.fp4_e4m3)
@@ -893,10 +877,20 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         moe_grouped_sm90.grouped_fp8(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, swiglu=False,
                                      limit=None)
     else:
+        # fp4 on sm_90: the folded products in the Gluon kernel, then the Triton kernel's bf16 pass over the
+        # blocks it marked.
+        marks = [torch.zeros(tile_expert.numel() * n // BLOCK_K, dtype=torch.int32, device=x.device)
+                 if fp4_sm90 else None for n in (i, d)]
+        if fp4_sm90:
+            moe_grouped_fp4_sm90.grouped_fp4(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert,
+                                             h.view(torch.uint8), h_scales, marks[0], swiglu=True, limit=swiglu_limit)
         _grouped_gemm(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,
-                      fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config)
+                      fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config, unfolded=marks[0])
+        if fp4_sm90:
+            moe_grouped_fp4_sm90.grouped_fp4(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, marks[1],
+                                             swiglu=False, limit=None)
         _grouped_gemm(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
-                      fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config)
+                      fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config, unfolded=marks[1])
     return _combine(y, row_of_slot, weights, out, shared)
 
 

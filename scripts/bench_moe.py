@@ -10,7 +10,8 @@ Tables:
 
 - routing: route_topk on [T, 256] fp32 logits, microseconds;
 - grouped GEMMs (T >= 4096): moe_experts' gate/up (SwiGLU fused) and down kernels alone (the Triton
-  kernel, and on sm_90 with fp8 experts also the Gluon one that moe_experts takes there), on the plan
+  kernel, and on sm_90 also the Gluon one that moe_experts takes there: moe_grouped_sm90 for fp8
+  experts, moe_grouped_fp4_sm90 then the Triton kernel's pass over the blocks it marks for fp4), on the plan
   of a real routing, beside torch._scaled_mm (block-wise scales, via fp8_gemm.scaled_mm_blockwise) on
   one dense GEMM of the same total size ([T * top_k, K] x [N, K]^T); TFLOP/s count the routed
   tokens' products only (padding rows of the tiles are not counted). Target (V3.2, T 4096, gate/up):
@@ -59,6 +60,7 @@ from minirt.kernels.fp8_gemm import fp8_gemm, quantize_act_fp8, scaled_mm_blockw
 moe = importlib.import_module("minirt.kernels.moe_experts")
 moe_decode = importlib.import_module("minirt.kernels.moe_decode")
 sm90 = importlib.import_module("minirt.kernels.moe_grouped_sm90")
+fp4_sm90 = importlib.import_module("minirt.kernels.moe_grouped_fp4_sm90")
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,8 @@ def prefill_config(model: Model) -> moe.MoeConfig:
 
 def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label="", gluon=False):
     """The two grouped GEMMs of moe_experts alone in the Triton kernel (prefill shape, or config's, named by
-    label) or (gluon) in the Gluon one (moe_grouped_sm90, 128-row tiles), and _scaled_mm on dense
+    label) or (gluon) as moe_experts runs them on sm_90 (fp8: moe_grouped_sm90, 128-row tiles; fp4:
+    moe_grouped_fp4_sm90, then the Triton kernel's pass over the marked blocks), and _scaled_mm on dense
     equivalents; with the active experts' weight bytes a GEMM reads at least once."""
     d, i, n_slots = model.hidden, model.inter, ids.numel()
     config = config or prefill_config(model)
@@ -193,7 +196,21 @@ def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label=
     h_scales = torch.empty((rows, i // 128), device=DEVICE)
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=DEVICE)
     fp4 = experts.format == "fp4"
+    marks = torch.zeros(tile_expert.numel() * max(d, i) // 128, dtype=torch.int32, device=DEVICE)
+
+    def folded_then_marked(a, a_scales, weight, scales, out, out_scales, swiglu, limit):
+        # moe_experts' fp4 path on sm_90: the Gluon kernel's folded products, then the Triton kernel over
+        # the blocks it marked (zeroed a call, as moe_experts allocates them).
+        fp4_sm90.grouped_fp4(a, a_scales, weight, scales, tile_expert, out, out_scales, marks.zero_(),
+                             swiglu=swiglu, limit=limit)
+        moe._grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, fp4=True, swiglu=swiglu,
+                          limit=limit, n_experts=model.experts, config=config, unfolded=marks)
+
     runs = {
+        "gate/up + SwiGLU": (2 * i, d, lambda: folded_then_marked(
+            a, a_scales, experts.w13, experts.w13_scales, h.view(torch.uint8), h_scales, True, model.limit)),
+        "down": (d, i, lambda: folded_then_marked(h, h_scales, experts.w2, experts.w2_scales, y, None, False, None)),
+    } if gluon and fp4 else {
         "gate/up + SwiGLU": (2 * i, d, lambda: sm90.grouped_fp8(
             a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, swiglu=True,
             limit=model.limit)),
@@ -364,7 +381,7 @@ def bench_model(model, tokens, configs, shapes, tflops_ceiling, gbps_ceiling, li
         print(row, flush=True)
         if n_tokens >= PREFILL_T:
             bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling)
-            if sm90.takes(x.device, experts.format, model.hidden, model.inter):
+            if any(m.takes(x.device, experts.format, model.hidden, model.inter) for m in (sm90, fp4_sm90)):
                 bench_gemms(model, experts, x, ids, gemm_lines, gbps_ceiling, label=" (Gluon)", gluon=True)
             for text, config in configs:     # the prefill-oriented extra shapes
                 if config.block_m >= 64 and (model.fmt == "fp4" or not (config.fp4_e4m3 or config.fp4_fold)):

@@ -262,16 +262,10 @@ def test_moe_experts(poisoned, fmt, config, n_tokens, limit, i):
         assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) > 10 * EXPERTS_TOL
 
 
-@pytest.mark.parametrize("config", [replace(TILES_CONFIG, fp4_fold=True), replace(SPLIT_CONFIG, fp4_fold=True),
-                                    PREFILL_CONFIG_FP4])
-def test_moe_experts_fp4_fold_at_and_past_its_spread(poisoned, config):
-    """fp4_fold with every 128-input block's first 32-input group scaled 2^-FOLD_SPREAD below the rest
-    (the e4m3 values reach the smallest normal one, 2^-6: still exact) in experts 0-3, and 2^-(FOLD_SPREAD + 1) in
-    experts 4-6 (those tiles take the bf16 launch); the inputs of those groups 2^9 larger, so that
-    they carry a fair share of each product. Against the oracle, and within rounding of the bf16 path
-    (both exact decodes: only the fp32 sums' order differs)."""
-    gen = generator(11)
-    e, d, i, top_k, n_tokens = 8, 256, 128, 2, 6
+def experts_at_the_fold_spread(gen, e, d, i, n_tokens):
+    """fp4 experts whose every 128-input block's first 32-input group is scaled 2^-FOLD_SPREAD below the rest
+    in experts 0-3 and 2^-(FOLD_SPREAD + 1) in experts 4-7, their dequantised weights, and n_tokens inputs
+    whose those groups are 2^9 larger (so that they carry a fair share of each product)."""
     experts, _ = make_experts("fp4", gen, e, d, i)
     for name in ("w13_scales", "w2_scales"):
         scales = getattr(experts, name)
@@ -286,7 +280,20 @@ def test_moe_experts_fp4_fold_at_and_past_its_spread(poisoned, config):
                                                      (experts.w13[x, i:], experts.w13_scales[x, i:]),
                                                      (experts.w2[x], experts.w2_scales[x]))) for x in range(e)]
     x = torch.randn(n_tokens, d, generator=gen, device=DEVICE)
-    x = (x * torch.where(torch.arange(d, device=DEVICE) % 128 < 32, 512.0, 1.0)).bfloat16()
+    return experts, dense, (x * torch.where(torch.arange(d, device=DEVICE) % 128 < 32, 512.0, 1.0)).bfloat16()
+
+
+@pytest.mark.parametrize("config", [replace(TILES_CONFIG, fp4_fold=True), replace(SPLIT_CONFIG, fp4_fold=True),
+                                    PREFILL_CONFIG_FP4])
+def test_moe_experts_fp4_fold_at_and_past_its_spread(poisoned, config):
+    """fp4_fold with every 128-input block's first 32-input group scaled 2^-FOLD_SPREAD below the rest
+    (the e4m3 values reach the smallest normal one, 2^-6: still exact) in experts 0-3, and 2^-(FOLD_SPREAD + 1) in
+    experts 4-6 (those tiles take the bf16 launch); the inputs of those groups 2^9 larger, so that
+    they carry a fair share of each product. Against the oracle, and within rounding of the bf16 path
+    (both exact decodes: only the fp32 sums' order differs)."""
+    gen = generator(11)
+    e, d, i, top_k, n_tokens = 8, 256, 128, 2, 6
+    experts, dense, x = experts_at_the_fold_spread(gen, e, d, i, n_tokens)
     expert_ids = torch.stack([torch.randperm(e - 1, generator=gen, device=DEVICE)[:top_k]
                               for _ in range(n_tokens)]).int()
     weights = torch.rand(n_tokens, top_k, generator=gen, device=DEVICE) + 0.5
@@ -450,6 +457,42 @@ def test_prefill_default_path_fp8(poisoned, monkeypatch, limit):
         assert rel_error(out, triton_out.double()) < 1e-3
     if limit is not None:    # the clamp bites
         assert rel_error(out, ref_moe(x, expert_ids, weights, dense, None)) > 10 * EXPERTS_TOL
+
+
+@pytest.mark.parametrize("past_spread", [False, True])
+def test_prefill_default_path_fp4(poisoned, monkeypatch, past_spread):
+    """fp4 experts at a prefill size with moe_experts' own launch shape: on an sm_90 GPU the folded products run
+    in the Gluon kernel (moe_grouped_fp4_sm90: k loops of 8 and 4 blocks, an expert over two 128-row tiles),
+    then the Triton kernel's bf16 pass over the blocks it marked (past_spread: experts 4-7's rows span 2^12
+    within a block, so every tile of theirs is marked), elsewhere both in the Triton kernel; against the
+    oracle either way, and on sm_90 against the Triton kernel."""
+    gen = generator(17)
+    e, d, i, top_k, n_tokens = 8, 1024, 512, 2, 160     # 320 assignments: past DECODE_CONFIG's 16 per expert
+    if past_spread:
+        experts, dense, x = experts_at_the_fold_spread(gen, e, d, i, n_tokens)
+    else:
+        experts, dense = make_experts("fp4", gen, e, d, i)
+        x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
+    calls = []
+    sm90 = sys.modules["minirt.kernels.moe_grouped_fp4_sm90"]
+    grouped_fp4 = sm90.grouped_fp4
+    monkeypatch.setattr(sm90, "grouped_fp4", lambda *args, **kwargs: calls.append(args[-1]) or grouped_fp4(*args,
+                                                                                                             **kwargs))
+    # Expert 0 gets 160 rows (two tiles, the second partly padding); the last expert none.
+    expert_ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                         1 + torch.randperm(e - 2, generator=gen, device=DEVICE)[:top_k - 1]])
+                              for _ in range(n_tokens)]).int()
+    weights = torch.rand(n_tokens, top_k, generator=gen, device=DEVICE) + 0.5
+    out = moe_experts(x, expert_ids, weights, experts, swiglu_limit=0.5)
+    on_hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    assert len(calls) == (2 if on_hopper else 0)
+    if on_hopper:   # the marks: some blocks exactly when past the spread (the unused tiles' stay 0)
+        assert all(bool(marks.any()) == past_spread for marks in calls)
+    assert out.shape == (n_tokens, d) and torch.isfinite(out).all()
+    assert rel_error(out, ref_moe(x, expert_ids, weights, dense, 0.5)) < EXPERTS_TOL
+    if on_hopper:   # the same products and promotion as the Triton kernel
+        triton_out = moe_experts(x, expert_ids, weights, experts, swiglu_limit=0.5, config=replace(PREFILL_CONFIG_FP4))
+        assert rel_error(out, triton_out.double()) < 1e-3
 
 
 @triton.jit
