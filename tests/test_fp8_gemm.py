@@ -494,7 +494,7 @@ def test_value_proj_fp8(dims, tokens, programs_per_sm, monkeypatch):
         assert plan.args[2]["HEADS"] == heads, "the prefill launch took every head in one program"
 
 
-@pytest.mark.parametrize("tokens", [1, 70, 300])   # 300: three token tiles of 128, the last partial
+@pytest.mark.parametrize("tokens", [1, 70, 300])   # prefill: token tiles of 64, the last partial
 @pytest.mark.parametrize("dims", list(HEAD_DIMS))
 def test_query_absorb(dims, tokens):
     """q_lat = q_nope . W_k per head from a view q[..., :nope] of the full query (no copy), rounded
