@@ -35,9 +35,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from minirt.formats import FP8_GROUP
 
-from ._common import INTERPRET, is_sm90, swiglu
+from ._common import swiglu
 from ._fp8 import ACT_MIN_EXPONENT, e4m3_bits, pow2_scale
 from ._fp4 import FOLD_PTX, FOLD_SPREAD, FP4_GROUP
+from .moe_grouped_sm90 import fits, program_tile
 
 BLOCK_M = 128                # rows of a tile
 BLOCK_K = FP8_GROUP          # inputs of a k block (one activation scale group)
@@ -61,10 +62,8 @@ FACTORS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 def takes(device: torch.device, format: str, hidden_size: int, intermediate_size: int) -> bool:
-    """Whether moe_experts' fp4_fold products run here: fp4 experts with D a multiple of 256 and D, I at least
-    256, on sm_90."""
-    return not INTERPRET and format == "fp4" and hidden_size % (2 * BLOCK_K) == 0 \
-        and min(hidden_size, intermediate_size) >= 2 * BLOCK_K and device.type == "cuda" and is_sm90(device)
+    """Whether moe_experts' fp4_fold products run here: fp4 experts that moe_grouped_sm90.fits()."""
+    return format == "fp4" and fits(device, hidden_size, intermediate_size)
 
 
 @gluon.jit
@@ -194,19 +193,12 @@ def _grouped_fp4_sm90_kernel(a_desc, a_scale_ptr, p_desc, scale_ptr, tile_expert
                              unfolded_ptr, limit, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
                              N_OUT: gl.constexpr, SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr,
                              STAGES: gl.constexpr):
-    # Program (tile, column block), column blocks fastest: the programs of one tile share its activations.
-    # unfolded_ptr is indexed as the Triton kernel's (tile x 128-column blocks): a program of the down
-    # product (two blocks) marks both.
-    COLS: gl.constexpr = _BLOCK_K if SWIGLU else 2 * _BLOCK_K     # output columns a program
+    # Programs as moe_grouped_sm90's. unfolded_ptr is indexed as the Triton kernel's (tile x 128-column
+    # blocks): a program of the down product (two blocks) marks both.
     SECOND: gl.constexpr = N_OUT if SWIGLU else _BLOCK_K          # from the first 128 weight rows to the second
     KB: gl.constexpr = K // _BLOCK_K
-    pid = gl.program_id(0)
-    tile = pid // (N_OUT // COLS)
-    col = pid % (N_OUT // COLS) * COLS
-    expert = gl.load(tile_expert_ptr + tile)
+    tile, row0, col, expert, w_row = program_tile(tile_expert_ptr, N, N_OUT, SWIGLU)
     if expert < E:
-        row0 = tile * _BLOCK_M
-        w_row = expert * N + col
         tile_col = tile * (N_OUT // _BLOCK_K) + col // _BLOCK_K
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _BLOCK_M, _HALF], a_desc.layout)
         packed = gl.allocate_shared_memory(p_desc.dtype, [2 * STAGES, _BLOCK_K, _HALF], p_desc.layout)

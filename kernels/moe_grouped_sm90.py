@@ -46,11 +46,16 @@ COL_L = gl.constexpr(gl.SliceLayout(0, ACC_L.value))
 CODES_L = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
 
 
+def fits(device: torch.device, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether the Gluon grouped GEMMs (this module's, moe_grouped_fp4_sm90's) take these experts' products:
+    D a multiple of 256 and D, I at least 256, on sm_90."""
+    return not INTERPRET and hidden_size % (2 * BLOCK_K) == 0 and min(hidden_size, intermediate_size) >= 2 * BLOCK_K \
+        and device.type == "cuda" and is_sm90(device)
+
+
 def takes(device: torch.device, format: str, hidden_size: int, intermediate_size: int) -> bool:
-    """Whether moe_experts' prefill products run here: fp8 experts with D a multiple of 256 and D, I at least
-    256, on sm_90."""
-    return not INTERPRET and format == "fp8" and hidden_size % (2 * BLOCK_K) == 0 \
-        and min(hidden_size, intermediate_size) >= 2 * BLOCK_K and device.type == "cuda" and is_sm90(device)
+    """Whether moe_experts' prefill products run here: fp8 experts that fit()."""
+    return format == "fp8" and fits(device, hidden_size, intermediate_size)
 
 
 @gluon.jit
@@ -118,20 +123,26 @@ def _consumer(smem, a_scale_ptr, b_scale_ptr, out_ptr, out_scale_ptr, limit, row
 
 
 @gluon.jit
-def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr,
-                             limit, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
-                             SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
-    # Program (tile, column block), column blocks fastest: the programs of one tile share its activations.
-    COLS: gl.constexpr = _BLOCK_K if SWIGLU else 2 * _BLOCK_K     # output columns a program
-    SECOND: gl.constexpr = N_OUT if SWIGLU else _BLOCK_K          # from the first 128 weight rows to the second
-    KB: gl.constexpr = K // _BLOCK_K
+def program_tile(tile_expert_ptr, N: gl.constexpr, N_OUT: gl.constexpr, SWIGLU: gl.constexpr):
+    """This program's (tile, its first row, first output column, expert, the expert's first weight row of
+    the column block) in a grid over (tile, column block), column blocks fastest so that the programs of one
+    tile share its activations; a column block: 128 outputs with SwiGLU (its gate and up rows), else 256."""
+    COLS: gl.constexpr = _BLOCK_K if SWIGLU else 2 * _BLOCK_K
     pid = gl.program_id(0)
     tile = pid // (N_OUT // COLS)
     col = pid % (N_OUT // COLS) * COLS
     expert = gl.load(tile_expert_ptr + tile)
+    return tile, tile * _BLOCK_M, col, expert, expert * N + col
+
+
+@gluon.jit
+def _grouped_fp8_sm90_kernel(a_desc, a_scale_ptr, b_desc, b_scale_ptr, tile_expert_ptr, out_ptr, out_scale_ptr,
+                             limit, E: gl.constexpr, N: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
+                             SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+    SECOND: gl.constexpr = N_OUT if SWIGLU else _BLOCK_K          # from the first 128 weight rows to the second
+    KB: gl.constexpr = K // _BLOCK_K
+    _, row0, col, expert, w_row = program_tile(tile_expert_ptr, N, N_OUT, SWIGLU)
     if expert < E:
-        row0 = tile * _BLOCK_M
-        w_row = expert * N + col
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BLOCK_M, _BLOCK_K], a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [2 * STAGES, _BLOCK_K, _BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -79,7 +79,8 @@ PARTS = {
     "indexer": ("indexer", "_paged_scores", "_write_index_keys", "topk", "_boundary_ties", "radix", "sort",
                 "bitonic", "_tau_kernel", "_candidates_kernel", "_overflow_kernel"),
     "attention": ("sparse_mla", "_sparse_decode"),
-    "linear": ("gemm", "cutlass", "fp8_gemm", "quantize_act", "mla_head_proj", "nvjet", "sm90_xmma", "cublas"),
+    "linear": ("gemm", "_grouped_fp", "cutlass", "fp8_gemm", "quantize_act", "mla_head_proj", "nvjet", "sm90_xmma",
+               "cublas"),
 }
 
 
