@@ -94,12 +94,21 @@ def _decoder(smem, scale_ptr, unfolded_ptr, tile_col, w_row, SECOND: gl.constexp
     groups = gl.arange(0, _GROUPS, gl.SliceLayout(0, SCALES_L))
     zeros3 = gl.zeros([2 * _HALF, _GROUPS, _FP4_GROUP // 2], gl.uint8, PACKED3_L)
     spread = gl.zeros([2 * _HALF], gl.int32, gl.SliceLayout(1, SCALES_L))
+    # The scale bytes of both parts' rows, a k block ahead: their load's latency (global memory) is hidden
+    # behind the previous block's decode instead of starting it.
+    scales0 = scale_ptr + ((w_row + rows).to(gl.int64) * (K // _FP4_GROUP))[:, None] + groups[None, :]
+    scales1 = scales0 + SECOND * (K // _FP4_GROUP)
+    ahead0 = gl.load(scales0)
+    ahead1 = gl.load(scales1)
     for kb in range(KB):
         stage = kb % STAGES
+        now0, now1 = ahead0, ahead1
+        following = gl.minimum(kb + 1, KB - 1) * _GROUPS   # (the last block's again at the end)
+        ahead0 = gl.load(scales0 + following)
+        ahead1 = gl.load(scales1 + following)
         mbarrier.wait(loaded.index(stage), (kb // STAGES) & 1)
         for part in gl.static_range(2):
-            scale_rows = (w_row + part * SECOND + rows).to(gl.int64) * (K // _FP4_GROUP)
-            scales = gl.load(scale_ptr + (scale_rows[:, None] + (kb * _GROUPS + groups)[None, :])).to(gl.int32)
+            scales = (now0 if part == 0 else now1).to(gl.int32)
             top = gl.max(scales, 1)
             spread = gl.maximum(spread, top - gl.min(scales, 1))
             offsets = ((scales - top[:, None] + _FOLD_SPREAD) << 3).to(gl.uint8)
@@ -111,9 +120,10 @@ def _decoder(smem, scale_ptr, unfolded_ptr, tile_col, w_row, SECOND: gl.constexp
             decoded.index(4 * stage + 2 * part + 1).store(high.to(gl.float8e4nv, bitcast=True))
             # 2^(top - 133): the e4m3 values are 2^(s - top + 6) times the e2m1 ones.
             factors.index(2 * stage + part).store(((top - 6) << 23).to(gl.float32, bitcast=True))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(stage))
+            # Each part released on its own: the consumers' first two quarters start under the second's decode.
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(2 * stage + part))
     # Each thread with a row that does not fold marks the block (the same value: no reduction needed).
     marks = unfolded_ptr + tile_col + gl.zeros_like(spread)
     gl.store(marks, gl.full_like(spread, 1), mask=spread > _FOLD_SPREAD)
@@ -152,14 +162,15 @@ def _consumer(smem, a_scale_ptr, out_ptr, out_scale_ptr, limit, row0, col, ROWS0
     for kb in range(KB):
         a_scale = gl.load(a_scales + kb)
         stage = kb % STAGES
-        # The activations came by TMA (loaded), the weights from the decoder (ready).
+        # The activations came by TMA (loaded), the weights from the decoder (ready, a part at a time).
         mbarrier.wait(loaded.index(stage), (kb // STAGES) & 1)
-        mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
+        mbarrier.wait(ready.index(2 * stage), (kb // STAGES) & 1)
         a_lo = a_smem.index(2 * stage).slice(ROWS0, _HALF)
         a_hi = a_smem.index(2 * stage + 1).slice(ROWS0, _HALF)
         lo, hi = decoded.index(4 * stage), decoded.index(4 * stage + 1)
         product, acc0 = _quarter(product, a_lo, a_hi, lo, hi, 0, 0, acc0, a_scale, factors.index(2 * stage))
         product, acc1 = _quarter(product, a_lo, a_hi, lo, hi, 0, _HALF, acc1, a_scale, factors.index(2 * stage))
+        mbarrier.wait(ready.index(2 * stage + 1), (kb // STAGES) & 1)
         lo, hi = decoded.index(4 * stage + 2), decoded.index(4 * stage + 3)
         product, acc2 = _quarter(product, a_lo, a_hi, lo, hi, 0, 0, acc2, a_scale, factors.index(2 * stage + 1))
         product, acc3 = _quarter(product, a_lo, a_hi, lo, hi, 0, _HALF, acc3, a_scale,
@@ -205,11 +216,12 @@ def _grouped_fp4_sm90_kernel(a_desc, a_scale_ptr, p_desc, scale_ptr, tile_expert
         decoded = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, _BLOCK_K, _HALF], a_desc.layout)
         factors = gl.allocate_shared_memory(gl.float32, [2 * STAGES, _BLOCK_K], FACTORS_SMEM)
         loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())   # a part each
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(loaded.index(i), count=1)
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(2 * i), count=1)
+            mbarrier.init(ready.index(2 * i + 1), count=1)
             mbarrier.init(free.index(i), count=2)   # one arrive a consumer
         smem = (a_smem, packed, decoded, factors, loaded, ready, free)
         gl.warp_specialize([
