@@ -13,10 +13,11 @@ and waits for the MMA in one partition: the decode's instructions, not the tenso
 
 - a producer warp TMA-loads each k block: the activation tile's two 64-column halves (even inputs, then
   odd: the activations' columns are split, _split_columns) and the gate and up rows' packed bytes;
-- a decoder warpgroup reads each stage's packed bytes and its rows' scale bytes, writes the low and high
-  nibbles as folded e4m3 (_fp4.FOLD_PTX) into MMA operand buffers and each row's 2^(top - 133)
-  beside them, and marks the tile for the bf16 pass (unfolded_ptr) when any row of any k block spans more
-  than 2^FOLD_SPREAD (that tile's output here is then overwritten by the Triton kernel's second pass);
+- a decoder warpgroup reads each stage's packed bytes and its rows' scale bytes (loaded a k block ahead),
+  writes the low and high nibbles as folded e4m3 (_fp4.FOLD_PTX) into MMA operand buffers and each row's
+  2^(top - 133) beside them, releases the gate rows and the up rows each on its own barrier, and marks
+  the tile for the bf16 pass (unfolded_ptr) when any row of any k block spans more than 2^FOLD_SPREAD
+  (that tile's output here is then overwritten by the Triton kernel's second pass);
 - two consumer warpgroups, 64 of the rows each, multiply (even and odd halves into one product) and
   promote on their own pace, in 64-column quarters so that the four fp32 accumulators, a product and its
   column factors fit in registers, and release the stage.
