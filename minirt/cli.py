@@ -116,8 +116,8 @@ def _path(text: str) -> Path:
 
 app = typer.Typer(
     cls=_OneLineErrors,
-    help="minirt: run the layers of a DeepSeek-V3.2 checkpoint (dense and MoE) with sparse-MLA Triton kernels, "
-    "and check them against an eager reference.\n\n"
+    help="minirt: run the layers of a DeepSeek-V3.2 or DeepSeek-V4 checkpoint (dense and MoE) with sparse-MLA "
+    "Triton kernels, and check them against an eager reference.\n\n"
     f"Start with `minirt generate` and `minirt verify`: without a checkpoint argument every command uses the "
     f"tiny synthetic one (random weights) in {TINY_DIR}, written on first use. The real model's layers: "
     "`minirt download deepseek-ai/DeepSeek-V3.2 --layers 3 --dry-run` (README: \"Running DeepSeek-V3.2's layers\").",
@@ -311,7 +311,8 @@ def init(
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty directory.")] = False,
     device: Annotated[str, typer.Option(help="Where to generate the tensors (cuda is faster for v32).")] = "cpu",
 ):
-    """Write a deterministic synthetic checkpoint (random weights) in the real Hugging Face layout (fp8 block-quantised).
+    """Write a deterministic synthetic checkpoint (random weights) in the real layout: V3.2's Hugging Face names
+    with fp8 weights and 128×128 scales, or V4's DeepSeek-native names with ue8m0 scales and fp4 experts.
 
     Done already (the same preset, layers, seed and device there, complete): says so and exits 0."""
     from .synthetic import is_synthetic_checkpoint, write_synthetic_checkpoint
