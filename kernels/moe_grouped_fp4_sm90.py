@@ -133,7 +133,7 @@ def _decoder(smem, scale_ptr, unfolded_ptr, tile_col, w_row, SECOND: gl.constexp
 
 
 @gluon.jit
-def _quarter(product, a_lo, a_hi, lo, hi, rows0, cols0, acc, a_scale, factors):
+def _quarter(product, a_lo, a_hi, lo, hi, cols0, acc, a_scale, factors):
     """acc + the k block's product of the consumer's rows with 64 weight rows (both input halves), times
     a_scale per row and its factors per column."""
     product = warpgroup_mma(a_lo, lo.slice(cols0, _HALF).permute((1, 0)), product, use_acc=False, is_async=True)
@@ -169,13 +169,12 @@ def _consumer(smem, a_scale_ptr, out_ptr, out_scale_ptr, limit, row0, col, ROWS0
         a_lo = a_smem.index(2 * stage).slice(ROWS0, _HALF)
         a_hi = a_smem.index(2 * stage + 1).slice(ROWS0, _HALF)
         lo, hi = decoded.index(4 * stage), decoded.index(4 * stage + 1)
-        product, acc0 = _quarter(product, a_lo, a_hi, lo, hi, 0, 0, acc0, a_scale, factors.index(2 * stage))
-        product, acc1 = _quarter(product, a_lo, a_hi, lo, hi, 0, _HALF, acc1, a_scale, factors.index(2 * stage))
+        product, acc0 = _quarter(product, a_lo, a_hi, lo, hi, 0, acc0, a_scale, factors.index(2 * stage))
+        product, acc1 = _quarter(product, a_lo, a_hi, lo, hi, _HALF, acc1, a_scale, factors.index(2 * stage))
         mbarrier.wait(ready.index(2 * stage + 1), (kb // STAGES) & 1)
         lo, hi = decoded.index(4 * stage + 2), decoded.index(4 * stage + 3)
-        product, acc2 = _quarter(product, a_lo, a_hi, lo, hi, 0, 0, acc2, a_scale, factors.index(2 * stage + 1))
-        product, acc3 = _quarter(product, a_lo, a_hi, lo, hi, 0, _HALF, acc3, a_scale,
-                                 factors.index(2 * stage + 1))
+        product, acc2 = _quarter(product, a_lo, a_hi, lo, hi, 0, acc2, a_scale, factors.index(2 * stage + 1))
+        product, acc3 = _quarter(product, a_lo, a_hi, lo, hi, _HALF, acc3, a_scale, factors.index(2 * stage + 1))
         mbarrier.arrive(free.index(stage))
 
     if SWIGLU:
