@@ -167,7 +167,7 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
         # four chunks a head then pipeline across heads; the query absorption's one chunk a head ran slower
         # so: one head a program).
         heads = 1
-        if transposed and block_t == 128:
+        if transposed and prefill:
             programs = PROGRAMS_PER_SM * _num_sms(x.device)
             heads = max(g for g in (1, 2, 4, 8) if n_heads % g == 0 and token_tiles * n_heads // g >= programs
                         or g == 1)
