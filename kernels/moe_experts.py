@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -723,6 +724,19 @@ def _splits(programs: int, n_k_blocks: int, device: torch.device, split_k: Optio
     return max(s for s in range(1, max(1, split_k) + 1) if n_k_blocks % s == 0)
 
 
+def _folded_fp4_sm90(a, a_scales, weight, scales, tile_expert, out, out_scales, *, swiglu: bool,
+                     limit: Optional[float], n_experts: int, config: MoeConfig) -> None:
+    """fp4_fold's grouped GEMM on sm_90 (_grouped_gemm's contract, fp4 weights): the folded products in the
+    Gluon kernel (moe_grouped_fp4_sm90), then the Triton kernel's bf16 pass over only the 128-column blocks it
+    marked (rows whose scales span more than 2^FOLD_SPREAD)."""
+    n_out = weight.shape[1] // 2 if swiglu else weight.shape[1]
+    marks = torch.zeros(tile_expert.numel() * n_out // BLOCK_K, dtype=torch.int32, device=a.device)
+    moe_grouped_fp4_sm90.grouped_fp4(a, a_scales, weight, scales, tile_expert, out, out_scales, marks, swiglu=swiglu,
+                                     limit=limit)
+    _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, fp4=True, swiglu=swiglu, limit=limit,
+                  n_experts=n_experts, config=config, unfolded=marks)
+
+
 def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, fp4: bool, swiglu: bool,
                   limit: Optional[float], n_experts: int, config: MoeConfig, unfolded=None) -> None:
     """One grouped GEMM launch over every tile (see _grouped_gemm_kernel); weight [E, N, K(/2)]. unfolded
@@ -877,20 +891,11 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         moe_grouped_sm90.grouped_fp8(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, swiglu=False,
                                      limit=None)
     else:
-        # fp4 on sm_90: the folded products in the Gluon kernel, then the Triton kernel's bf16 pass over the
-        # blocks it marked.
-        marks = [torch.zeros(tile_expert.numel() * n // BLOCK_K, dtype=torch.int32, device=x.device)
-                 if fp4_sm90 else None for n in (i, d)]
-        if fp4_sm90:
-            moe_grouped_fp4_sm90.grouped_fp4(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert,
-                                             h.view(torch.uint8), h_scales, marks[0], swiglu=True, limit=swiglu_limit)
-        _grouped_gemm(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,
-                      fp4=fp4, swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config, unfolded=marks[0])
-        if fp4_sm90:
-            moe_grouped_fp4_sm90.grouped_fp4(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, marks[1],
-                                             swiglu=False, limit=None)
-        _grouped_gemm(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
-                      fp4=fp4, swiglu=False, limit=None, n_experts=n_experts, config=config, unfolded=marks[1])
+        grouped = _folded_fp4_sm90 if fp4_sm90 else partial(_grouped_gemm, fp4=fp4)
+        grouped(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales,
+                swiglu=True, limit=swiglu_limit, n_experts=n_experts, config=config)
+        grouped(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None, swiglu=False, limit=None,
+                n_experts=n_experts, config=config)
     return _combine(y, row_of_slot, weights, out, shared)
 
 

@@ -196,20 +196,12 @@ def bench_gemms(model, experts, x, ids, lines, gbps_ceiling, config=None, label=
     h_scales = torch.empty((rows, i // 128), device=DEVICE)
     y = torch.empty((rows, d), dtype=torch.bfloat16, device=DEVICE)
     fp4 = experts.format == "fp4"
-    marks = torch.zeros(tile_expert.numel() * max(d, i) // 128, dtype=torch.int32, device=DEVICE)
-
-    def folded_then_marked(a, a_scales, weight, scales, out, out_scales, swiglu, limit):
-        # moe_experts' fp4 path on sm_90: the Gluon kernel's folded products, then the Triton kernel over
-        # the blocks it marked (zeroed a call, as moe_experts allocates them).
-        fp4_sm90.grouped_fp4(a, a_scales, weight, scales, tile_expert, out, out_scales, marks.zero_(),
-                             swiglu=swiglu, limit=limit)
-        moe._grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, fp4=True, swiglu=swiglu,
-                          limit=limit, n_experts=model.experts, config=config, unfolded=marks)
-
     runs = {
-        "gate/up + SwiGLU": (2 * i, d, lambda: folded_then_marked(
-            a, a_scales, experts.w13, experts.w13_scales, h.view(torch.uint8), h_scales, True, model.limit)),
-        "down": (d, i, lambda: folded_then_marked(h, h_scales, experts.w2, experts.w2_scales, y, None, False, None)),
+        "gate/up + SwiGLU": (2 * i, d, lambda: moe._folded_fp4_sm90(
+            a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, swiglu=True,
+            limit=model.limit, n_experts=model.experts, config=config)),
+        "down": (d, i, lambda: moe._folded_fp4_sm90(h, h_scales, experts.w2, experts.w2_scales, tile_expert, y, None,
+                                                    swiglu=False, limit=None, n_experts=model.experts, config=config)),
     } if gluon and fp4 else {
         "gate/up + SwiGLU": (2 * i, d, lambda: sm90.grouped_fp8(
             a, a_scales, experts.w13, experts.w13_scales, tile_expert, h.view(torch.uint8), h_scales, swiglu=True,

@@ -495,6 +495,31 @@ def test_prefill_default_path_fp4(poisoned, monkeypatch, past_spread):
         assert rel_error(out, triton_out.double()) < 1e-3
 
 
+def test_prefill_fp4_marked_blocks_recomputed(poisoned, monkeypatch):
+    """moe_experts' fp4 prefill path on sm_90 with the Gluon kernel stood in for (any device): it writes nothing
+    and marks every 128-column block, so the Triton kernel's bf16 pass alone must produce every output block
+    (poisoned outputs elsewhere), against the oracle; the marks sized per GEMM (I, then D columns)."""
+    gen = generator(23)
+    e, d, i, top_k, n_tokens = 8, 1024, 512, 2, 160
+    experts, dense = make_experts("fp4", gen, e, d, i)
+    x = torch.randn(n_tokens, d, generator=gen, device=DEVICE).bfloat16()
+    expert_ids = torch.stack([torch.randperm(e, generator=gen, device=DEVICE)[:top_k] for _ in range(n_tokens)]).int()
+    weights = torch.rand(n_tokens, top_k, generator=gen, device=DEVICE) + 0.5
+    marked = []
+
+    def mark_every_block(a, a_scales, weight, scales, tile_expert, out, out_scales, unfolded, *, swiglu, limit):
+        marked.append((tile_expert.numel(), unfolded.numel()))
+        unfolded.fill_(1)
+
+    sm90 = sys.modules["minirt.kernels.moe_grouped_fp4_sm90"]
+    monkeypatch.setattr(sm90, "takes", lambda *args: True)
+    monkeypatch.setattr(sm90, "grouped_fp4", mark_every_block)
+    out = moe_experts(x, expert_ids, weights, experts, swiglu_limit=0.5)
+    assert [n for _, n in marked] == [tiles * cols // 128 for (tiles, _), cols in zip(marked, (i, d))]
+    assert out.shape == (n_tokens, d) and torch.isfinite(out).all()
+    assert rel_error(out, ref_moe(x, expert_ids, weights, dense, 0.5)) < EXPERTS_TOL
+
+
 @triton.jit
 def _e2m1_pairs_kernel(packed_ptr, low_ptr, high_ptr, N: tl.constexpr, INTERPRETED: tl.constexpr):
     offsets = tl.arange(0, N)
