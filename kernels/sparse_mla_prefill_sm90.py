@@ -2,10 +2,11 @@
 
 Same semantics as the portable Triton kernel in sparse_mla_prefill.py, for d_v 512 and d_qk 576 (V3.2:
 512 latent + 64 rope) or 512 (V4: the rope sits inside the 512 columns, so K and V are the same
-columns). One program = one query token x 64 heads, warp-specialised into three warpgroups that
-meet at mbarriers, so the tensor cores keep working while a warpgroup runs its softmax:
+columns). A tile = one query token x 64 heads; the grid is persistent (one program an SM, tiles in turn),
+and each program is warp-specialised into three warpgroups that meet at mbarriers, so the tensor cores
+keep working while a warpgroup runs its softmax:
 
-- the producer gathers the program's q rows first, then the key rows of two 64-key blocks (A, B) per
+- the producer gathers a tile's q rows first, then the key rows of two 64-key blocks (A, B) per
   step, all with cp.async, the keys in four pieces (A left, A right, B right, B left: left = latent
   columns 0..255, right = 256..511 plus the rope), each refilled as soon as its readers release it;
 - consumer 0 computes the scores of block A, consumer 1 those of block B (64 x 64 each, all of d_qk);
@@ -14,9 +15,11 @@ meet at mbarriers, so the tensor cores keep working while a warpgroup runs its s
   (old max and block A) goes to consumer 1, whose max (and block B) comes back as the step's max.
 
 So consumer 1's score MMAs run during consumer 0's softmax, and each one's P.V during the other's
-exchange. The schedule is FlashMLA's sm90 sparse prefill (csrc/sm90/prefill/sparse/phase1.cuh), written
+exchange. Between tiles, the producer loads the next tile's q as soon as both consumers' last scores are
+done, and block A's pieces while the consumers store the output (staged in block B's buffers). The
+schedule within a tile is FlashMLA's sm90 sparse prefill (csrc/sm90/prefill/sparse/phase1.cuh), written
 here in Gluon from its description. What decides the speed in Gluon is register pressure: the three
-partitions share 512 registers per thread slot (consumer 0 / consumer 1 / producer: 240 / 192 / 72 here),
+partitions share 512 registers per thread slot (consumer 0 / consumer 1 / producer: 232 / 192 / 80 here),
 and nothing may spill (docs/perf/prefill.md: 222 TFLOP/s with spills, 439 without).
 
 Gluon has no interpreter: this kernel runs only on sm_90 GPUs. sparse_mla_prefill dispatches to it
@@ -36,6 +39,7 @@ from minirt import formats
 
 from ._common import is_sm90
 from ._launch import cdiv, launch as launch_compiled
+from .fp8_gemm import _num_sms
 
 BLOCK_H = gl.constexpr(64)                        # heads per program: one wgmma M tile
 BLOCK_N = gl.constexpr(64)                        # keys per block; a step takes two blocks
@@ -70,15 +74,17 @@ RIGHT = gl.constexpr(1)
 # Exchanges between the consumers: max of consumer 0 / 1, P of block A / B stored, row sums; and the
 # producer's kv row indices of a step (two slots: steps alternate).
 M0, M1, PA, PB, L0, L1, ROWS = (gl.constexpr(i) for i in range(7))
-# q in shared memory (the producer's cp.async copies of it have landed): after the two ROWS slots.
+# q in shared memory (the producer's cp.async copies of it have landed), after the two ROWS slots; q's
+# buffers free again (both consumers' last scores of a tile are done).
 Q_READY = gl.constexpr(8)
+Q_FREE = gl.constexpr(9)
 
 
-@gluon.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks"])
+@gluon.jit(do_not_specialize=["s_kv", "h_q", "topk", "n_head_blocks", "n_tiles"])
 def _sparse_mla_prefill_sm90_kernel(
     q_ptr, kv_ptr, indices_ptr, topk_length_ptr, attn_sink_ptr,
     out_ptr, max_logits_ptr, lse_ptr,
-    s_kv, h_q, topk, n_head_blocks, sm_scale_log2,
+    s_kv, h_q, topk, n_head_blocks, n_tiles, sm_scale_log2,
     stride_q_s, stride_q_h, stride_kv_s, stride_idx_s, stride_idx_k, stride_tl_s, stride_sink_h,
     stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h, stride_lse_s, stride_lse_h,
     HAS_TOPK_LENGTH: gl.constexpr, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr,
@@ -86,14 +92,6 @@ def _sparse_mla_prefill_sm90_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
     TILE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype)
-    pid = gl.program_id(0)
-    token = (pid // n_head_blocks).to(gl.int64)
-    head0 = (pid % n_head_blocks) * BLOCK_H
-    n_keys = topk
-    if HAS_TOPK_LENGTH:
-        n_keys = gl.minimum(gl.maximum(gl.load(topk_length_ptr + token * stride_tl_s), 0), topk)
-    n_steps = gl.cdiv(n_keys, 2 * BLOCK_N)
-
     # Shared memory, 226 KiB at d_qk 576: q (72), two key blocks (144), P of block B (8). P of block
     # A lives in block A's rope tile, free once A's scores are done (FlashMLA does the same). q is
     # [2, ...] and [1, ...] so that the loops can index it with an opaque zero (see opaque_zero).
@@ -114,7 +112,7 @@ def _sparse_mla_prefill_sm90_kernel(
     key_rows = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N], VEC_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    sync = gl.allocate_shared_memory(gl.int64, [9, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [10, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(4):
         # Every producer thread arrives once its own copies have landed (cp.async's noinc arrive).
         mbarrier.init(ready.index(i), count=128)
@@ -122,19 +120,35 @@ def _sparse_mla_prefill_sm90_kernel(
     for i in gl.static_range(8):
         mbarrier.init(sync.index(i), count=1)
     mbarrier.init(sync.index(Q_READY), count=128)
+    mbarrier.init(sync.index(Q_FREE), count=2)   # one arrive a consumer
 
     smem = (q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync)
+    tiles = (n_tiles, n_head_blocks, topk, topk_length_ptr, stride_tl_s)
     # The tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into tensors.
     gl.warp_specialize([
-        (_consumer_a, (smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, sm_scale_log2, stride_sink_h,
-                       stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK, HAS_ROPE)),
-        (_consumer_b, (smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q, n_steps, token, head0,
+        (_consumer_a, (smem, tiles, attn_sink_ptr, out_ptr, s_kv, h_q, sm_scale_log2, stride_sink_h,
+                       stride_o_s, stride_o_h, stride_o_d, HAS_TOPK_LENGTH, HAS_ATTN_SINK, HAS_ROPE)),
+        (_consumer_b, (smem, tiles, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q,
                        sm_scale_log2, stride_sink_h, stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h,
-                       stride_lse_s, stride_lse_h, HAS_ATTN_SINK, HAS_ROPE)),
-        (_producer, (smem, q_ptr + token * stride_q_s, stride_q_h, head0, h_q, kv_ptr, indices_ptr, s_kv, n_keys,
-                     n_steps, token, stride_kv_s, stride_idx_s, stride_idx_k, HAS_ROPE)),
-    ], [4, 4], [192, 72])
+                       stride_lse_s, stride_lse_h, HAS_TOPK_LENGTH, HAS_ATTN_SINK, HAS_ROPE)),
+        (_producer, (smem, tiles, q_ptr, stride_q_s, stride_q_h, h_q, kv_ptr, indices_ptr, s_kv, stride_kv_s,
+                     stride_idx_s, stride_idx_k, HAS_TOPK_LENGTH, HAS_ROPE)),
+    ], [4, 4], [192, 80])
+
+
+@gluon.jit
+def _tile(it, tiles, HAS_TOPK_LENGTH: gl.constexpr):
+    """(token, head0, n_keys, n_steps) of the program's tile `it` (its tiles: program_id + it * programs):
+    its query token, its first head, its valid top-k entries and its steps of two key blocks."""
+    n_tiles, n_head_blocks, topk, topk_length_ptr, stride_tl_s = tiles
+    tile = gl.program_id(0) + it * gl.num_programs(0)
+    token = (tile // n_head_blocks).to(gl.int64)
+    head0 = (tile % n_head_blocks) * BLOCK_H
+    n_keys = topk
+    if HAS_TOPK_LENGTH:
+        n_keys = gl.minimum(gl.maximum(gl.load(topk_length_ptr + token * stride_tl_s), 0), topk)
+    return token, head0, n_keys, gl.cdiv(n_keys, 2 * BLOCK_N)
 
 
 @gluon.jit
@@ -161,48 +175,58 @@ def _load_q_half(q_row, stride_q_h, head0, h_q, col0, dst):
 
 
 @gluon.jit
-def _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, block, n_keys, LAYOUT: gl.constexpr):
-    """The 64 kv row indices of key block `block` in a 1-D layout; -1 at and past n_keys."""
+def _block_indices(idx_row, stride_idx_k, block, n_keys, LAYOUT: gl.constexpr):
+    """The 64 kv row indices of key block `block` of a token's top-k (idx_row: its first) in a 1-D layout;
+    -1 at and past n_keys."""
     offs = block * BLOCK_N + gl.arange(0, BLOCK_N, LAYOUT)
-    return gl.load(indices_ptr + token * stride_idx_s + offs * stride_idx_k, mask=offs < n_keys, other=-1)
+    return gl.load(idx_row + offs * stride_idx_k, mask=offs < n_keys, other=-1)
 
 
 @gluon.jit
-def _producer(smem, q_row, stride_q_h, head0, h_q, kv_ptr, indices_ptr, s_kv, n_keys, n_steps, token, stride_kv_s,
-              stride_idx_s, stride_idx_k, HAS_ROPE: gl.constexpr):
-    """Gather the kv rows of blocks A and B of each step, piece by piece, each into its buffer once the
-    consumers have released it (block A first: its right piece, released last, is on consumer 0's
-    path to its next scores). Invalid rows are never read: the masked copies zero-fill."""
+def _producer(smem, tiles, q_ptr, stride_q_s, stride_q_h, h_q, kv_ptr, indices_ptr, s_kv, stride_kv_s, stride_idx_s,
+              stride_idx_k, HAS_TOPK_LENGTH: gl.constexpr, HAS_ROPE: gl.constexpr):
+    """Per tile: gather its q rows, then the kv rows of blocks A and B of each step, piece by piece, each
+    into its buffer once the consumers have released it (block A first: its right piece, released last, is
+    on consumer 0's path to its next scores). Invalid rows are never read: the masked copies zero-fill.
+    Barrier phases count steps over all of the program's tiles (done: the steps of its tiles before)."""
     q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
-    # q first, with the same copies as the keys (its latency now overlaps the first gathers').
-    _gather_q(q_row, stride_q_h, head0, h_q, q_halves, q_rope, sync.index(Q_READY), HAS_ROPE)
-    rows_a = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 0, n_keys, VEC_L)
-    rows_b = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 1, n_keys, VEC_L)
-    for step in range(n_steps):
-        parity = (step & 1) ^ 1     # a fresh barrier counts as released: its phase "-1" is complete
-        slot = step & 1
-        # The step's kv row indices, for the consumers' masks and this partition's gathers; double-
-        # buffered by step: slot `slot` was last read two steps ago, and this producer passed the
-        # barriers of the step between, which both consumers' masking precedes.
-        key_rows.index(2 * slot).store(rows_a)
-        key_rows.index(2 * slot + 1).store(rows_b)
-        publish_done(sync.index(ROWS + slot))
-        # The next step's indices load behind this step's gathers (loaded just before their use,
-        # their latency stalled every gather).
-        rows_a = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 2 * step + 2, n_keys, VEC_L)
-        rows_b = _block_indices(indices_ptr, token, stride_idx_s, stride_idx_k, 2 * step + 3, n_keys, VEC_L)
-        mbarrier.wait(free.index(2 * A + LEFT), parity)
-        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot), 0, k_left.index(A), k_rope, A, False,
-                ready.index(2 * A + LEFT))
-        mbarrier.wait(free.index(2 * A + RIGHT), parity)
-        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot), HALF, k_right.index(A), k_rope, A, HAS_ROPE,
-                ready.index(2 * A + RIGHT))
-        mbarrier.wait(free.index(2 * B + RIGHT), parity)
-        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot + 1), HALF, k_right.index(B), k_rope, B, HAS_ROPE,
-                ready.index(2 * B + RIGHT))
-        mbarrier.wait(free.index(2 * B + LEFT), parity)
-        _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot + 1), 0, k_left.index(B), k_rope, B, False,
-                ready.index(2 * B + LEFT))
+    done = 0
+    for it in range(gl.cdiv(tiles[0] - gl.program_id(0), gl.num_programs(0))):
+        token, head0, n_keys, n_steps = _tile(it, tiles, HAS_TOPK_LENGTH)
+        idx_row = indices_ptr + token * stride_idx_s
+        rows_a = _block_indices(idx_row, stride_idx_k, 0, n_keys, VEC_L)
+        rows_b = _block_indices(idx_row, stride_idx_k, 1, n_keys, VEC_L)
+        # q with the same copies as the keys, once the last tile's scores are done with its buffers (its
+        # latency then overlaps that tile's last P.V and output).
+        mbarrier.wait(sync.index(Q_FREE), (it & 1) ^ 1)   # a fresh barrier counts as released
+        _gather_q(q_ptr + token * stride_q_s, stride_q_h, head0, h_q, q_halves, q_rope, sync.index(Q_READY), HAS_ROPE)
+        for step in range(n_steps):
+            g = done + step
+            parity = (g & 1) ^ 1
+            slot = g & 1
+            # The step's kv row indices, for the consumers' masks and this partition's gathers; double-
+            # buffered by step: slot `slot` was last read two steps ago, and this producer passed the
+            # barriers of the step between, which both consumers' masking precedes.
+            key_rows.index(2 * slot).store(rows_a)
+            key_rows.index(2 * slot + 1).store(rows_b)
+            publish_done(sync.index(ROWS + slot))
+            # The next step's indices load behind this step's gathers (loaded just before their use,
+            # their latency stalled every gather).
+            rows_a = _block_indices(idx_row, stride_idx_k, 2 * step + 2, n_keys, VEC_L)
+            rows_b = _block_indices(idx_row, stride_idx_k, 2 * step + 3, n_keys, VEC_L)
+            mbarrier.wait(free.index(2 * A + LEFT), parity)
+            _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot), 0, k_left.index(A), k_rope, A, False,
+                    ready.index(2 * A + LEFT))
+            mbarrier.wait(free.index(2 * A + RIGHT), parity)
+            _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot), HALF, k_right.index(A), k_rope, A, HAS_ROPE,
+                    ready.index(2 * A + RIGHT))
+            mbarrier.wait(free.index(2 * B + RIGHT), parity)
+            _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot + 1), HALF, k_right.index(B), k_rope, B,
+                    HAS_ROPE, ready.index(2 * B + RIGHT))
+            mbarrier.wait(free.index(2 * B + LEFT), parity)
+            _gather(kv_ptr, stride_kv_s, s_kv, key_rows.index(2 * slot + 1), 0, k_left.index(B), k_rope, B, False,
+                    ready.index(2 * B + LEFT))
+        done += n_steps
 
 
 @gluon.jit
@@ -285,64 +309,80 @@ def publish(buf, value, bar):
 
 
 @gluon.jit
-def _consumer_a(smem, attn_sink_ptr, out_ptr, s_kv, h_q, n_steps, token, head0, sm_scale_log2, stride_sink_h,
-                stride_o_s, stride_o_h, stride_o_d, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr):
-    """Scores of block A; output columns 0..255."""
+def _consumer_a(smem, tiles, attn_sink_ptr, out_ptr, s_kv, h_q, sm_scale_log2, stride_sink_h, stride_o_s, stride_o_h,
+                stride_o_d, HAS_TOPK_LENGTH: gl.constexpr, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr):
+    """Per tile: scores of block A; output columns 0..255."""
     q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
-    m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
-    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-    wait_piece(sync, Q_READY, 0)   # (also before store_out stages its output in q's buffer)
-    if n_steps > 0:
-        s = _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, 0, A, HAS_ROPE)
-        s = warpgroup_mma_wait(0, deps=(s,))
-    for step in range(n_steps):
-        parity = step & 1
-        a = opaque_zero(step)     # buffer A (0), and B (a + 1)
-        b = a + 1
-        s = _masked_scores(s, key_rows, sync, step, 0, s_kv, sm_scale_log2)
-        m_a = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_a)
-        p = gl.exp2(s - m_a[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        row_max.store(m_a)
-        publish_done(sync.index(M0))
-        # P is rounded to the operand dtype for the tensor cores, as in FlashMLA.
-        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(p_b.dtype), P_L), k_left.index(a), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(free.index(2 * A + LEFT))
-
-        # Consumer 1 folds block B into the max; P of A moves to that max and goes to consumer 1.
-        mbarrier.wait(sync.index(M1), parity)
-        m_ab = row_max.load(ROW_S)
-        rescale = gl.exp2(m_a - m_ab)
-        m_i = m_ab
-        publish(_p_a_tile(p_a, k_rope, a, HAS_ROPE), (p * rescale[:, None]).to(p_b.dtype), sync.index(PA))
-        l_i = l_i * rescale
-        acc = acc * gl.convert_layout(rescale, ROW_O)[:, None]
-        mbarrier.wait(sync.index(PB), parity)
-        # (Each branch issues P.V itself: a value of a runtime branch must keep its type, and an
-        # issued MMA's result is not yet a tensor.)
-        if step + 1 < n_steps:
-            # The next step's scores are issued behind this P.V, block B's left piece released as soon as
-            # the P.V is done (with the left score MMA pending), before block A's right piece has arrived:
-            # the producer refills B's left piece for consumer 1's next scores while A's right one lands.
-            acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
-            wait_piece(ready, 2 * A + LEFT, parity ^ 1)
-            s = score_piece(q_halves.index(a), k_left.index(a), s, True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(free.index(2 * B + LEFT))
-            s = _scores_a_right(q_halves, q_rope, k_right, k_rope, ready, s, parity ^ 1, a, HAS_ROPE)
+    done = 0      # steps of the program's tiles before (barrier phases count steps over all tiles)
+    summed = 0    # tiles before with steps (the row sums' exchanges)
+    for it in range(gl.cdiv(tiles[0] - gl.program_id(0), gl.num_programs(0))):
+        token, head0, n_keys, n_steps = _tile(it, tiles, HAS_TOPK_LENGTH)
+        m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
+        l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+        acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+        wait_piece(sync, Q_READY, it & 1)
+        if n_steps > 0:
+            s = _scores_a(q_halves, q_rope, k_left, k_right, k_rope, ready, s, done & 1, opaque_zero(done), HAS_ROPE)
             s = warpgroup_mma_wait(0, deps=(s,))
-        else:
-            acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
+        for step in range(n_steps):
+            g = done + step
+            parity = g & 1
+            a = opaque_zero(g)     # buffer A (0), and B (a + 1)
+            b = a + 1
+            # The tile's last scores are done: q's buffers go to the next tile's q.
+            mbarrier.arrive(sync.index(Q_FREE), pred=step + 1 == n_steps)
+            s = _masked_scores(s, key_rows, sync, g, 0, s_kv, sm_scale_log2)
+            m_a = gl.maximum(m_i, gl.max(s, 1))
+            alpha = gl.exp2(m_i - m_a)
+            p = gl.exp2(s - m_a[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            row_max.store(m_a)
+            publish_done(sync.index(M0))
+            # P is rounded to the operand dtype for the tensor cores, as in FlashMLA.
+            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p.to(p_b.dtype), P_L), k_left.index(a), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(free.index(2 * B + LEFT))
-    l_i = _total_row_sums(l_i, row_sums, sync, 0)
-    store_out(acc, m_i, l_i, 0, q_halves.index(0), attn_sink_ptr, stride_sink_h, out_ptr + token * stride_o_s,
-              stride_o_h, stride_o_d, head0, h_q, HAS_ATTN_SINK, False)
+            mbarrier.arrive(free.index(2 * A + LEFT))
+
+            # Consumer 1 folds block B into the max; P of A moves to that max and goes to consumer 1.
+            mbarrier.wait(sync.index(M1), parity)
+            m_ab = row_max.load(ROW_S)
+            rescale = gl.exp2(m_a - m_ab)
+            m_i = m_ab
+            publish(_p_a_tile(p_a, k_rope, a, HAS_ROPE), (p * rescale[:, None]).to(p_b.dtype), sync.index(PA))
+            l_i = l_i * rescale
+            acc = acc * gl.convert_layout(rescale, ROW_O)[:, None]
+            mbarrier.wait(sync.index(PB), parity)
+            # (Each branch issues P.V itself: a value of a runtime branch must keep its type, and an
+            # issued MMA's result is not yet a tensor.)
+            if step + 1 < n_steps:
+                # The next step's scores are issued behind this P.V, block B's left piece released as soon
+                # as the P.V is done (with the left score MMA pending), before block A's right piece has
+                # arrived: the producer refills B's left piece for consumer 1's next scores while A's right
+                # one lands.
+                acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
+                wait_piece(ready, 2 * A + LEFT, parity ^ 1)
+                s = score_piece(q_halves.index(a), k_left.index(a), s, True)
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(free.index(2 * B + LEFT))
+                s = _scores_a_right(q_halves, q_rope, k_right, k_rope, ready, s, parity ^ 1, a, HAS_ROPE)
+                s = warpgroup_mma_wait(0, deps=(s,))
+            else:
+                # (Block B's left piece stays held: the output is staged there.)
+                acc = warpgroup_mma(p_b, k_left.index(b), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+        out_row = out_ptr + token * stride_o_s
+        if n_steps > 0:
+            l_i = _total_row_sums(l_i, row_sums, sync, summed & 1, 0)
+            store_out(acc, m_i, l_i, 0, k_left.index(B), attn_sink_ptr, stride_sink_h, out_row, stride_o_h,
+                      stride_o_d, head0, h_q, HAS_ATTN_SINK, False)
+            publish_done(free.index(2 * B + LEFT))
+            summed += 1
+        else:
+            mbarrier.arrive(sync.index(Q_FREE))
+            store_zeros(out_row, stride_o_h, stride_o_d, 0, head0, h_q)
+        done += n_steps
 
 
 @gluon.jit
@@ -381,59 +421,77 @@ def _p_a_tile(p_a, k_rope, a, HAS_ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_b(smem, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q, n_steps, token, head0, sm_scale_log2,
-                stride_sink_h, stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h, stride_lse_s,
-                stride_lse_h, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr):
-    """Scores of block B; output columns 256..511; writes max_logits and lse."""
+def _consumer_b(smem, tiles, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_kv, h_q, sm_scale_log2, stride_sink_h,
+                stride_o_s, stride_o_h, stride_o_d, stride_ml_s, stride_ml_h, stride_lse_s, stride_lse_h,
+                HAS_TOPK_LENGTH: gl.constexpr, HAS_ATTN_SINK: gl.constexpr, HAS_ROPE: gl.constexpr):
+    """Per tile: scores of block B; output columns 256..511; writes max_logits and lse."""
     q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
-    m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
-    wait_piece(sync, Q_READY, 0)   # (also before store_out stages its output in q's buffer)
-    for step in range(n_steps):
-        parity = step & 1
-        a = opaque_zero(step)     # buffer A (0), and B (a + 1)
-        b = a + 1
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-        wait_piece(ready, 2 * B + RIGHT, parity)
-        s = score_piece(q_halves.index(b), k_right.index(b), s, True)
-        if HAS_ROPE:
-            s = score_piece(q_rope.index(a), k_rope.index(b), s, False)
-        wait_piece(ready, 2 * B + LEFT, parity)
-        s = score_piece(q_halves.index(a), k_left.index(b), s, False)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        s = _masked_scores(s, key_rows, sync, step, 1, s_kv, sm_scale_log2)
+    done = 0      # as in _consumer_a
+    summed = 0
+    for it in range(gl.cdiv(tiles[0] - gl.program_id(0), gl.num_programs(0))):
+        token, head0, n_keys, n_steps = _tile(it, tiles, HAS_TOPK_LENGTH)
+        m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
+        l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+        acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+        wait_piece(sync, Q_READY, it & 1)
+        for step in range(n_steps):
+            g = done + step
+            parity = g & 1
+            a = opaque_zero(g)     # buffer A (0), and B (a + 1)
+            b = a + 1
+            last = step + 1 == n_steps
+            more = step + 1 < n_steps
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+            wait_piece(ready, 2 * B + RIGHT, parity)
+            s = score_piece(q_halves.index(b), k_right.index(b), s, True)
+            if HAS_ROPE:
+                s = score_piece(q_rope.index(a), k_rope.index(b), s, False)
+            wait_piece(ready, 2 * B + LEFT, parity)
+            s = score_piece(q_halves.index(a), k_left.index(b), s, False)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            # The tile's last scores are done: q's buffers go to the next tile's q.
+            mbarrier.arrive(sync.index(Q_FREE), pred=last)
+            s = _masked_scores(s, key_rows, sync, g, 1, s_kv, sm_scale_log2)
 
-        # Consumer 0's max covers the old max and block A; block B completes the step's max.
-        mbarrier.wait(sync.index(M0), parity)
-        m_ab = gl.maximum(row_max.load(ROW_S), gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_ab)
-        m_i = m_ab
-        p = gl.exp2(s - m_ab[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        row_max.store(m_ab)
-        publish_done(sync.index(M1))
-        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-        p_op = p.to(p_b.dtype)
-        acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_right.index(b), acc, is_async=True)
-        # P of block B is stored while consumer 0's P of block A is awaited; handed over after.
-        p_b.store(p_op)
-        mbarrier.wait(sync.index(PA), parity)
-        acc = warpgroup_mma(_p_a_tile(p_a, k_rope, a, HAS_ROPE), k_right.index(a), acc, is_async=True)
-        fence_async_shared()
-        publish_done(sync.index(PB))
-        acc = warpgroup_mma_wait(1, deps=(acc,))
-        mbarrier.arrive(free.index(2 * B + RIGHT))
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(free.index(2 * A + RIGHT))
-    l_i = _total_row_sums(l_i, row_sums, sync, 1)
-    store_out(acc, m_i, l_i, HALF, q_halves.index(1), attn_sink_ptr, stride_sink_h, out_ptr + token * stride_o_s,
-              stride_o_h, stride_o_d, head0, h_q, HAS_ATTN_SINK, False)
-    # l_i == 0: no valid key (out 0, lse +inf, max_logits -inf), as in the portable kernel.
-    store_lse(m_i, l_i, lse_ptr + token * stride_lse_s, stride_lse_h, head0, h_q, False)
-    offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
-    gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h, gl.where(l_i > 0.0, m_i * LN2, float("-inf")),
-             mask=offs_h < h_q)
+            # Consumer 0's max covers the old max and block A; block B completes the step's max.
+            mbarrier.wait(sync.index(M0), parity)
+            m_ab = gl.maximum(row_max.load(ROW_S), gl.max(s, 1))
+            alpha = gl.exp2(m_i - m_ab)
+            m_i = m_ab
+            p = gl.exp2(s - m_ab[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            row_max.store(m_ab)
+            publish_done(sync.index(M1))
+            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+            p_op = p.to(p_b.dtype)
+            acc = warpgroup_mma(gl.convert_layout(p_op, P_L), k_right.index(b), acc, is_async=True)
+            # P of block B is stored while consumer 0's P of block A is awaited; handed over after.
+            p_b.store(p_op)
+            mbarrier.wait(sync.index(PA), parity)
+            acc = warpgroup_mma(_p_a_tile(p_a, k_rope, a, HAS_ROPE), k_right.index(a), acc, is_async=True)
+            fence_async_shared()
+            publish_done(sync.index(PB))
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            # (Block B's right piece of a tile's last step stays held: the output is staged there.)
+            mbarrier.arrive(free.index(2 * B + RIGHT), pred=more)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(free.index(2 * A + RIGHT))
+        out_row = out_ptr + token * stride_o_s
+        if n_steps > 0:
+            l_i = _total_row_sums(l_i, row_sums, sync, summed & 1, 1)
+            store_out(acc, m_i, l_i, HALF, k_right.index(B), attn_sink_ptr, stride_sink_h, out_row, stride_o_h,
+                      stride_o_d, head0, h_q, HAS_ATTN_SINK, False)
+            publish_done(free.index(2 * B + RIGHT))
+            summed += 1
+        else:
+            mbarrier.arrive(sync.index(Q_FREE))
+            store_zeros(out_row, stride_o_h, stride_o_d, HALF, head0, h_q)
+        # l_i == 0: no valid key (out 0, lse +inf, max_logits -inf), as in the portable kernel.
+        store_lse(m_i, l_i, lse_ptr + token * stride_lse_s, stride_lse_h, head0, h_q, False)
+        offs_h = head0 + gl.arange(0, BLOCK_H, ROW_S)
+        gl.store(max_logits_ptr + token * stride_ml_s + offs_h * stride_ml_h,
+                 gl.where(l_i > 0.0, m_i * LN2, float("-inf")), mask=offs_h < h_q)
+        done += n_steps
 
 
 @gluon.jit
@@ -451,11 +509,12 @@ def store_lse(m_i, l_i, lse_row, stride_lse_h, head0, h_q, PARTIAL: gl.constexpr
 
 
 @gluon.jit
-def _total_row_sums(l_i, row_sums, sync, me: gl.constexpr):
-    """Both consumers' row sums added (both are relative to the same final max)."""
+def _total_row_sums(l_i, row_sums, sync, parity, me: gl.constexpr):
+    """Both consumers' row sums added (both are relative to the same final max); parity: the exchange's
+    phase (0 for a program's first)."""
     row_sums.index(me).store(l_i)
     publish_done(sync.index(L0 + me))
-    mbarrier.wait(sync.index(L1 - me), 0)
+    mbarrier.wait(sync.index(L1 - me), parity)
     return l_i + row_sums.index(1 - me).load(ROW_S)
 
 
@@ -492,6 +551,15 @@ def store_out(acc, m_i, l_i, col0, staging, sink_ptr, stride_sink_h, out_row, st
              mask=(offs_h < h_q)[:, None])
 
 
+@gluon.jit
+def store_zeros(out_row, stride_o_h, stride_o_d, col0, head0, h_q):
+    """out_row[h, col0:col0+256] = 0 for heads head0.. (< h_q): a tile without a valid key."""
+    offs_h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
+    offs_d = col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))
+    gl.store(out_row + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
+             gl.zeros([BLOCK_H, HALF], out_row.dtype.element_ty, HALF_L), mask=(offs_h < h_q)[:, None])
+
+
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """Whether this kernel takes the call: an sm_90 GPU, d_v 512 with d_qk 576 or 512, and q / kv rows
     that are contiguous and 16-byte aligned (the copies move 16-byte vectors)."""
@@ -512,7 +580,9 @@ def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
     if kept.args is None:
         s_q, h_q, d_qk = q.shape
         n_head_blocks = cdiv(h_q, BLOCK_H.value)
-        kept.args = ((s_q * n_head_blocks,), (kv.shape[0], h_q, indices.shape[2], n_head_blocks), (
+        n_tiles = s_q * n_head_blocks
+        # A persistent grid: one program an SM (its shared memory takes the SM's), tiles in turn.
+        kept.args = ((min(n_tiles, _num_sms(q.device)),), (kv.shape[0], h_q, indices.shape[2], n_head_blocks, n_tiles), (
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
             sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
             lse.stride(0), lse.stride(1)), dict(
