@@ -234,10 +234,10 @@ def _gather(kv_ptr, stride_kv_s, s_kv, block_rows, col0, dst, k_rope, buf, WITH_
     """cp.async latent columns col0..col0+255 of the kv rows block_rows (shared, one key block) into
     dst (and their rope columns into k_rope[buf] when WITH_ROPE), then have ready_bar count this
     thread's arrival once its copies have landed. Invalid rows are never read: masked copies zero-fill."""
-    rows = block_rows.load(gl.SliceLayout(1, HALF_L))
+    rows = block_rows.load(gl.SliceLayout(1, ROPE_L))
     valid = (rows >= 0) & (rows < s_kv)
     src = kv_ptr + gl.where(valid, rows, 0).to(gl.int64) * stride_kv_s + col0
-    cp.async_copy_global_to_shared(dst, src[:, None] + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))[None, :],
+    cp.async_copy_global_to_shared(dst, src[:, None] + gl.arange(0, HALF, gl.SliceLayout(0, ROPE_L))[None, :],
                                    mask=valid[:, None])
     if WITH_ROPE:
         rows = block_rows.load(gl.SliceLayout(1, ROPE_L))
