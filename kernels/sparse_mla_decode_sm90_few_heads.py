@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ._launch import launch as launch_compiled
 from .sparse_mla_decode_sm90 import RUNTIME_ARGS, allocate_blocks, allocate_q, producer, program_span
 from .sparse_mla_prefill_sm90 import (BLOCK_N, HALF, HALF_L, NO_MAX, VEC_SMEM, inverse_denominators, load_q,
-                                      opaque_zero, score_piece, store_lse, wait_piece)
+                                      opaque_zero, score_piece, store_lse, store_rows, wait_piece)
 
 HEADS = (16, 32)   # wgmma N of the program's heads: h_q up to 32, rounded up
 
@@ -134,9 +134,7 @@ def _store_out_t(acc_t, inv, out_row, stride_o_h, col0, head0, h_q):
     (bf16, or fp32 partials), transposed in registers to rows of contiguous columns."""
     dtype: gl.constexpr = out_row.dtype.element_ty
     out = gl.convert_layout(gl.permute((acc_t * inv[None, :]).to(dtype), (1, 0)), HALF_L)
-    offs_h = head0 + gl.arange(0, inv.shape[0], gl.SliceLayout(1, HALF_L))
-    offs_d = col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))
-    gl.store(out_row + offs_h[:, None] * stride_o_h + offs_d[None, :], out, mask=(offs_h < h_q)[:, None])
+    store_rows(out, out_row, stride_o_h, 1, col0, head0, h_q)
 
 
 def program_heads(h_q: int):

@@ -140,6 +140,12 @@ def _sparse_mla_prefill_sm90_kernel(
 
 
 @gluon.jit
+def _tile_count(tiles):
+    """How many tiles this program takes: tiles program_id, program_id + programs, ... below n_tiles."""
+    return gl.cdiv(tiles[0] - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
 def _tile(it, tiles, HAS_TOPK_LENGTH: gl.constexpr):
     """(token, head0, n_keys, n_steps) of the program's tile `it` (its tiles: program_id + it * programs):
     its query token, its first head, its valid top-k entries and its steps of two key blocks."""
@@ -193,7 +199,7 @@ def _producer(smem, tiles, q_ptr, stride_q_s, stride_q_h, h_q, kv_ptr, indices_p
     Barrier phases count steps over all of the program's tiles (done: the steps of its tiles before)."""
     q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
     done = 0
-    for it in range(gl.cdiv(tiles[0] - gl.program_id(0), gl.num_programs(0))):
+    for it in range(_tile_count(tiles)):
         token, head0, n_keys, n_steps = _tile(it, tiles, HAS_TOPK_LENGTH)
         idx_row = indices_ptr + token * stride_idx_s
         rows_a = _block_indices(idx_row, stride_idx_k, 0, n_keys, VEC_L)
@@ -317,7 +323,7 @@ def _consumer_a(smem, tiles, attn_sink_ptr, out_ptr, s_kv, h_q, sm_scale_log2, s
     q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
     done = 0      # steps of the program's tiles before (barrier phases count steps over all tiles)
     summed = 0    # tiles before with steps (the row sums' exchanges)
-    for it in range(gl.cdiv(tiles[0] - gl.program_id(0), gl.num_programs(0))):
+    for it in range(_tile_count(tiles)):
         token, head0, n_keys, n_steps = _tile(it, tiles, HAS_TOPK_LENGTH)
         m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
         l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
@@ -430,7 +436,7 @@ def _consumer_b(smem, tiles, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_
     q_halves, q_rope, k_left, k_right, k_rope, p_a, p_b, row_max, row_sums, key_rows, ready, free, sync = smem
     done = 0      # as in _consumer_a
     summed = 0
-    for it in range(gl.cdiv(tiles[0] - gl.program_id(0), gl.num_programs(0))):
+    for it in range(_tile_count(tiles)):
         token, head0, n_keys, n_steps = _tile(it, tiles, HAS_TOPK_LENGTH)
         m_i = gl.full([BLOCK_H], NO_MAX, gl.float32, ROW_S)
         l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
@@ -441,8 +447,6 @@ def _consumer_b(smem, tiles, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_
             parity = g & 1
             a = opaque_zero(g)     # buffer A (0), and B (a + 1)
             b = a + 1
-            last = step + 1 == n_steps
-            more = step + 1 < n_steps
             s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
             wait_piece(ready, 2 * B + RIGHT, parity)
             s = score_piece(q_halves.index(b), k_right.index(b), s, True)
@@ -452,7 +456,7 @@ def _consumer_b(smem, tiles, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_
             s = score_piece(q_halves.index(a), k_left.index(b), s, False)
             s = warpgroup_mma_wait(0, deps=(s,))
             # The tile's last scores are done: q's buffers go to the next tile's q.
-            mbarrier.arrive(sync.index(Q_FREE), pred=last)
+            mbarrier.arrive(sync.index(Q_FREE), pred=step + 1 == n_steps)
             s = _masked_scores(s, key_rows, sync, g, 1, s_kv, sm_scale_log2)
 
             # Consumer 0's max covers the old max and block A; block B completes the step's max.
@@ -475,7 +479,7 @@ def _consumer_b(smem, tiles, attn_sink_ptr, out_ptr, max_logits_ptr, lse_ptr, s_
             publish_done(sync.index(PB))
             acc = warpgroup_mma_wait(1, deps=(acc,))
             # (Block B's right piece of a tile's last step stays held: the output is staged there.)
-            mbarrier.arrive(free.index(2 * B + RIGHT), pred=more)
+            mbarrier.arrive(free.index(2 * B + RIGHT), pred=step + 1 < n_steps)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(free.index(2 * A + RIGHT))
         out_row = out_ptr + token * stride_o_s
@@ -556,10 +560,17 @@ def store_out(acc, m_i, l_i, col0, staging, sink_ptr, stride_sink_h, out_row, st
 @gluon.jit
 def store_zeros(out_row, stride_o_h, stride_o_d, col0, head0, h_q):
     """out_row[h, col0:col0+256] = 0 for heads head0.. (< h_q): a tile without a valid key."""
-    offs_h = head0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, HALF_L))
+    store_rows(gl.zeros([BLOCK_H, HALF], out_row.dtype.element_ty, HALF_L), out_row, stride_o_h, stride_o_d, col0,
+               head0, h_q)
+
+
+@gluon.jit
+def store_rows(values, out_row, stride_o_h, stride_o_d, col0, head0, h_q):
+    """out_row[h, col0:col0+256] = values[h - head0] for heads head0.. (< h_q); values [heads, 256] in HALF_L."""
+    offs_h = head0 + gl.arange(0, values.shape[0], gl.SliceLayout(1, HALF_L))
     offs_d = col0 + gl.arange(0, HALF, gl.SliceLayout(0, HALF_L))
-    gl.store(out_row + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
-             gl.zeros([BLOCK_H, HALF], out_row.dtype.element_ty, HALF_L), mask=(offs_h < h_q)[:, None])
+    gl.store(out_row + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d, values,
+             mask=(offs_h < h_q)[:, None])
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
