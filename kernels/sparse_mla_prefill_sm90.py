@@ -2,9 +2,10 @@
 
 Same semantics as the portable Triton kernel in sparse_mla_prefill.py, for d_v 512 and d_qk 576 (V3.2:
 512 latent + 64 rope) or 512 (V4: the rope sits inside the 512 columns, so K and V are the same
-columns). A tile = one query token x 64 heads; the grid is persistent (one program an SM, tiles in turn),
-and each program is warp-specialised into three warpgroups that meet at mbarriers, so the tensor cores
-keep working while a warpgroup runs its softmax:
+columns). A tile = one query token x 64 heads; a program takes tiles in turn (one program an SM at a
+time: as many as SMs, or programs of two tiles where rows have unequal topk_length), and is warp-
+specialised into three warpgroups that meet at mbarriers, so the tensor cores keep working while a
+warpgroup runs its softmax:
 
 - the producer gathers a tile's q rows first, then the key rows of two 64-key blocks (A, B) per
   step, all with cp.async, the keys in four pieces (A left, A right, B right, B left: left = latent
@@ -50,6 +51,9 @@ LN2 = gl.constexpr(formats.LN2)
 # The running max starts finite: exp2(start - start) = 1, never exp2(-inf - -inf) = NaN, so a fully
 # masked block needs no guard; masked scores are -inf and weigh 0. (No real logit in base 2 is below.)
 NO_MAX = gl.constexpr(-1.0e30)
+# Tiles a program takes where rows have unequal topk_length (at least one program an SM): few enough that
+# the hardware, dealing each next program to the SM that ends first, evens out the programs' ends.
+TILES_PER_PROGRAM_UNEQUAL = 2
 
 # Every partition has 4 warps (one warpgroup).
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
@@ -248,11 +252,10 @@ def _gather(kv_ptr, stride_kv_s, s_kv, block_rows, col0, dst, k_rope, buf, WITH_
     cp.async_copy_global_to_shared(dst, src[:, None] + gl.arange(0, HALF, gl.SliceLayout(0, SEGMENT_L))[None, :],
                                    mask=valid[:, None])
     if WITH_ROPE:
-        rows = block_rows.load(gl.SliceLayout(1, SEGMENT_L))
-        valid = (rows >= 0) & (rows < s_kv)
-        src = kv_ptr + gl.where(valid, rows, 0).to(gl.int64) * stride_kv_s + 2 * HALF
+        # The same rows in the same layout: the latent copy's addresses, moved to the rope columns.
+        rope = src + (2 * HALF - col0)
         cp.async_copy_global_to_shared(k_rope.index(buf),
-                                       src[:, None] + gl.arange(0, D_ROPE, gl.SliceLayout(0, SEGMENT_L))[None, :],
+                                       rope[:, None] + gl.arange(0, D_ROPE, gl.SliceLayout(0, SEGMENT_L))[None, :],
                                        mask=valid[:, None])
     cp.mbarrier_arrive(ready_bar, increment_count=False)
 
@@ -594,8 +597,12 @@ def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
         s_q, h_q, d_qk = q.shape
         n_head_blocks = cdiv(h_q, BLOCK_H.value)
         n_tiles = s_q * n_head_blocks
-        # A persistent grid: one program an SM (its shared memory takes the SM's), tiles in turn.
-        programs = min(n_tiles, _num_sms(q.device))
+        # One program an SM at a time (its shared memory takes the SM's), tiles in turn: rows of one length
+        # make a persistent grid, rows of unequal topk_length programs of a few tiles each.
+        programs = _num_sms(q.device)
+        if topk_length is not None:
+            programs = max(programs, cdiv(n_tiles, TILES_PER_PROGRAM_UNEQUAL))
+        programs = min(n_tiles, programs)
         kept.args = ((programs,), (kv.shape[0], h_q, indices.shape[2], n_head_blocks, n_tiles), (
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
             sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
