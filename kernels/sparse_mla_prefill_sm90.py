@@ -598,7 +598,7 @@ def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
         n_head_blocks = cdiv(h_q, BLOCK_H.value)
         n_tiles = s_q * n_head_blocks
         # One program an SM at a time (its shared memory takes the SM's), tiles in turn: rows of one length
-        # make a persistent grid, rows of unequal topk_length programs of a few tiles each.
+        # get a persistent grid, rows that may differ (topk_length) programs of TILES_PER_PROGRAM_UNEQUAL.
         programs = _num_sms(q.device)
         if topk_length is not None:
             programs = max(programs, cdiv(n_tiles, TILES_PER_PROGRAM_UNEQUAL))
