@@ -340,22 +340,30 @@ def test_deepseek_shape(d_qk):
     run_case(q, kv, indices, 0.1352 * 192**-0.5, 512, topk_length=torch.full((s_q,), 1800, dtype=torch.int32, device=DEVICE))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel's persistent grid is sm_90 only; interpreting 700 rows "
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel's tiles in turn are sm_90 only; interpreting 700 rows "
                     "would take minutes")
 @pytest.mark.parametrize("d_qk, h_q", [(576, 128), (512, 16)])
-def test_many_tiles_per_program(d_qk, h_q):
-    """More (token, 64-head) tiles than programs (on sm_90 one program an SM takes tiles in turn, each
-    starting while the last one's output is stored): rows of every length after one another, runs of
-    empty rows among them, sink on; every row against the oracle, every output written."""
+@pytest.mark.parametrize("with_lengths", [True, False])
+def test_many_tiles_per_program(d_qk, h_q, with_lengths):
+    """More (token, 64-head) tiles than programs (on sm_90 programs take tiles in turn, each starting while
+    the last one's output is stored: one program an SM for rows of one length, programs of two tiles with
+    topk_length): with lengths, rows of every length after one another and runs of empty rows among them;
+    without, runs of rows whose indices are all invalid; sink on; every row against the oracle, every output
+    written."""
     gen = torch.Generator(DEVICE).manual_seed(19)
     s_q, s_kv, topk = 700, 4096, 512
     q = torch.randn((s_q, h_q, d_qk), generator=gen, device=DEVICE).bfloat16()
     kv = kv_with_poisoned_neighbours(s_kv, d_qk, torch.bfloat16, gen)
     indices = torch.randint(-3, s_kv + 3, (s_q, 1, topk), generator=gen, device=DEVICE, dtype=torch.int32)
-    topk_length = torch.randint(0, topk + 1, (s_q,), generator=gen, device=DEVICE, dtype=torch.int32)
-    topk_length[100:180] = 0
-    topk_length[::7] = topk
-    topk_length[1::11] = 0
+    topk_length = None
+    if with_lengths:
+        topk_length = torch.randint(0, topk + 1, (s_q,), generator=gen, device=DEVICE, dtype=torch.int32)
+        topk_length[100:180] = 0
+        topk_length[::7] = topk
+        topk_length[1::11] = 0
+    else:
+        indices[100:180] = -1
+        indices[1::11] = s_kv
     sink = torch.randn(h_q, generator=gen, device=DEVICE)
     run_case(q, kv, indices, d_qk**-0.5, 512, attn_sink=sink, topk_length=topk_length)
 
