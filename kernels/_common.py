@@ -20,6 +20,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (up to this many elements per op), one row per program when compiled (as many programs as rows).
 INTERPRETED_BLOCK_ELEMENTS = 1 << 18
 
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device, interpreted: int) -> int:
+    """The GPU's SM count; off a GPU (the interpreter) `interpreted`: launchers that size their grids by it
+    then run a few programs, enough to exercise their split paths."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return interpreted
+
+
 # Programmatic dependent launch (PDL): a kernel launched with launch_pdl=True may start while the previous
 # kernel on the stream still runs (its launch and first instructions overlap that kernel's tail); it must
 # call wait_for_inputs() before reading or writing anything. CUDA graphs keep the dependency as a

@@ -12,14 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, bf16_nearest
+from ._common import INTERPRET, bf16_nearest, num_sms
 
 
 def num_programs_target(device: torch.device) -> int:
     """Programs a launch should have to fill the GPU (decode has few query tiles: split the keys)."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 4 * num_sms(device, 1)
 
 
 def launch_shape(n_batch: int, n_queries: int, n_heads: int, n_keys: int, config, device: torch.device):

@@ -40,7 +40,7 @@ from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape, dequantize_block_f
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP, quantize_groups
 
-from ._common import INTERPRET, arrival_counters, check_device, rows_per_program, silu
+from ._common import INTERPRET, arrival_counters, check_device, num_sms, rows_per_program, silu
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from ._launch import Kept, cdiv, described, launch, per_signature
 
@@ -445,13 +445,6 @@ def _fp8_gemm_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few programs per tile keep the split path exercised
-
-
-@functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
@@ -461,7 +454,7 @@ def _k_blocks_per_split(config: Fp8GemmConfig, tiles: int, n_k_blocks: int, devi
     enough splits to give every SM a program, each split keeping >= 4 k blocks to pipeline)."""
     split = config.split_k
     if split is None:
-        split = max(1, min(cdiv(_num_sms(device), tiles), n_k_blocks // 4))
+        split = max(1, min(cdiv(num_sms(device, 4), tiles), n_k_blocks // 4))
     return cdiv(n_k_blocks, max(1, min(split, n_k_blocks)))
 
 
@@ -474,7 +467,7 @@ def _stream_k_blocks_per_split(config: StreamConfig, m: int, k: int, tiles: int,
     n_k_blocks = cdiv(k, BLOCK_K)
     split = config.split_k
     if split is None:
-        slots = STREAM_PROGRAMS_PER_SM * _num_sms(device)
+        slots = STREAM_PROGRAMS_PER_SM * num_sms(device, 4)
         most = max(1, min(n_k_blocks // _STREAM_MIN_K_BLOCKS, k // (_STREAM_PARTIAL_SHARE * 8 * m)))
 
         def estimate(splits: int) -> tuple[int, int]:

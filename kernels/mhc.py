@@ -21,7 +21,6 @@ the GPU. Static shapes, no host sync: graph-capturable. Interpreted, a program t
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -29,7 +28,7 @@ import triton.language as tl
 
 from minirt.errors import InputError
 
-from ._common import INTERPRET, check_device, rows_per_program
+from ._common import INTERPRET, check_device, num_sms, rows_per_program
 
 _BLOCK = 256   # columns per step
 # Programs a launch should have to keep every SM busy with loads in flight, per SM: below this many token
@@ -158,18 +157,11 @@ def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_rows, D: tl.con
                  mask=in_rows[:, None, None] & valid[None, None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter: a few programs per launch keep the split paths exercised
-
-
 def _d_slice(D: int, row_programs: int, device: torch.device, block: int = _BLOCK) -> int:
     """Columns of D a program takes (a multiple of block): all of them when row_programs (programs along
     the rows) fill the GPU, else slices enough for _PROGRAMS_PER_SM programs per SM."""
     blocks = triton.cdiv(D, block)
-    slices = min(blocks, triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), row_programs))
+    slices = min(blocks, triton.cdiv(_PROGRAMS_PER_SM * num_sms(device, 2), row_programs))
     return triton.cdiv(blocks, max(1, slices)) * block
 
 
@@ -178,7 +170,7 @@ def hc_pre_splits(N: int, rows: int, hc: int, D: int, device: torch.device) -> i
     token blocks fill the GPU, else as many as give _PROGRAMS_PER_SM programs per SM, each at least
     _MIN_SPLIT_COLUMNS columns. Interpreted, as for one row a program (the bits must not depend on rows)."""
     programs = N if INTERPRET else triton.cdiv(N, rows)
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), programs)
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms(device, 2), programs)
     splits = max(1, min(wanted, hc * D // _MIN_SPLIT_COLUMNS))
     return 1 << (splits.bit_length() - 1)
 

@@ -27,10 +27,9 @@ from minirt.blockfp8 import DEFAULT_BLOCK, block_scale_shape
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import INTERPRET, check_device, rotated
+from ._common import INTERPRET, check_device, num_sms, rotated
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
 from ._launch import Kept, cdiv, described, described_tuple, launch, per_signature
-from .fp8_gemm import _num_sms
 
 WEIGHT_BLOCK = DEFAULT_BLOCK[0]
 BLOCK_O = FP8_GROUP      # output columns per tile: one activation group of the quantised output
@@ -168,7 +167,7 @@ def _launch(x, kv_b_weight, kv_b_scale, nope, v_dim, transposed, out, out_scales
         # so: one head a program).
         heads = 1
         if transposed and prefill:
-            programs = PROGRAMS_PER_SM * _num_sms(x.device)
+            programs = PROGRAMS_PER_SM * num_sms(x.device, 4)
             heads = max(g for g in (1, 2, 4, 8) if n_heads % g == 0 and token_tiles * n_heads // g >= programs
                         or g == 1)
         integers = (n_tokens, x.stride(0), x.stride(1), kv_b_weight.stride(0), kv_b_scale.stride(0),

@@ -54,10 +54,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from minirt.errors import InputError
 from minirt.formats import FP8_DTYPE, FP8_GROUP
 
-from ._common import INTERPRET, arrival_counters, check_device, rows_per_program, swiglu, wait_for_inputs
+from ._common import (INTERPRET, arrival_counters, check_device, num_sms, rows_per_program, swiglu,
+                      wait_for_inputs)
 from ._fp4 import FOLD_PTX, FOLD_SPREAD, FP4_GROUP
 from ._fp8 import ACT_MIN_EXPONENT, pow2_quantize_rows
-from .fp8_gemm import _capability, _num_sms
+from .fp8_gemm import _capability
 from . import moe_grouped_fp4_sm90, moe_grouped_sm90
 from .moe_decode import expert_rows_per_assignment, uses_per_assignment
 
@@ -719,7 +720,7 @@ def _splits(programs: int, n_k_blocks: int, device: torch.device, split_k: Optio
     SPLIT_PROGRAMS_PER_SM programs per SM keeping >= SPLIT_MIN_K_BLOCKS k blocks each (decode
     launches of a few experts' tiles; prefill has enough programs and never splits)."""
     if split_k is None:
-        split_k = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * _num_sms(device), programs),
+        split_k = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms(device, 4), programs),
                       n_k_blocks // SPLIT_MIN_K_BLOCKS)
     return max(s for s in range(1, max(1, split_k) + 1) if n_k_blocks % s == 0)
 

@@ -36,7 +36,7 @@ from minirt.errors import InputError
 from . import sparse_mla_decode_model1_sm90 as model1_sm90
 from . import sparse_mla_decode_sm90 as sm90
 from . import sparse_mla_decode_sm90_few_heads as sm90_few_heads
-from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, check_tensors, softmax_rows,
+from ._common import (INTERPRET, LN2, check_config, check_device, check_tensor, check_tensors, num_sms, softmax_rows,
                       softmax_step)
 from ._launch import cdiv, described, launch, per_signature
 from .kv_cache_fp8 import (D_LAT, D_ROPE, ROPE_AT, SCALES_AT, TILE, TILES, TOKEN_BYTES, cache_geometry,
@@ -436,14 +436,14 @@ def default_num_splits(q: torch.Tensor, topk: int, config: Optional[DecodeConfig
     use_sm90, block_h, _ = _tiling(q, config)
     b, s_q, h_q, _ = q.shape
     n_programs = max(1, b * s_q * triton.cdiv(h_q, block_h))
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    n_sms = num_sms(q.device, 1)
     if use_sm90:
-        wanted = num_sms // n_programs
+        wanted = n_sms // n_programs
     else:
         below, target = _PORTABLE_SPLIT_RULE
-        if n_programs >= below * num_sms:
+        if n_programs >= below * n_sms:
             return 1
-        wanted = triton.cdiv(target * num_sms, n_programs)
+        wanted = triton.cdiv(target * n_sms, n_programs)
     return max(1, min(wanted, topk // _MIN_SPLIT_LEN))
 
 

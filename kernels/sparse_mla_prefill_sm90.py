@@ -38,9 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from minirt import formats
 
-from ._common import is_sm90
+from ._common import is_sm90, num_sms
 from ._launch import cdiv, launch as launch_compiled
-from .fp8_gemm import _num_sms
 
 BLOCK_H = gl.constexpr(64)                        # heads per program: one wgmma M tile
 BLOCK_N = gl.constexpr(64)                        # keys per block; a step takes two blocks
@@ -599,7 +598,7 @@ def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
         n_tiles = s_q * n_head_blocks
         # One program an SM at a time (its shared memory takes the SM's), tiles in turn: rows of one length
         # get a persistent grid, rows that may differ (topk_length) programs of TILES_PER_PROGRAM_UNEQUAL.
-        programs = _num_sms(q.device)
+        programs = num_sms(q.device, 4)
         if topk_length is not None:
             programs = max(programs, cdiv(n_tiles, TILES_PER_PROGRAM_UNEQUAL))
         programs = min(n_tiles, programs)

@@ -326,7 +326,7 @@ def test_stream_auto_split_fills_whole_waves(monkeypatch, n, k, splits):
     """Automatic split-K on an H200 (132 SMs) for V3.2's decode GEMMs at M = 1 with the default launch
     (64-row programs, 2 k blocks a stage): the split whose waves of resident programs (2 per SM) are
     estimated to finish first, each split an even number of k blocks."""
-    monkeypatch.setattr(fp8_gemm_module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(fp8_gemm_module, "num_sms", lambda device, interpreted: 132)
     per_split = fp8_gemm_module._stream_k_blocks_per_split(StreamConfig(), 1, k, -(-n // 64), torch.device("cuda"))
     assert per_split % 2 == 0
     assert -(-(k // 128) // per_split) == splits
