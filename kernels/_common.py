@@ -20,6 +20,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (up to this many elements per op), one row per program when compiled (as many programs as rows).
 INTERPRETED_BLOCK_ELEMENTS = 1 << 18
 
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device, interpreted: int) -> int:
     """The GPU's SM count; off a GPU (the interpreter) `interpreted`: launchers that size their grids by it

@@ -21,7 +21,6 @@ the GPU. Static shapes, no host sync: graph-capturable. Interpreted, a program t
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
