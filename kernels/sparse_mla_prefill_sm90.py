@@ -3,9 +3,9 @@
 Same semantics as the portable Triton kernel in sparse_mla_prefill.py, for d_v 512 and d_qk 576 (V3.2:
 512 latent + 64 rope) or 512 (V4: the rope sits inside the 512 columns, so K and V are the same
 columns). A tile = one query token x 64 heads; a program takes tiles in turn (one program an SM at a
-time: as many as SMs, or programs of two tiles where rows have unequal topk_length), and is warp-
-specialised into three warpgroups that meet at mbarriers, so the tensor cores keep working while a
-warpgroup runs its softmax:
+time: as many as SMs, or where rows have unequal topk_length programs of two tiles, one a tile where
+tiles are few: grid_programs), and is warp-specialised into three warpgroups that meet at mbarriers, so
+the tensor cores keep working while a warpgroup runs its softmax:
 
 - the producer gathers a tile's q rows first, then the key rows of two 64-key blocks (A, B) per
   step, all with cp.async, the keys in four pieces (A left, A right, B right, B left: left = latent
@@ -53,6 +53,9 @@ NO_MAX = gl.constexpr(-1.0e30)
 # Tiles a program takes where rows have unequal topk_length (at least one program an SM): few enough that
 # the hardware, dealing each next program to the SM that ends first, evens out the programs' ends.
 TILES_PER_PROGRAM_UNEQUAL = 2
+# Below this many tiles an SM, rows of unequal topk_length get one program a tile: programs of two would
+# leave their last wave on a few SMs (at 333 tiles, 35 of 167 programs).
+MIN_TILES_PER_SM_UNEQUAL = 8
 
 # Every partition has 4 warps (one warpgroup).
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
@@ -585,6 +588,18 @@ def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
             and q.stride(1) * q.element_size() % 16 == 0)
 
 
+def grid_programs(n_tiles: int, n_sms: int, unequal: bool) -> int:
+    """Programs of a launch of n_tiles tiles, one an SM at a time (its shared memory takes the SM's), each
+    taking tiles in turn: rows of one length a persistent grid (one program an SM); rows that may differ
+    (unequal: topk_length given) programs of TILES_PER_PROGRAM_UNEQUAL tiles, or one a tile below
+    MIN_TILES_PER_SM_UNEQUAL tiles an SM."""
+    if not unequal:
+        return min(n_tiles, n_sms)
+    if n_tiles < MIN_TILES_PER_SM_UNEQUAL * n_sms:
+        return n_tiles
+    return max(n_sms, cdiv(n_tiles, TILES_PER_PROGRAM_UNEQUAL))
+
+
 def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
     """Run the kernel on inputs checked by sparse_mla_prefill; out = (o, max_logits, lse), written;
     kept: the call signature's minirt.kernels._launch.Kept."""
@@ -596,13 +611,7 @@ def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
         s_q, h_q, d_qk = q.shape
         n_head_blocks = cdiv(h_q, BLOCK_H.value)
         n_tiles = s_q * n_head_blocks
-        # One program an SM at a time (its shared memory takes the SM's), tiles in turn: rows of one length
-        # get a persistent grid, rows that may differ (topk_length) programs of TILES_PER_PROGRAM_UNEQUAL.
-        programs = num_sms(q.device, 4)
-        if topk_length is not None:
-            programs = max(programs, cdiv(n_tiles, TILES_PER_PROGRAM_UNEQUAL))
-        programs = min(n_tiles, programs)
-        kept.args = ((programs,), (kv.shape[0], h_q, indices.shape[2], n_head_blocks, n_tiles), (
+        kept.args = ((grid_programs(n_tiles, num_sms(q.device, 4), topk_length is not None),), (kv.shape[0], h_q, indices.shape[2], n_head_blocks, n_tiles), (
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
             sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
             lse.stride(0), lse.stride(1)), dict(

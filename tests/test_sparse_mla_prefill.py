@@ -453,3 +453,13 @@ def test_sm90_launch_matches_kernel_signature(monkeypatch, optional):
     (arguments,) = launches
     assert arguments["HAS_ATTN_SINK"] == arguments["HAS_TOPK_LENGTH"] == optional
     assert arguments["sm_scale_log2"] == 0.1 and arguments["out_ptr"] is out[0]
+
+
+@pytest.mark.parametrize("n_tiles, unequal, programs", [
+    (100, False, 100), (132, False, 132), (8192, False, 132),         # rows of one length: one program an SM
+    (333, True, 333), (8 * 132 - 1, True, 8 * 132 - 1),             # few tiles of unequal rows: one a tile
+    (8 * 132, True, 4 * 132), (8192, True, 4096), (8193, True, 4097),  # many: programs of two tiles
+])
+def test_sm90_grid(n_tiles, unequal, programs):
+    """The Gluon kernel's grid on 132 SMs by tile count and whether rows may differ in length (topk_length)."""
+    assert sm90.grid_programs(n_tiles, 132, unequal) == programs
