@@ -1,8 +1,13 @@
 """Top-k selection for a few long rows of indexer scores (decode: one query row per sequence, up to
-163,840 keys), spread over many programs per row: a three-pass radix select on the order-preserving
-int32 image of the scores, then the selected keys are placed in order by their ranks.
+163,840 keys): a radix select on the order-preserving int32 image of the scores, then the selected keys
+are placed in order by their ranks, spread over many programs per row.
 
-Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R rows of S scores:
+Rows of up to ROW_PROGRAM_KEYS keys (a decode step's rows up to 2,048 cached tokens) take two launches:
+one program a row finds the k-th largest image T a byte at a time (four histograms of 256 bins, in
+registers, each over the row's scores that share T's bytes so far: no workspace to zero, no atomics), then
+gathers the selection in index order (the keys above T, then the lowest indices equal to T); the rank
+launch (6. below) places it. Longer rows spread each pass over programs of TILE keys, so one row fills the
+GPU. Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R rows of S scores:
 
 1. a zeroed workspace (histograms and a slot counter per row);
 2. pass 1, grid (R, S / TILE): histogram of the top byte of every valid (> -inf) score's image (a
@@ -39,6 +44,10 @@ from .lightning_indexer import check_topk_inputs, indexer_topk
 
 # Scores per program of the histogram and gather passes: 163,840 keys give 80 programs per row.
 TILE = 2048
+# Rows of at most this many keys take one program a row for the selection (module docstring): up to here
+# one program's passes over a row take less than the launches that spread them (bench_indexer_paged.py
+# --topk-sweep).
+ROW_PROGRAM_KEYS = 2048
 # A row's selection buffer holds next_pow2(topk) int64 keys, each compared with all of them for its rank;
 # larger topk go to indexer_topk.
 MAX_TOPK = 4096
@@ -69,15 +78,25 @@ def _ordered(x):
 
 
 @triton.jit
-def _pick(hist, rem):
-    """Of the 256 bins at hist, the bin holding the rem-th largest digit (rem >= 1, at most their total)
-    and how many digits lie in higher bins."""
-    offs = tl.arange(0, _BINS)
-    counts = tl.load(hist + offs)
+def _pick_counts(counts, rem):
+    """Of 256 bins' counts, the bin holding the rem-th largest digit (rem >= 1, at most their total) and
+    how many digits lie in higher bins."""
     # Inclusive suffix sums are non-increasing: the bins whose suffix reaches rem are the top ones.
     suffix = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
     picked = tl.maximum(tl.sum((suffix >= rem).to(tl.int32), 0) - 1, 0)
-    return picked, tl.sum(tl.where(offs > picked, counts, 0), 0)
+    return picked, tl.sum(tl.where(tl.arange(0, _BINS) > picked, counts, 0), 0)
+
+
+@triton.jit
+def _pick(hist, rem):
+    """_pick_counts of the 256 bins at hist."""
+    return _pick_counts(tl.load(hist + tl.arange(0, _BINS)), rem)
+
+
+@triton.jit
+def _order_key(key, cols):
+    """(image, then lower index) in one int64, unique per index: lightning_indexer._order_keys."""
+    return (key.to(tl.int64) << 32) | (cols.to(tl.int64) ^ 0xFFFFFFFF)
 
 
 @triton.jit
@@ -157,9 +176,55 @@ def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
     n_chosen = tl.sum(chosen.to(tl.int32), 0)
     first = tl.atomic_add(hist_row + _COUNTER, n_chosen, sem="relaxed")
     slot = first + tl.cumsum(chosen.to(tl.int32), 0) - 1
-    # (value, then lower index) in one int64, unique per index: lightning_indexer._order_keys.
-    order_key = (key.to(tl.int64) << 32) | (cols.to(tl.int64) ^ 0xFFFFFFFF)
-    tl.store(keys_ptr + row.to(tl.int64) * SLOTS + slot, order_key, mask=chosen)
+    tl.store(keys_ptr + row.to(tl.int64) * (SLOTS + 1) + slot, _order_key(key, cols), mask=chosen)
+
+
+@triton.jit(do_not_specialize=["n_keys", "stride_row", "topk"])
+def _row_select_kernel(scores_ptr, keys_ptr, n_keys, stride_row, topk, TILE: tl.constexpr, SLOTS: tl.constexpr,
+                       INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+    # Program = one row: the four bytes of the topk-th largest image T, each from a histogram (in registers,
+    # over the row's tiles in turn) of the next byte of the valid scores that share T's bytes so far; then
+    # the selection in index order (those above T, then the lowest indices equal to T) as int64 keys into the
+    # row's SLOTS slots, their count in slot SLOTS.
+    row = tl.program_id(0)
+    row_scores = scores_ptr + row.to(tl.int64) * stride_row
+    row_keys = keys_ptr + row.to(tl.int64) * (SLOTS + 1)
+    offs = tl.arange(0, TILE)
+    counts = tl.zeros([_BINS], tl.int32)
+    # (The interpreter's loops need a constexpr bound, written in the loop's own range.)
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, TILE):
+        key = _ordered(tl.load(row_scores + start + offs, mask=start + offs < n_keys, other=float("-inf")))
+        counts += tl.histogram((key >> 24) + 128, _BINS, mask=key > _NEG_INF_ORDERED)
+    n_valid = tl.sum(counts, 0)
+    take_all = n_valid <= topk
+    rem = tl.maximum(tl.minimum(topk, n_valid), 1)
+    digit, n_above = _pick_counts(counts, rem)
+    rem = tl.maximum(rem - n_above, 1)
+    prefix = digit - 128   # T's bytes so far, as the arithmetic shift of its image
+    # (When all are taken, T is not needed: the compiled kernel skips these passes.)
+    for byte in tl.static_range(1, 4):
+        counts = tl.zeros([_BINS], tl.int32)
+        for start in range(0, INTERPRETED_KEYS if INTERPRETED else tl.where(take_all, 0, n_keys), TILE):
+            key = _ordered(tl.load(row_scores + start + offs, mask=start + offs < n_keys, other=float("-inf")))
+            sharing = (key > _NEG_INF_ORDERED) & ((key >> (32 - 8 * byte)) == prefix)
+            counts += tl.histogram((key >> (24 - 8 * byte)) & 0xFF, _BINS, mask=sharing)
+        digit, above = _pick_counts(counts, rem)
+        n_above += above
+        rem = tl.maximum(rem - above, 1)
+        prefix = (prefix << 8) | digit
+    # rem: how many keys equal to T the selection takes (topk - n_above), the first in index order.
+    n_taken = n_valid * 0
+    n_tied = n_valid * 0
+    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, TILE):
+        cols = start + offs
+        key = _ordered(tl.load(row_scores + cols, mask=cols < n_keys, other=float("-inf")))
+        valid = key > _NEG_INF_ORDERED
+        tied = valid & (key == prefix) & (take_all == 0)
+        chosen = valid & (take_all | (key > prefix) | (tied & (n_tied + tl.cumsum(tied.to(tl.int32), 0) <= rem)))
+        tl.store(row_keys + n_taken + tl.cumsum(chosen.to(tl.int32), 0) - 1, _order_key(key, cols), mask=chosen)
+        n_taken += tl.sum(chosen.to(tl.int32), 0)
+        n_tied += tl.sum(tied.to(tl.int32), 0)
+    tl.store(row_keys + SLOTS, n_taken.to(tl.int64))
 
 
 @triton.jit
@@ -175,23 +240,27 @@ def _selected(indices, mask, table_row_ptr, max_blocks, block_size, num_blocks, 
                                "num_blocks", "stride_table"])
 def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, table_ptr, n_keys, stride_row, stride_out, topk,
                  max_blocks, block_size, num_blocks, stride_table, ROW_WORDS: tl.constexpr, SLOTS: tl.constexpr,
-                 BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PAGED: tl.constexpr, INTERPRETED: tl.constexpr,
-                 INTERPRETED_KEYS: tl.constexpr):
+                 BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PAGED: tl.constexpr, ROW_SELECTED: tl.constexpr,
+                 INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
     # Program (row, block): BLOCK of the row's gathered keys, each written to the output position given
     # by its rank (how many gathered keys exceed it: keys are unique); the padding -1 of its positions;
-    # block 0 also the boundary ties.
+    # block 0 also the boundary ties (ROW_SELECTED: _row_select_kernel's keys, ties taken and counted).
     row = tl.program_id(0)
     block = tl.program_id(1)
-    hist_row = hist_ptr + row.to(tl.int64) * ROW_WORDS
-    row_keys = keys_ptr + row.to(tl.int64) * SLOTS
+    row_keys = keys_ptr + row.to(tl.int64) * (SLOTS + 1)
     row_out = out_ptr + row.to(tl.int64) * stride_out
     table_row = table_ptr + row.to(tl.int64) * stride_table
-    take_all, n_valid, a, b, threshold, n_above, n_equal = _threshold(hist_row, topk, 3)
-    n_selected = tl.where(take_all, n_valid, topk)
-    tied = (take_all == 0) & (n_above + n_equal != topk)
-    # Tied: the gather took only the n_above keys above T; the topk - n_above lowest key indices scoring T
-    # follow them in key order, so they take positions n_above on in one scan of the row in order.
-    n_gathered = tl.where(tied, n_above, n_selected)
+    if ROW_SELECTED:
+        n_selected = tl.load(row_keys + SLOTS).to(tl.int32)
+        n_gathered = n_selected
+    else:
+        hist_row = hist_ptr + row.to(tl.int64) * ROW_WORDS
+        take_all, n_valid, a, b, threshold, n_above, n_equal = _threshold(hist_row, topk, 3)
+        n_selected = tl.where(take_all, n_valid, topk)
+        tied = (take_all == 0) & (n_above + n_equal != topk)
+        # Tied: the gather took only the n_above keys above T; the topk - n_above lowest key indices scoring
+        # T follow them in key order, so they take positions n_above on in one scan of the row in order.
+        n_gathered = tl.where(tied, n_above, n_selected)
     mine = block * BLOCK + tl.arange(0, BLOCK)
     keys = tl.load(row_keys + mine, mask=mine < n_gathered, other=_EMPTY_SLOT)
     # Every pairwise comparison at once, [BLOCK, SLOTS], with no loop: a loop over 32-key chunks, 128 keys a
@@ -204,6 +273,17 @@ def _rank_kernel(scores_ptr, hist_ptr, keys_ptr, out_ptr, table_ptr, n_keys, str
     tl.store(row_out + rank, _selected(indices, gathered, table_row, max_blocks, block_size, num_blocks, PAGED),
              mask=gathered)
     tl.store(row_out + mine, tl.full((BLOCK,), -1, tl.int32), mask=(mine >= n_selected) & (mine < topk))
+    if not ROW_SELECTED:
+        _tied_scan(scores_ptr, row_out, table_row, row, block, n_keys, stride_row, topk, n_above, tied, threshold,
+                   max_blocks, block_size, num_blocks, ROW_BLOCK, PAGED, INTERPRETED, INTERPRETED_KEYS)
+
+
+@triton.jit
+def _tied_scan(scores_ptr, row_out, table_row, row, block, n_keys, stride_row, topk, n_above, tied, threshold,
+               max_blocks, block_size, num_blocks, ROW_BLOCK: tl.constexpr, PAGED: tl.constexpr,
+               INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
+    """The rank kernel's boundary ties (block 0 of a tied row): the topk - n_above lowest key indices scoring
+    T, at positions n_above on."""
     n_needed = topk - n_above
     n_seen = n_needed * 0
     scan = tied & (block == 0)
@@ -242,9 +322,11 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
     Returns:
         [..., topk] int32 key indices in [0, S) or -1 (with ``pages``, slots or -1).
 
-    Five Triton launches and a workspace memset (module docstring), each histogram / gather pass
-    over R x ceil(S / 2048) programs, so one row fills the GPU; no host synchronisation (CUDA-graph
-    capturable). Workspace: R x 265 KB of int32 histograms and R x next_pow2(topk) int64 keys.
+    Rows of S <= ROW_PROGRAM_KEYS (2,048) keys: two Triton launches, one program a row selecting, then
+    the ranks; longer rows: five Triton launches and a workspace memset (module docstring), each histogram
+    / gather pass over R x ceil(S / 2048) programs, so one row fills the GPU. No host synchronisation
+    (CUDA-graph capturable). Workspace: R x (next_pow2(topk) + 1) int64 keys, and for long rows R x 265 KB
+    of int32 histograms.
 
     Raises:
         minirt.errors.InputError: scores not float32 [..., S], topk not a positive int, or a device
@@ -267,23 +349,32 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
         row_stride = n_keys if copy else rows.stride(0)
         paging = (0, block_size, num_blocks, 0) if table is None else (table.shape[1], block_size, num_blocks,
                                                                         table.stride(0))
-        kept.args = (n_rows, copy, slots, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk), dict(
+        row_selected = n_keys <= ROW_PROGRAM_KEYS
+        kept.args = (n_rows, copy, slots, row_selected, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk), dict(
             TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4), (n_keys, row_stride, topk, topk, *paging), dict(
             ROW_WORDS=_ROW_WORDS, SLOTS=slots, BLOCK=min(slots, _RANK_BLOCK), ROW_BLOCK=_TIE_ROW_BLOCK,
-            PAGED=table is not None, INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0,
-            num_warps=4))
-    n_rows, copy, slots, grid, integers, pass_constexprs, rank_integers, rank_constexprs = kept.args
+            PAGED=table is not None, ROW_SELECTED=row_selected, INTERPRETED=INTERPRET,
+            INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=4))
+    n_rows, copy, slots, row_selected, grid, integers, pass_constexprs, rank_integers, rank_constexprs = kept.args
     # (out [..., topk] contiguous: the rank kernel's rows of stride topk.)
     out = torch.empty((*scores.shape[:-1], topk), dtype=torch.int32, device=scores.device)
     if n_rows == 0 or n_keys == 0:
         return out.fill_(-1)
     rows = scores.reshape(n_rows, n_keys).contiguous() if copy else scores
-    hist = torch.zeros((n_rows, _ROW_WORDS), dtype=torch.int32, device=scores.device)
-    keys = torch.empty((n_rows, slots), dtype=torch.int64, device=scores.device)
-    # (Each pass's own compiled kernel: the second's and third's in kept.value.)
-    for pass_, compiled in zip((1, 2, 3), (kept.compiled, *kept.value)):
-        launch(_histogram_kernel, grid, (rows, hist, *integers), dict(PASS=pass_, **pass_constexprs), compiled)
-    launch(_gather_kernel, grid, (rows, hist, keys, *integers), dict(SLOTS=slots, **pass_constexprs), kept.compiled)
+    # A row's selection: slots then (one program a row) their count.
+    keys = torch.empty((n_rows, slots + 1), dtype=torch.int64, device=scores.device)
+    if row_selected:
+        hist = keys   # (unread)
+        launch(_row_select_kernel, grid[:1], (rows, keys, *integers), dict(
+            TILE=TILE, SLOTS=slots, INTERPRETED=INTERPRET, INTERPRETED_KEYS=rank_constexprs["INTERPRETED_KEYS"],
+            num_warps=16), kept.compiled)   # (16 warps: 4 keys a thread a tile, no spills; fewer spill at sm_90a)
+    else:
+        hist = torch.zeros((n_rows, _ROW_WORDS), dtype=torch.int32, device=scores.device)
+        # (Each pass's own compiled kernel: the second's and third's in kept.value.)
+        for pass_, compiled in zip((1, 2, 3), (kept.compiled, *kept.value)):
+            launch(_histogram_kernel, grid, (rows, hist, *integers), dict(PASS=pass_, **pass_constexprs), compiled)
+        launch(_gather_kernel, grid, (rows, hist, keys, *integers), dict(SLOTS=slots, **pass_constexprs),
+               kept.compiled)
     launch(_rank_kernel, (n_rows, slots // rank_constexprs["BLOCK"]),
            (rows, hist, keys, out, hist if table is None else table, *rank_integers), rank_constexprs, kept.compiled)
     return out

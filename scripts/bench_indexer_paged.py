@@ -4,6 +4,7 @@ formats, with the ceilings measured in the same run.
     python3 scripts/bench_indexer_paged.py [--out results.md] [--variants 4,128,8,3 2,64,8,3 ...] [--decode-only]
     python3 scripts/bench_indexer_paged.py --sweep [--formats fp8]     # the prefill chunk only, over SWEEP_VARIANTS
     python3 scripts/bench_indexer_paged.py --decode-sweep               # decode scores only, over DECODE_SWEEP_VARIANTS
+    python3 scripts/bench_indexer_paged.py --topk-sweep                 # decode_topk alone, both of its selections
 
 Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
 block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
@@ -21,7 +22,10 @@ sm_90 the default is the Gluon kernel (indexer_scores_sm90), timed beside the Tr
 prefill chunk, over each format's SWEEP_VARIANTS (every one compiles for sm_90a within its shared
 memory), and ends each format with the fastest correct launch; --decode-sweep likewise times only the
 decode scores, at B 1 and 16 over DECODE_SWEEP_LENGTH keys, over DECODE_SWEEP_VARIANTS (one query row a
-sequence: block_t 1).
+sequence: block_t 1). --topk-sweep times decode_topk alone on B rows of L random scores (TOPK_SWEEP), replayed
+from a CUDA graph as a decode step runs it, through each of its selections (one program a row, the default up
+to decode_topk.ROW_PROGRAM_KEYS keys, and the histogram passes over programs of 2048 keys), after checking
+both against indexer_topk.
 Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
 on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
 measurement is reported in its cell; the run goes on.
@@ -30,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 
 import torch
 import triton
+from triton.testing import do_bench_cudagraph
 
 from bench_indexer import attempt, bench_ms, launch_sweep, parse_variant, split_as_tiles_load
 from ceilings import measure_ceilings, write_report
@@ -64,6 +70,8 @@ SWEEP_VARIANTS = {
 # Decode launch shapes for --decode-sweep besides paged_config's (block_t 1: one query a sequence): key
 # steps, warps and stages around it that compile for sm_90a without spills (exact 1,128,4,2 spills).
 DECODE_SWEEP_LENGTH = 131072
+# --topk-sweep: rows (B) and row lengths (L) of decode_topk's two selections.
+TOPK_SWEEP = ((1, 16, 64), (1024, 4096, 16384, 32768, 65536, 163840))
 DECODE_SWEEP_VARIANTS = {
     "fp8": ["1,64,4,3", "1,64,8,3", "1,64,4,4", "1,128,4,3", "1,128,8,3", "1,32,4,4", "1,256,8,2"],
     "exact": ["1,128,8,2", "1,128,8,3", "1,64,8,3", "1,64,4,4", "1,64,8,4", "1,32,4,4", "1,32,8,4",
@@ -167,6 +175,26 @@ def decode_sweep(fmt: str, gen: torch.Generator, row) -> None:
                      lambda label, cell: row(label, fmt, cell))
 
 
+def topk_sweep(gen: torch.Generator, row) -> None:
+    """--topk-sweep: decode_topk's graph-replay time through each selection, by rows and row length."""
+    module = sys.modules[decode_topk.__module__]
+    default = module.ROW_PROGRAM_KEYS
+    for n_batch in TOPK_SWEEP[0]:
+        for length in TOPK_SWEEP[1]:
+            scores = torch.randn((n_batch, length), generator=gen, device="cuda")
+            expected = indexer_topk(scores, TOPK)
+            cells = []
+            for name, row_program_keys in (("one program a row", 2**31), ("programs of 2048 keys", 0)):
+                module.ROW_PROGRAM_KEYS, module._KEPT = row_program_keys, {}
+                try:
+                    same = torch.equal(decode_topk(scores, TOPK), expected)
+                    ms = do_bench_cudagraph(lambda: decode_topk(scores, TOPK))
+                    cells.append(f"{name} {ms * 1e3:.1f} µs" + ("" if same else " (WRONG)"))
+                finally:
+                    module.ROW_PROGRAM_KEYS, module._KEPT = default, {}
+            row(f"decode_topk B {n_batch}, L {length}, top {TOPK} (graph replay)", "-", ", ".join(cells))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="-", help="markdown destination (default stdout)")
@@ -177,6 +205,8 @@ def main():
                         help="only the prefill chunk, over SWEEP_VARIANTS (--variants ignored), naming the fastest")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="only the decode scores, over DECODE_SWEEP_VARIANTS, naming the fastest")
+    parser.add_argument("--topk-sweep", action="store_true",
+                        help="only decode_topk, through each of its selections, over TOPK_SWEEP")
     parser.add_argument("--formats", nargs="*", choices=FORMATS, default=FORMATS, help="cache formats to run")
     args = parser.parse_args()
 
@@ -198,6 +228,9 @@ def main():
         print(lines[-1], flush=True)
 
     gen = torch.Generator("cuda").manual_seed(0)
+    if args.topk_sweep:
+        topk_sweep(gen, row)
+        args.formats = ()
     for fmt in args.formats if args.decode_sweep else ():
         decode_sweep(fmt, gen, row)
     for fmt in () if args.sweep or args.decode_sweep else args.formats:

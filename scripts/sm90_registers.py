@@ -281,16 +281,16 @@ def recorded_stream_launches():
             for what, call in zip(("o_proj, split-K", "q_b + wq_b, unsplit"), recorder.calls)]
 
 
-def recorded_topk_launches():
-    """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of 163840 scores, top 2048."""
+def recorded_topk_launches(n_keys: int):
+    """[(name, kernel, args, kwargs)]: decode_topk's launches for 16 rows of n_keys scores, top 2048."""
     module = sys.modules[decode_topk.__module__]
-    names = ("_histogram_kernel", "_gather_kernel", "_rank_kernel")
+    names = ("_histogram_kernel", "_gather_kernel", "_row_select_kernel", "_rank_kernel")
     # (Its input checks, lightning_indexer.check_topk_inputs, refuse CPU tensors outside the interpreter.)
     check_device = lightning_indexer.check_device
     lightning_indexer.check_device = lambda tensors: None
     try:
         with recording(module, names) as kept:
-            decode_topk(torch.empty((16, 163840)), 2048)
+            decode_topk(torch.empty((16, n_keys)), 2048)
     finally:
         lightning_indexer.check_device = check_device
     return [(f"{name} {i + 1}", kept[name][0], *call) for name in names for i, call in enumerate(kept[name][1].calls)]
@@ -376,8 +376,9 @@ def main() -> int:
     # (Its accumulator holds weight rows x tokens: a program stores its 64 bf16 outputs of a token 2 bytes at a time.)
     for name, kernel, args, kwargs in recorded_stream_launches():
         failing |= report(name, kernel, args, kwargs, narrow_allowed=True)
-    for name, kernel, args, kwargs in recorded_topk_launches():
-        failing |= report(f"decode_topk {name}, 16 rows of 163840, top 2048", kernel, args, kwargs)
+    for n_keys in (163840, 16384):   # (programs of TILE keys; one program a row)
+        for name, kernel, args, kwargs in recorded_topk_launches(n_keys):
+            failing |= report(f"decode_topk {name}, 16 rows of {n_keys}, top 2048", kernel, args, kwargs)
     for name, kernel, args, kwargs in recorded_preselect_launches():
         failing |= report(f"indexer_topk {name}, 2048 rows of 131072, top 2048", kernel, args, kwargs)
     return 1 if failing else 0

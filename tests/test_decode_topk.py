@@ -12,6 +12,7 @@ import torch
 
 from conftest import DEVICE
 from minirt.errors import InputError
+from minirt.kernels._launch import launch
 from minirt.kernels.decode_topk import decode_topk
 from minirt.kernels.lightning_indexer import indexer_topk
 from test_lightning_indexer import assert_sync_free_and_replayed, stable_topk_reference, tied_scores
@@ -20,6 +21,25 @@ from test_lightning_indexer import assert_sync_free_and_replayed, stable_topk_re
 dt = importlib.import_module("minirt.kernels.decode_topk")
 
 ON_GPU = DEVICE == "cuda"
+
+
+@pytest.fixture(autouse=True, params=["one program a row", "programs of TILE keys"])
+def selection(request, monkeypatch):
+    """Every test through both selections, whatever its rows' length: one program a row
+    (_row_select_kernel) and the histogram passes over programs of TILE keys."""
+    monkeypatch.setattr(dt, "ROW_PROGRAM_KEYS", 2**31 if request.param == "one program a row" else 0)
+    monkeypatch.setattr(dt, "_KEPT", {})   # (a signature keeps the selection of its first call)
+
+
+@pytest.mark.parametrize("n_keys, kernel", [(300, "_row_select_kernel"), (301, "_histogram_kernel")])
+def test_rows_up_to_row_program_keys_take_one_program(monkeypatch, n_keys, kernel):
+    """Rows of at most ROW_PROGRAM_KEYS keys are selected by one program a row, longer ones by tiles."""
+    monkeypatch.setattr(dt, "ROW_PROGRAM_KEYS", 300)
+    launched = []
+    monkeypatch.setattr(dt, "launch", lambda k, *args: launched.append(k) or launch(k, *args))
+    scores = torch.randn(2, n_keys, generator=torch.Generator(DEVICE).manual_seed(3), device=DEVICE)
+    assert torch.equal(decode_topk(scores, 40), stable_topk_reference(scores, 40))
+    assert getattr(dt, kernel) in launched and dt._rank_kernel in launched
 
 
 @pytest.mark.parametrize("shape, topk", [
