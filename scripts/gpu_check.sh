@@ -16,7 +16,7 @@
 # moe-decode:   the MoE kernel tests with CUDA tensors, then bench_moe.py at 1, 16 and 64 tokens (the decode
 #               paths and each model's b 1 layer with its shared expert; about 2 minutes)
 # bench:        scripts/bench_prefill.py, bench_decode.py (with roofline PNGs), bench_indexer.py,
-#               bench_indexer_paged.py, bench_mhc.py; ceilings measured in the same run
+#               bench_indexer_paged.py (and its --topk-sweep), bench_mhc.py; ceilings measured in the same run
 # gemm-bench:   scripts/bench_gemm.py (fp8 GEMM beside torch._scaled_mm and bf16)
 # v32:          synthetic checkpoint at real DeepSeek-V3.2 dims (3 dense layers, several GB in
 #               /tmp/minirt-v32), then `minirt verify` (default fp8 weights; bf16 weights; a prompt
@@ -116,6 +116,7 @@ for stage in "$@"; do
       run bench-decode python3 scripts/bench_decode.py --out "$OUT/decode.md" --plot "$OUT/decode.png"
       run bench-indexer python3 scripts/bench_indexer.py --out "$OUT/indexer.md"
       run bench-indexer-paged python3 scripts/bench_indexer_paged.py --out "$OUT/indexer_paged.md"
+      run bench-decode-topk python3 scripts/bench_indexer_paged.py --topk-sweep --out "$OUT/decode_topk.md"
       run bench-mhc python3 scripts/bench_mhc.py ;;
     gemm-bench) run bench-gemm python3 scripts/bench_gemm.py --out "$OUT/gemm.md" ;;
     v32|v32-generate|v32-step|runtime-bench|profile|long-step)

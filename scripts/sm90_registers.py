@@ -376,7 +376,8 @@ def main() -> int:
     # (Its accumulator holds weight rows x tokens: a program stores its 64 bf16 outputs of a token 2 bytes at a time.)
     for name, kernel, args, kwargs in recorded_stream_launches():
         failing |= report(name, kernel, args, kwargs, narrow_allowed=True)
-    for n_keys in (163840, 16384):   # (programs of TILE keys; one program a row)
+    # (Programs of TILE keys; one program a row, at the longest rows it takes.)
+    for n_keys in (163840, sys.modules[decode_topk.__module__].ROW_PROGRAM_KEYS):
         for name, kernel, args, kwargs in recorded_topk_launches(n_keys):
             failing |= report(f"decode_topk {name}, 16 rows of {n_keys}, top 2048", kernel, args, kwargs)
     for name, kernel, args, kwargs in recorded_preselect_launches():
