@@ -345,17 +345,17 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
             INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=4))
     n_rows, copy, slots, row_selected, grid, integers, pass_constexprs, rank_integers, rank_constexprs = kept.args
     # (out [..., topk] contiguous: the rank kernel's rows of stride topk.)
-    out = torch.empty((*scores.shape[:-1], topk), dtype=torch.int32, device=scores.device)
+    out = torch.empty(*scores.shape[:-1], topk, dtype=torch.int32, device=scores.device)
     if n_rows == 0 or n_keys == 0:
         return out.fill_(-1)
     rows = scores.reshape(n_rows, n_keys).contiguous() if copy else scores
     # A row's selection: slots then (one program a row) their count.
-    keys = torch.empty((n_rows, slots + 1), dtype=torch.int64, device=scores.device)
+    keys = torch.empty(n_rows, slots + 1, dtype=torch.int64, device=scores.device)
     if row_selected:
         hist = keys   # (unread)
         launch(_row_select_kernel, grid[:1], (rows, keys, *integers), pass_constexprs, kept.compiled)
     else:
-        hist = torch.zeros((n_rows, _ROW_WORDS), dtype=torch.int32, device=scores.device)
+        hist = torch.zeros(n_rows, _ROW_WORDS, dtype=torch.int32, device=scores.device)
         # (Each pass's own compiled kernel: the second's and third's in kept.value.)
         for pass_, compiled in zip((1, 2, 3), (kept.compiled, *kept.value)):
             launch(_histogram_kernel, grid, (rows, hist, *integers), dict(PASS=pass_, **pass_constexprs), compiled)

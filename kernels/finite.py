@@ -58,7 +58,7 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(max(n, 1)), INTERPRETED_BLOCK_ELEMENTS) if INTERPRET else BLOCK
         kept.args = (n, block, (cdiv(n, block),), x.is_contiguous())
     n, block, grid, contiguous = kept.args
-    out = torch.empty((), dtype=torch.bool, device=x.device)
+    out = torch.empty(size=(), dtype=torch.bool, device=x.device)
     if n == 0:
         return out.fill_(True)
     launch(_all_finite_kernel, grid, (x if contiguous else x.contiguous(), out.view(torch.int8),

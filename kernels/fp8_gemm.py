@@ -129,8 +129,8 @@ def _quantize(x, up, kept: Kept) -> tuple[torch.Tensor, torch.Tensor]:
     copy, scale_shape, launched, grid, integers, constexprs = kept.args
     if copy:
         x = x.contiguous()
-    x_fp8 = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    x_fp8 = torch.empty(*x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(*scale_shape, dtype=torch.float32, device=x.device)
     if launched:
         launch(_quantize_act_kernel, grid, (x, x if up is None else up, x_fp8.view(torch.uint8), scales, *integers),
                constexprs, kept.compiled)
@@ -515,7 +515,7 @@ def _tiles(a, a_scales, b, b_scales, out, config: Fp8GemmConfig) -> None:
     tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     per_split = _k_blocks_per_split(config, tiles, n_k_blocks, a.device)
     splits = cdiv(n_k_blocks, per_split)
-    dest = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+    dest = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
     dest_strides = (0, *out.stride()) if splits == 1 else dest.stride()
     _fp8_gemm_kernel[(tiles, splits)](
         TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K]),
@@ -569,7 +569,7 @@ def _scaled_mm_agrees(device: torch.device, out_dtype: torch.dtype) -> bool:
     b_scales = b_scales * (1 + torch.rand(b_scales.shape, generator=gen, device=device))
     ref = (a.float().unflatten(1, (-1, FP8_GROUP)) * a_scales[..., None]).flatten(1) \
         @ dequantize_block_fp8(b, b_scales).T
-    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
     try:
         scaled_mm_blockwise(a, a_scales, b, b_scales, out)
     except (RuntimeError, NotImplementedError, ValueError, TypeError):
@@ -679,7 +679,7 @@ def fp8_gemm(
         or Kept(_gemm_plan(a, b, out_dtype, config, groups)))
     (m, k), n = a.shape, b.shape[0]
     if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:

@@ -136,7 +136,7 @@ def new_index_cache(num_blocks: int, block_size: int = CACHE_BLOCK_SIZE,
             raise InputError(f"{name} must be a positive int, got {value!r}")
     if block_size % 4:
         raise InputError(f"block_size must be a multiple of 4 (pages of 16-byte multiples), got {block_size}")
-    return torch.zeros((num_blocks, block_size, 1, INDEX_KEY_BYTES), dtype=torch.uint8, device=device)
+    return torch.zeros(num_blocks, block_size, 1, INDEX_KEY_BYTES, dtype=torch.uint8, device=device)
 
 
 def _fp8_cache_geometry(cache) -> CacheGeometry:
@@ -497,7 +497,7 @@ def paged_indexer_scores(
         n_keys.__class__, n_keys, described(out), config.__class__, config, lightning_indexer.PRESPLIT_MIN_QUERIES),
         lambda: Kept(_checked_launch_shape(q, weights, cache, block_table, limit, n_keys, out, config)))
     if out is None:
-        out = torch.empty((q.shape[0], q.shape[1], kept.value[3]), dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape[0], q.shape[1], kept.value[3], dtype=torch.float32, device=q.device)
     return _launch_paged(q, weights, cache, block_table, limit, out, kept)
 
 

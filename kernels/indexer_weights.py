@@ -64,7 +64,7 @@ def indexer_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torc
     t = x.shape[0]
     if t > DECODE_MAX_TOKENS:
         return F.linear(x.float(), weight.float()) * scale
-    out = torch.empty((t, weight.shape[0]), dtype=torch.float32, device=x.device)
+    out = torch.empty(t, weight.shape[0], dtype=torch.float32, device=x.device)
     if kept.args is None:
         n_heads = weight.shape[0]
         kept.args = ((t, cdiv(n_heads, _BLOCK_H)), t * n_heads > 0,

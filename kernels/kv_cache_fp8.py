@@ -180,7 +180,7 @@ def new_kv_cache(num_blocks: int, block_size: int = formats.CACHE_BLOCK_SIZE,
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive int, got {value!r}")
-    return torch.zeros((num_blocks, block_size, 1, formats.KV_TOKEN_BYTES), dtype=torch.uint8, device=device)
+    return torch.zeros(num_blocks, block_size, 1, formats.KV_TOKEN_BYTES, dtype=torch.uint8, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor,
     grid, copies, integers, compiled = per_signature(
         _MAPPINGS, lambda: (described(positions), described(block_table), described(kv_cache)),
         lambda: _mapping(positions, block_table, kv_cache))
-    slots = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
+    slots = torch.empty(*positions.shape, dtype=torch.int32, device=positions.device)
     if grid is not None:
         # (The kernel reads the positions and writes the slots as [b, n] rows, the table with unit column stride.)
         launch(_positions_to_slots_kernel, grid, (positions.contiguous() if copies[0] else positions,

@@ -171,7 +171,7 @@ def new_model1_cache(num_blocks: int, block_size: int = formats.CACHE_BLOCK_SIZE
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive int, got {value!r}")
     page = formats.model1_page_bytes(block_size)
-    pages = torch.zeros((num_blocks, page), dtype=torch.uint8, device=device)
+    pages = torch.zeros(num_blocks, page, dtype=torch.uint8, device=device)
     entry = formats.MODEL1_ENTRY_BYTES
     return pages.as_strided((num_blocks, block_size, 1, entry), (page, entry, entry, 1))
 

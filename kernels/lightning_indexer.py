@@ -240,7 +240,7 @@ def lightning_indexer_scores(
         lambda: _check_inputs(q, k, weights, limit, out, config)
         or Kept(None if _takes_sm90(q, k, limit, config) else config or default_config(*q.shape[-3:], q.element_size())))
     if out is None:
-        out = torch.empty((*q.shape[:-2], k.shape[-2]), dtype=torch.float32, device=q.device)
+        out = torch.empty(*q.shape[:-2], k.shape[-2], dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     if kept.value is None:
@@ -273,7 +273,7 @@ def _order_keys(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     distinct indices: the order-preserving int32 image of the fp32 value in the high half, the bitwise
     complement of the (int32 or int64, < 2^31) index in the low half."""
     # The two int32 halves of each key, written in place (little-endian: the low half first).
-    halves = torch.empty((*values.shape, 2), dtype=torch.int32, device=values.device)
+    halves = torch.empty(*values.shape, 2, dtype=torch.int32, device=values.device)
     # + 0.0 turns -0.0 into +0.0: a stable sort ties them, their bit images would not.
     bits = (values + 0.0).view(torch.int32)
     # Negative floats order backwards as ints: flip their magnitude bits.
@@ -570,7 +570,7 @@ def _tau(rows: torch.Tensor, k: int) -> torch.Tensor:
     the row once and its maxima (a [R, S / _GROUP] scratch) 32 / _RADIX_BITS times."""
     n_rows, n_keys = rows.shape
     n_groups = cdiv(n_keys, _GROUP)
-    maxima = torch.empty((n_rows, n_groups), dtype=torch.float32, device=rows.device)
+    maxima = torch.empty(n_rows, n_groups, dtype=torch.float32, device=rows.device)
     tau = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
     _tau_kernel[(n_rows,)](
         rows, maxima, tau, n_keys, n_groups, rows.stride(0), K=k, GROUP=_GROUP, BITS=_RADIX_BITS, BLOCK=_TAU_BLOCK,
@@ -587,8 +587,8 @@ def _preselect(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     candidates, and the radix selection of the rows that had more (others return at once)."""
     n_rows, n_keys = rows.shape
     capacity = _CANDIDATES_PER_SELECTED * k
-    values = torch.empty((n_rows, capacity), dtype=torch.float32, device=rows.device)
-    indices = torch.empty((n_rows, capacity), dtype=torch.int32, device=rows.device)
+    values = torch.empty(n_rows, capacity, dtype=torch.float32, device=rows.device)
+    indices = torch.empty(n_rows, capacity, dtype=torch.int32, device=rows.device)
     counts = torch.empty(n_rows, dtype=torch.int32, device=rows.device)
     tau = _tau(rows, k)
     interpreted = dict(INTERPRETED=INTERPRET, INTERPRETED_KEYS=n_keys if INTERPRET else 0)

@@ -236,8 +236,8 @@ def mla_value_proj_fp8(
     n_tokens, n_heads, _ = o_lat.shape
     if out is None:
         width = n_heads * v_head_dim
-        out = (torch.empty((n_tokens, width), dtype=FP8_DTYPE, device=o_lat.device),
-               torch.empty((n_tokens, width // FP8_GROUP), dtype=torch.float32, device=o_lat.device))
+        out = (torch.empty(n_tokens, width, dtype=FP8_DTYPE, device=o_lat.device),
+               torch.empty(n_tokens, width // FP8_GROUP, dtype=torch.float32, device=o_lat.device))
     if o_lat.stride(2) != 1:
         o_lat = o_lat.contiguous()
     if n_tokens > 0:
@@ -312,7 +312,7 @@ def mla_query_absorb(
     n_tokens, n_heads, _ = q_nope.shape
     if out is None:
         width = kv_b_weight.shape[1] + (rope[0].shape[-1] if rope is not None else 0)
-        out = torch.empty((n_tokens, n_heads, width), dtype=q_nope.dtype, device=q_nope.device)
+        out = torch.empty(n_tokens, n_heads, width, dtype=q_nope.dtype, device=q_nope.device)
     if q_nope.stride(2) != 1:
         q_nope = q_nope.contiguous()
     if n_tokens > 0:

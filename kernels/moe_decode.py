@@ -347,8 +347,8 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
     def step(k):    # k blocks a step: the largest power of two up to STEP_BLOCKS that divides them
         return max(kb for kb in (1, 2, 4, 8, 16) if kb <= STEP_BLOCKS and (k // FP8_GROUP) % kb == 0)
 
-    h = torch.empty((n_rows, i), dtype=torch.float32, device=x.device)
-    y = torch.empty((n_rows, d), dtype=torch.bfloat16, device=x.device)
+    h = torch.empty(n_rows, i, dtype=torch.float32, device=x.device)
+    y = torch.empty(n_rows, d, dtype=torch.bfloat16, device=x.device)
     row_of_slot = torch.empty(n_tokens * top_k, dtype=torch.int32, device=x.device)
     gate_up_rows, down_rows = (FP4_GATE_UP_ROWS, FP4_DOWN_ROWS) if fp4 else (GATE_UP_ROWS, DOWN_ROWS)
     prefetch = PREFETCH_BYTES if n_tokens == 1 else 0
@@ -357,8 +357,8 @@ def expert_rows_per_assignment(x: torch.Tensor, expert_ids: torch.Tensor, expert
         if not fp4:
             return a, a.stride(0), a
         kb = step(k)
-        out = torch.empty((a.shape[0], 16 * k), dtype=torch.uint8, device=a.device)
-        scales = torch.empty((a.shape[0], k // (FP8_GROUP * kb) * 16), dtype=torch.float32, device=a.device)
+        out = torch.empty(a.shape[0], 16 * k, dtype=torch.uint8, device=a.device)
+        scales = torch.empty(a.shape[0], k // (FP8_GROUP * kb) * 16, dtype=torch.float32, device=a.device)
         _fp4_operand_kernel[(a.shape[0], k // (FP8_GROUP * kb))](a, a.stride(0), out, scales, K=k, KB=kb,
                                                                  num_warps=NUM_WARPS, launch_pdl=True)
         return out, out.stride(0), scales

@@ -192,7 +192,7 @@ def _stacked(parts: Sequence[tuple[str, Sequence[torch.Tensor]]], dtype: torch.d
     widths = [tensors[0].shape[1] for _, tensors in parts]
     if len(set(widths)) != 1:
         raise InputError(f"{', '.join(name for name, _ in parts)}: different input widths {widths}")
-    out = torch.empty((n_experts, sum(t[0].shape[0] for _, t in parts), widths[0]), dtype=dtype, device=device)
+    out = torch.empty(n_experts, sum(t[0].shape[0] for _, t in parts), widths[0], dtype=dtype, device=device)
     for e in range(n_experts):
         row = 0
         for _, tensors in parts:
@@ -706,8 +706,8 @@ def _gather_quantize(x: torch.Tensor, row_token: torch.Tensor, split: bool) -> t
     """The rows of x named by row_token (-1: a zero row), quantised: ([rows, D] fp8, [rows, D / 128]),
     the columns of each 128 block even then odd when split (fp4 experts)."""
     rows, d = row_token.numel(), x.shape[1]
-    x_fp8 = torch.empty((rows, d), dtype=FP8_DTYPE, device=x.device)
-    x_scales = torch.empty((rows, d // BLOCK_K), dtype=torch.float32, device=x.device)
+    x_fp8 = torch.empty(rows, d, dtype=FP8_DTYPE, device=x.device)
+    x_scales = torch.empty(rows, d // BLOCK_K, dtype=torch.float32, device=x.device)
     per_program = rows_per_program(rows, _GATHER_GROUPS * BLOCK_K)
     _gather_quantize_kernel[(triton.cdiv(rows, per_program), triton.cdiv(d // BLOCK_K, _GATHER_GROUPS))](
         x, row_token, x_fp8.view(torch.uint8), x_scales, rows, x.stride(0),
@@ -756,7 +756,7 @@ def _grouped_gemm(a, a_scales, weight, scales, tile_expert, out, out_scales, *, 
     splits = _splits(tile_cols, k // BLOCK_K, a.device, config.split_k)
     partials = arrivals = out      # unread placeholders without split-K
     if splits > 1:
-        partials = torch.empty((tile_cols, splits, 2, config.block_m * config.block_n), dtype=torch.float32,
+        partials = torch.empty(tile_cols, splits, 2, config.block_m * config.block_n, dtype=torch.float32,
                                device=a.device)
         arrivals = arrival_counters(a.device, tile_cols)
     fold = fp4 and config.fp4_fold
@@ -861,7 +861,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                   **({"shared.w13": shared.w13} if shared is not None else {})})
     if x.device.type == "cuda" and _capability(x.device) < (9, 0):
         raise InputError("moe_experts needs an sm_90 (Hopper) or newer GPU: fp8 tensor cores and TMA")
-    out = torch.empty((n_tokens, d), dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(n_tokens, d, dtype=torch.bfloat16, device=x.device)
     if n_tokens == 0:
         return out
     if x.stride(1) != 1:
@@ -871,7 +871,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit, shared)
         return _combine(y, row_of_slot, weights, out, y[:n_tokens])
     if shared is not None:   # more tokens: its own grouped GEMMs read it once (per assignment: once a token)
-        shared = moe_experts(x, torch.zeros((n_tokens, 1), dtype=torch.int32, device=x.device),
+        shared = moe_experts(x, torch.zeros(n_tokens, 1, dtype=torch.int32, device=x.device),
                              torch.ones((n_tokens, 1), device=x.device), shared, swiglu_limit=swiglu_limit)
     if per_assignment:
         y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
@@ -883,9 +883,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                                                 moe_grouped_sm90.BLOCK_M if sm90 else config.block_m)
     x_fp8, x_scales = _gather_quantize(x, row_token, fp4 and not config.fp4_e4m3)
     rows = row_token.numel()
-    h = torch.empty((rows, i), dtype=FP8_DTYPE, device=x.device)
-    h_scales = torch.empty((rows, i // BLOCK_K), dtype=torch.float32, device=x.device)
-    y = torch.empty((rows, d), dtype=torch.bfloat16, device=x.device)
+    h = torch.empty(rows, i, dtype=FP8_DTYPE, device=x.device)
+    h_scales = torch.empty(rows, i // BLOCK_K, dtype=torch.float32, device=x.device)
+    y = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
     if sm90:
         moe_grouped_sm90.grouped_fp8(x_fp8, x_scales, experts.w13, experts.w13_scales, tile_expert,
                                      h.view(torch.uint8), h_scales, swiglu=True, limit=swiglu_limit)

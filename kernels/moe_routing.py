@@ -168,8 +168,8 @@ def _check_scoring(scoring, top_k: int, n_experts: int) -> None:
 
 def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     n_tokens = logits.shape[0]
-    return (torch.empty((n_tokens, top_k), dtype=torch.float32, device=logits.device),
-            torch.empty((n_tokens, top_k), dtype=torch.int32, device=logits.device))
+    return (torch.empty(n_tokens, top_k, dtype=torch.float32, device=logits.device),
+            torch.empty(n_tokens, top_k, dtype=torch.int32, device=logits.device))
 
 
 def route_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], *, top_k: int, scoring: str,

@@ -133,7 +133,7 @@ def norm_rope(x: torch.Tensor, *, eps: Optional[float] = None, weight: Optional[
             raise InputError(f"positions must be an int32 / int64 tensor [{t}], got "
                              f"{getattr(positions, 'dtype', None)} {tuple(getattr(positions, 'shape', ()))}")
     if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+        out = torch.empty(*x.shape, dtype=out_dtype or x.dtype, device=x.device)
     elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype not in floats or out.stride(-1) != 1:
         raise InputError(f"out must be a float tensor {tuple(x.shape)} with unit stride along D")
     check_device({"x": x, "out": out, **({"weight": weight} if weight is not None else {}),

@@ -88,7 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional
                                           described_tuple(fp8_out), out_dtype, bool(round_to_bf16)),
                          lambda: _check(x, None, weight, out, fp8_out, out_dtype) or Kept())
     if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+        out = torch.empty(*x.shape, dtype=out_dtype or x.dtype, device=x.device)
     _launch(x, None, weight, eps, None, out, fp8_out, kept, bool(round_to_bf16))
     return out
 
@@ -113,7 +113,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     kept = per_signature(_NORMS, lambda: (described(x), described(delta), described(weight), None,
                                           described_tuple(fp8_out), None, False),
                          lambda: _check(x, delta, weight, None, fp8_out) or Kept())
-    h, y = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
+    h, y = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
     _launch(x, delta, weight, eps, h, y, fp8_out, kept)
     return h, y
 

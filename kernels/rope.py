@@ -150,7 +150,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims:
         described(rotation), described_tuple(fp8_out)),
         lambda: _check(x, cos, sin, rope_dims, layer_norm, scatter, rotation, fp8_out) or Kept())
     if scatter is None:
-        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+        out = torch.empty(*x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if kept.args is None:
         t, d = x.shape[0], x.shape[-1]
         heads = x.shape[1] if x.dim() == 3 else 1

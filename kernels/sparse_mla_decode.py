@@ -694,17 +694,17 @@ def sparse_mla_decode_fp8(
                       extra_topk_length, out, lse, num_splits, config))
     device = q.device
     if out is None:
-        out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=device)
+        out = torch.empty(*plan.out_shape, dtype=torch.bfloat16, device=device)
     if lse is None:
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+        lse = torch.empty(*plan.lse_shape, dtype=torch.float32, device=device)
     if plan.grid is None:
         return out, lse
     if plan.copies:   # (the kernels read q and the index lists with a contiguous last dim)
         q, indices, extra_indices = (t.contiguous() if t is not None else None for t in (q, indices, extra_indices))
     split = plan.partials is not None
     if split:
-        dst_out = torch.empty(plan.partials[0], dtype=torch.float32, device=device)
-        dst_lse = torch.empty(plan.partials[1], dtype=torch.float32, device=device)
+        dst_out = torch.empty(*plan.partials[0], dtype=torch.float32, device=device)
+        dst_lse = torch.empty(*plan.partials[1], dtype=torch.float32, device=device)
     else:
         dst_out, dst_lse = out, lse
     # Unused optional pointers still need a tensor argument; the runtime flags keep them unread. The

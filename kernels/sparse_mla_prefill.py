@@ -280,9 +280,9 @@ def sparse_mla_prefill(
         or Kept(None if uses_sm90_kernel(q, kv, d_v, config) else config or default_config(q.shape[1])))
     s_q, h_q, _ = q.shape
     if out is None:
-        out = (torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device),
-               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device),
-               torch.empty((s_q, h_q), dtype=torch.float32, device=q.device))
+        out = (torch.empty(s_q, h_q, d_v, dtype=q.dtype, device=q.device),
+               torch.empty(s_q, h_q, dtype=torch.float32, device=q.device),
+               torch.empty(s_q, h_q, dtype=torch.float32, device=q.device))
     if s_q == 0 or h_q == 0:
         return tuple(out)
     sm_scale_log2 = float(sm_scale) * formats.LOG2E

@@ -103,10 +103,10 @@ def _combined(combination: tuple, kv, indices, extra_kv, extra_indices, topk_len
     """combine_sources' results, with the call signature's _combination."""
     grid, integers, constexprs, compiled = combination
     s_q, _, topk = indices.shape
-    combined = torch.empty((s_q, 1, topk + extra_indices.shape[2]), dtype=torch.int32, device=indices.device)
+    combined = torch.empty(s_q, 1, topk + extra_indices.shape[2], dtype=torch.int32, device=indices.device)
     lengths = None
     if topk_length is not None or extra_topk_length is not None:
-        lengths = torch.empty((s_q,), dtype=torch.int32, device=indices.device)
+        lengths = torch.empty(s_q, dtype=torch.int32, device=indices.device)
     if s_q:
         # Lengths not given: a given tensor stands in (never read, the flags say so).
         launch(_combine_lists_kernel, grid, (
