@@ -103,8 +103,8 @@ def _store_final(o, lse2, offs_h, h_mask, sink_ptr, has_sink, out_rows, lse_ptrs
 def _program_row(n_head_blocks, s_q, h_q, batch_order_ptr, has_batch_order, BLOCK_H: tl.constexpr):
     """(sequence b, query row s, heads offs_h [BLOCK_H], h_mask) of this program. Axis 0 is query rows x
     blocks of heads, the heads of one row adjacent so that their identical gathers hit L2; with
-    per-sequence lengths the programs take the sequences in batch_order (longest first, see
-    sparse_mla_decode_fp8)."""
+    per-sequence lengths the programs take the sequences in batch_order (longest first where the programs
+    do not all start at once, see sparse_mla_decode_fp8's plan)."""
     pid = tl.program_id(0)
     row = pid // n_head_blocks
     b = row // s_q
@@ -530,6 +530,7 @@ class _DecodePlan:
     flags_strides: tuple   # ... and after it
     copies: bool           # q and the index lists are copied (one of them has a non-unit last stride)
     partials: Optional[tuple]   # the split partials' shapes (out, lse); None: unsplit
+    batch_order: Optional[torch.Tensor]   # with lengths, the sequences in batch order when that costs nothing
     merge: tuple           # (grid, runtime integers after the tensors, constexprs) of the merge kernel
     config: Optional[DecodeConfig]   # the portable kernel's launch shape
     compiled: dict
@@ -602,6 +603,11 @@ def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, ext
                  geometry.block_stride // 16)
         flags_strides = (int(topk_length is not None), has_sink, *q_strides[:3], *i_strides[:2], *o_strides,
                          *l_strides)
+    grid = (n_rows * n_head_blocks, num_splits) if n_rows else None
+    # With lengths the programs take the sequences longest first, unless they all start at once (at most one
+    # an SM: one wave): then batch order costs nothing, and saves longest_first's launch.
+    one_wave = grid is not None and grid[0] * grid[1] <= num_sms(q.device, 1)
+    lengths_given = topk_length is not None or extra_topk_length is not None
     n_merge_blocks = cdiv(h_q, _MERGE_BLOCK_H)
     merge = ((n_rows * n_merge_blocks,), (
         num_splits, s_q, h_q, n_merge_blocks, has_sink, *o_strides[:1], *o_strides[2:4], *l_strides[:1],
@@ -609,10 +615,19 @@ def _plan(q, kv_cache, indices, d_v, attn_sink, topk_length, extra_kv_cache, ext
         BLOCK_H=_MERGE_BLOCK_H, UPCAST=INTERPRET, INTERPRETED_SPLITS=num_splits if INTERPRET else 0, num_warps=4))
     return _DecodePlan(
         model1=model1, use_sm90=use_sm90, out_shape=out_shape, lse_shape=lse_shape, widths=(topk, extra_topk),
-        grid=(n_rows * n_head_blocks, num_splits) if n_rows else None, split_len=split_len, block_h=block_h,
+        grid=grid, split_len=split_len, block_h=block_h,
         padded_blocks=not model1 and geometry.block_stride != geometry.block_size * formats.KV_TOKEN_BYTES,
-        sizes=sizes, flags_strides=flags_strides, copies=copies, partials=partials, merge=merge,
+        sizes=sizes, flags_strides=flags_strides, copies=copies, partials=partials,
+        batch_order=_batch_order(b, q.device) if one_wave and lengths_given else None, merge=merge,
         config=None if use_sm90 else config or default_config(h_q, d_qk), compiled={})
+
+
+def _batch_order(b: int, device: torch.device) -> Optional[torch.Tensor]:
+    """0, 1, ..., b - 1 as int32 on device, copied before this returns (so every stream sees it); None while a
+    CUDA graph is being captured (no copy then: the call orders its sequences with longest_first)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.arange(b, dtype=torch.int32).to(device)
 
 
 def sparse_mla_decode_fp8(
@@ -715,9 +730,10 @@ def sparse_mla_decode_fp8(
     grid = plan.grid
     if plan.model1:
         extra_lengths = extra_topk_length.contiguous() if extra_topk_length is not None else indices
-        batch_order = indices if topk_length is None and extra_topk_length is None else longest_first(
-            None if topk_length is None else lengths, plan.widths[0],
-            None if extra_topk_length is None else extra_lengths, plan.widths[1])
+        batch_order = indices if topk_length is None and extra_topk_length is None else plan.batch_order
+        if batch_order is None:
+            batch_order = longest_first(None if topk_length is None else lengths, plan.widths[0],
+                                        None if extra_topk_length is None else extra_lengths, plan.widths[1])
         # An empty second list (no extra cache: extra_topk 0) passes the main one's pointers, never read.
         extra_cache, extra_idx = (kv_cache, indices) if extra_kv_cache is None else (extra_kv_cache, extra_indices)
         # The runtime arguments of the MODEL1 kernels, in their parameter order.
@@ -728,7 +744,9 @@ def sparse_mla_decode_fp8(
         else:
             _launch_portable(_sparse_decode_model1_kernel, grid, args, split, plan)
     else:
-        batch_order = lengths if topk_length is None else longest_first(lengths, plan.widths[0])
+        batch_order = lengths if topk_length is None else plan.batch_order
+        if batch_order is None:
+            batch_order = longest_first(lengths, plan.widths[0])
         # The runtime arguments of the V32 kernels, in their parameter order.
         args = (q, kv_cache, indices, lengths, batch_order, sink, dst_out, dst_lse, *plan.sizes, scale_log2,
                 *plan.flags_strides)

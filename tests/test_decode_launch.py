@@ -310,3 +310,23 @@ def test_launch_reuses_the_compiled_kernel_with_every_parameter_in_order(monkeyp
     for _ in range(2):
         _launch.launch(StandIn(), (1,), (), {}, compiled)
     assert launched[-2:] == [("stand-in", (1,))] * 2 and len(compiled) == 1
+
+
+@pytest.mark.parametrize("b, ordered", [(2, False), (5, True)])
+def test_sequences_longest_first_only_beyond_one_wave(monkeypatch, b, ordered):
+    """With topk_length, the programs take the sequences longest first (longest_first's launch) only where
+    they do not all start at once (more than one an SM; here 4 SMs, one program a sequence); else in batch
+    order, with no launch. Either way each sequence gets its own results."""
+    monkeypatch.setattr(decode_module, "num_sms", lambda device, interpreted: 4)
+    monkeypatch.setattr(decode_module, "_PLANS", {})
+    ordered_calls = []
+    monkeypatch.setattr(decode_module, "longest_first",
+                        lambda *args: ordered_calls.append(1) or longest_first(*args))
+    s_q, h_q, topk = 1, 16, 64
+    _, cache = make_cache(b, 64, 41)
+    lengths = torch.tensor([40, 64, 3, 0, 17][:b], dtype=torch.int32, device=DEVICE)
+    indices = random_indices(b, s_q, topk, 64 * b, 5).to(DEVICE)
+    q = random_q(b, s_q, h_q, 5)
+    check(decode(q, cache, indices, SM_SCALE, topk_length=lengths, num_splits=1),
+          reference(q, cache, indices, SM_SCALE, topk_length=lengths))
+    assert bool(ordered_calls) == ordered
