@@ -350,8 +350,12 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
         paging = (0, block_size, num_blocks, 0) if table is None else (table.shape[1], block_size, num_blocks,
                                                                         table.stride(0))
         row_selected = n_keys <= ROW_PROGRAM_KEYS
-        kept.args = (n_rows, copy, slots, row_selected, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk), dict(
-            TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4), (n_keys, row_stride, topk, topk, *paging), dict(
+        # (The one-program selection at 16 warps: 4 keys a thread a tile, no spills at sm_90a; fewer warps spill.)
+        pass_constexprs = dict(TILE=TILE, SLOTS=slots, INTERPRETED=INTERPRET,
+                               INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=16) if row_selected else \
+            dict(TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4)
+        kept.args = (n_rows, copy, slots, row_selected, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk),
+                     pass_constexprs, (n_keys, row_stride, topk, topk, *paging), dict(
             ROW_WORDS=_ROW_WORDS, SLOTS=slots, BLOCK=min(slots, _RANK_BLOCK), ROW_BLOCK=_TIE_ROW_BLOCK,
             PAGED=table is not None, ROW_SELECTED=row_selected, INTERPRETED=INTERPRET,
             INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=4))
@@ -365,9 +369,7 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
     keys = torch.empty(n_rows, slots + 1, dtype=torch.int64, device=scores.device)
     if row_selected:
         hist = keys   # (unread)
-        launch(_row_select_kernel, grid[:1], (rows, keys, *integers), dict(
-            TILE=TILE, SLOTS=slots, INTERPRETED=INTERPRET, INTERPRETED_KEYS=rank_constexprs["INTERPRETED_KEYS"],
-            num_warps=16), kept.compiled)   # (16 warps: 4 keys a thread a tile, no spills; fewer spill at sm_90a)
+        launch(_row_select_kernel, grid[:1], (rows, keys, *integers), pass_constexprs, kept.compiled)
     else:
         hist = torch.zeros(n_rows, _ROW_WORDS, dtype=torch.int32, device=scores.device)
         # (Each pass's own compiled kernel: the second's and third's in kept.value.)

