@@ -2,9 +2,10 @@
 163,840 keys): a radix select on the order-preserving int32 image of the scores, then the selected keys
 are placed in order by their ranks, spread over many programs per row.
 
-Rows of up to ROW_PROGRAM_KEYS keys (a decode step's rows up to 2,048 cached tokens) take two launches:
+Rows of up to ROW_PROGRAM_KEYS keys (a decode step's rows up to 8,192 cached tokens) take two launches:
 one program a row finds the k-th largest image T a byte at a time (four histograms of 256 bins, in
-registers, each over the row's scores that share T's bytes so far: no workspace to zero, no atomics), then
+registers, each over the row's scores that share T's bytes so far: the row is read once, no workspace to
+zero, no atomics), then
 gathers the selection in index order (the keys above T, then the lowest indices equal to T); the rank
 launch (6. below) places it. Longer rows spread each pass over programs of TILE keys, so one row fills the
 GPU. Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R rows of S scores:
@@ -47,7 +48,7 @@ TILE = 2048
 # Rows of at most this many keys take one program a row for the selection (module docstring): up to here
 # one program's passes over a row take less than the launches that spread them (bench_indexer_paged.py
 # --topk-sweep).
-ROW_PROGRAM_KEYS = 2048
+ROW_PROGRAM_KEYS = 8192
 # A row's selection buffer holds next_pow2(topk) int64 keys, each compared with all of them for its rank;
 # larger topk go to indexer_topk.
 MAX_TOPK = 4096
@@ -180,51 +181,35 @@ def _gather_kernel(scores_ptr, hist_ptr, keys_ptr, n_keys, stride_row, topk,
 
 
 @triton.jit(do_not_specialize=["n_keys", "stride_row", "topk"])
-def _row_select_kernel(scores_ptr, keys_ptr, n_keys, stride_row, topk, TILE: tl.constexpr, SLOTS: tl.constexpr,
-                       INTERPRETED: tl.constexpr, INTERPRETED_KEYS: tl.constexpr):
-    # Program = one row: the four bytes of the topk-th largest image T, each from a histogram (in registers,
-    # over the row's tiles in turn) of the next byte of the valid scores that share T's bytes so far; then
-    # the selection in index order (those above T, then the lowest indices equal to T) as int64 keys into the
+def _row_select_kernel(scores_ptr, keys_ptr, n_keys, stride_row, topk, ROW: tl.constexpr, SLOTS: tl.constexpr):
+    # Program = one row of n_keys <= ROW scores, read once: the four bytes of the topk-th largest image T,
+    # each from a histogram of the next byte of the valid scores that share T's bytes so far; then the
+    # selection in index order (those above T, then the lowest indices equal to T) as int64 keys into the
     # row's SLOTS slots, their count in slot SLOTS.
     row = tl.program_id(0)
-    row_scores = scores_ptr + row.to(tl.int64) * stride_row
-    row_keys = keys_ptr + row.to(tl.int64) * (SLOTS + 1)
-    offs = tl.arange(0, TILE)
-    counts = tl.zeros([_BINS], tl.int32)
-    # (The interpreter's loops need a constexpr bound, written in the loop's own range.)
-    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, TILE):
-        key = _ordered(tl.load(row_scores + start + offs, mask=start + offs < n_keys, other=float("-inf")))
-        counts += tl.histogram((key >> 24) + 128, _BINS, mask=key > _NEG_INF_ORDERED)
+    cols = tl.arange(0, ROW)
+    key = _ordered(tl.load(scores_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_keys,
+                           other=float("-inf")))
+    valid = key > _NEG_INF_ORDERED
+    counts = tl.histogram((key >> 24) + 128, _BINS, mask=valid)
     n_valid = tl.sum(counts, 0)
     take_all = n_valid <= topk
     rem = tl.maximum(tl.minimum(topk, n_valid), 1)
     digit, n_above = _pick_counts(counts, rem)
     rem = tl.maximum(rem - n_above, 1)
     prefix = digit - 128   # T's bytes so far, as the arithmetic shift of its image
-    # (When all are taken, T is not needed: the compiled kernel skips these passes.)
     for byte in tl.static_range(1, 4):
-        counts = tl.zeros([_BINS], tl.int32)
-        for start in range(0, INTERPRETED_KEYS if INTERPRETED else tl.where(take_all, 0, n_keys), TILE):
-            key = _ordered(tl.load(row_scores + start + offs, mask=start + offs < n_keys, other=float("-inf")))
-            sharing = (key > _NEG_INF_ORDERED) & ((key >> (32 - 8 * byte)) == prefix)
-            counts += tl.histogram((key >> (24 - 8 * byte)) & 0xFF, _BINS, mask=sharing)
-        digit, above = _pick_counts(counts, rem)
+        sharing = valid & ((key >> (32 - 8 * byte)) == prefix)
+        digit, above = _pick_counts(tl.histogram((key >> (24 - 8 * byte)) & 0xFF, _BINS, mask=sharing), rem)
         n_above += above
         rem = tl.maximum(rem - above, 1)
         prefix = (prefix << 8) | digit
     # rem: how many keys equal to T the selection takes (topk - n_above), the first in index order.
-    n_taken = n_valid * 0
-    n_tied = n_valid * 0
-    for start in range(0, INTERPRETED_KEYS if INTERPRETED else n_keys, TILE):
-        cols = start + offs
-        key = _ordered(tl.load(row_scores + cols, mask=cols < n_keys, other=float("-inf")))
-        valid = key > _NEG_INF_ORDERED
-        tied = valid & (key == prefix) & (take_all == 0)
-        chosen = valid & (take_all | (key > prefix) | (tied & (n_tied + tl.cumsum(tied.to(tl.int32), 0) <= rem)))
-        tl.store(row_keys + n_taken + tl.cumsum(chosen.to(tl.int32), 0) - 1, _order_key(key, cols), mask=chosen)
-        n_taken += tl.sum(chosen.to(tl.int32), 0)
-        n_tied += tl.sum(tied.to(tl.int32), 0)
-    tl.store(row_keys + SLOTS, n_taken.to(tl.int64))
+    tied = valid & (key == prefix) & (take_all == 0)
+    chosen = valid & (take_all | (key > prefix) | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= rem)))
+    row_keys = keys_ptr + row.to(tl.int64) * (SLOTS + 1)
+    tl.store(row_keys + tl.cumsum(chosen.to(tl.int32), 0) - 1, _order_key(key, cols), mask=chosen)
+    tl.store(row_keys + SLOTS, tl.sum(chosen.to(tl.int64), 0))
 
 
 @triton.jit
@@ -322,7 +307,7 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
     Returns:
         [..., topk] int32 key indices in [0, S) or -1 (with ``pages``, slots or -1).
 
-    Rows of S <= ROW_PROGRAM_KEYS (2,048) keys: two Triton launches, one program a row selecting, then
+    Rows of S <= ROW_PROGRAM_KEYS (8,192) keys: two Triton launches, one program a row selecting, then
     the ranks; longer rows: five Triton launches and a workspace memset (module docstring), each histogram
     / gather pass over R x ceil(S / 2048) programs, so one row fills the GPU. No host synchronisation
     (CUDA-graph capturable). Workspace: R x (next_pow2(topk) + 1) int64 keys, and for long rows R x 265 KB
@@ -350,9 +335,8 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
         paging = (0, block_size, num_blocks, 0) if table is None else (table.shape[1], block_size, num_blocks,
                                                                         table.stride(0))
         row_selected = n_keys <= ROW_PROGRAM_KEYS
-        # (The one-program selection at 16 warps: 4 keys a thread a tile, no spills at sm_90a; fewer warps spill.)
-        pass_constexprs = dict(TILE=TILE, SLOTS=slots, INTERPRETED=INTERPRET,
-                               INTERPRETED_KEYS=n_keys if INTERPRET else 0, num_warps=16) if row_selected else \
+        # (16 warps: a row of 8192 keys is 16 a thread, no spills at sm_90a.)
+        pass_constexprs = dict(ROW=triton.next_power_of_2(n_keys), SLOTS=slots, num_warps=16) if row_selected else \
             dict(TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4)
         kept.args = (n_rows, copy, slots, row_selected, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk),
                      pass_constexprs, (n_keys, row_stride, topk, topk, *paging), dict(

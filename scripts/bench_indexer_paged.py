@@ -24,8 +24,8 @@ memory), and ends each format with the fastest correct launch; --decode-sweep li
 decode scores, at B 1 and 16 over DECODE_SWEEP_LENGTH keys, over DECODE_SWEEP_VARIANTS (one query row a
 sequence: block_t 1). --topk-sweep times decode_topk alone on B rows of L random scores (TOPK_SWEEP), replayed
 from a CUDA graph as a decode step runs it, through each of its selections (one program a row, the default up
-to decode_topk.ROW_PROGRAM_KEYS keys, and the histogram passes over programs of 2048 keys), after checking
-both against indexer_topk.
+to decode_topk.ROW_PROGRAM_KEYS keys, which it can take no further, and the histogram passes over programs of
+2048 keys), after checking both against indexer_topk.
 Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
 on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
 measurement is reported in its cell; the run goes on.
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import sys
 
 import torch
@@ -70,8 +71,9 @@ SWEEP_VARIANTS = {
 # Decode launch shapes for --decode-sweep besides paged_config's (block_t 1: one query a sequence): key
 # steps, warps and stages around it that compile for sm_90a without spills (exact 1,128,4,2 spills).
 DECODE_SWEEP_LENGTH = 131072
-# --topk-sweep: rows (B) and row lengths (L) of decode_topk's two selections.
-TOPK_SWEEP = ((1, 16, 64), (1024, 4096, 16384, 32768, 65536, 163840))
+# --topk-sweep: top-k (V3.2's, V4's compressed entries'), rows (B) and row lengths (L) of decode_topk's two
+# selections.
+TOPK_SWEEP = ((2048, 512), (1, 16, 64), (1024, 2048, 4096, 8192, 16384, 163840))
 DECODE_SWEEP_VARIANTS = {
     "fp8": ["1,64,4,3", "1,64,8,3", "1,64,4,4", "1,128,4,3", "1,128,8,3", "1,32,4,4", "1,256,8,2"],
     "exact": ["1,128,8,2", "1,128,8,3", "1,64,8,3", "1,64,4,4", "1,64,8,4", "1,32,4,4", "1,32,8,4",
@@ -179,20 +181,21 @@ def topk_sweep(gen: torch.Generator, row) -> None:
     """--topk-sweep: decode_topk's graph-replay time through each selection, by rows and row length."""
     module = sys.modules[decode_topk.__module__]
     default = module.ROW_PROGRAM_KEYS
-    for n_batch in TOPK_SWEEP[0]:
-        for length in TOPK_SWEEP[1]:
-            scores = torch.randn((n_batch, length), generator=gen, device="cuda")
-            expected = indexer_topk(scores, TOPK)
-            cells = []
-            for name, row_program_keys in (("one program a row", 2**31), ("programs of 2048 keys", 0)):
-                module.ROW_PROGRAM_KEYS, module._KEPT = row_program_keys, {}
-                try:
-                    same = torch.equal(decode_topk(scores, TOPK), expected)
-                    ms = do_bench_cudagraph(lambda: decode_topk(scores, TOPK))
-                    cells.append(f"{name} {ms * 1e3:.1f} µs" + ("" if same else " (WRONG)"))
-                finally:
-                    module.ROW_PROGRAM_KEYS, module._KEPT = default, {}
-            row(f"decode_topk B {n_batch}, L {length}, top {TOPK} (graph replay)", "-", ", ".join(cells))
+    for topk, n_batch, length in itertools.product(*TOPK_SWEEP):
+        scores = torch.randn((n_batch, length), generator=gen, device="cuda")
+        expected = indexer_topk(scores, topk)
+        cells = []
+        for name, row_program_keys in (("one program a row", default), ("programs of 2048 keys", 0)):
+            if length > row_program_keys > 0:
+                continue
+            module.ROW_PROGRAM_KEYS, module._KEPT = row_program_keys, {}
+            try:
+                same = torch.equal(decode_topk(scores, topk), expected)
+                ms = do_bench_cudagraph(lambda: decode_topk(scores, topk))
+                cells.append(f"{name} {ms * 1e3:.1f} µs" + ("" if same else " (WRONG)"))
+            finally:
+                module.ROW_PROGRAM_KEYS, module._KEPT = default, {}
+        row(f"decode_topk B {n_batch}, L {length}, top {topk} (graph replay)", "-", ", ".join(cells))
 
 
 def main():
