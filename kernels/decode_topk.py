@@ -2,12 +2,11 @@
 163,840 keys): a radix select on the order-preserving int32 image of the scores, then the selected keys
 are placed in order by their ranks, spread over many programs per row.
 
-Rows of up to ROW_PROGRAM_KEYS keys (a decode step's rows up to 8,192 cached tokens) take two launches:
+Rows of up to ROW_PROGRAM_KEYS keys (a decode step's rows up to 4,096 cached tokens) take two launches:
 one program a row finds the k-th largest image T a byte at a time (four histograms of 256 bins, in
 registers, each over the row's scores that share T's bytes so far: the row is read once, no workspace to
-zero, no atomics), then
-gathers the selection in index order (the keys above T, then the lowest indices equal to T); the rank
-launch (6. below) places it. Longer rows spread each pass over programs of TILE keys, so one row fills the
+zero, no atomics), then gathers the selection in index order (the keys above T, then the lowest indices
+equal to T); the rank launch (6. below) places it. Longer rows spread each pass over programs of TILE keys, so one row fills the
 GPU. Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R rows of S scores:
 
 1. a zeroed workspace (histograms and a slot counter per row);
@@ -46,9 +45,9 @@ from .lightning_indexer import check_topk_inputs, indexer_topk
 # Scores per program of the histogram and gather passes: 163,840 keys give 80 programs per row.
 TILE = 2048
 # Rows of at most this many keys take one program a row for the selection (module docstring): up to here
-# one program's passes over a row take less than the launches that spread them (bench_indexer_paged.py
-# --topk-sweep).
-ROW_PROGRAM_KEYS = 8192
+# one program holding the row takes less than the launches that spread it (bench_indexer_paged.py
+# --topk-sweep on an H100: 1 and 16 rows of 8,192 keys were as fast or faster in tiles).
+ROW_PROGRAM_KEYS = 4096
 # A row's selection buffer holds next_pow2(topk) int64 keys, each compared with all of them for its rank;
 # larger topk go to indexer_topk.
 MAX_TOPK = 4096
@@ -307,7 +306,7 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
     Returns:
         [..., topk] int32 key indices in [0, S) or -1 (with ``pages``, slots or -1).
 
-    Rows of S <= ROW_PROGRAM_KEYS (8,192) keys: two Triton launches, one program a row selecting, then
+    Rows of S <= ROW_PROGRAM_KEYS (4,096) keys: two Triton launches, one program a row selecting, then
     the ranks; longer rows: five Triton launches and a workspace memset (module docstring), each histogram
     / gather pass over R x ceil(S / 2048) programs, so one row fills the GPU. No host synchronisation
     (CUDA-graph capturable). Workspace: R x (next_pow2(topk) + 1) int64 keys, and for long rows R x 265 KB
@@ -335,8 +334,8 @@ def decode_topk(scores: torch.Tensor, topk: int, *, pages: Optional[tuple[torch.
         paging = (0, block_size, num_blocks, 0) if table is None else (table.shape[1], block_size, num_blocks,
                                                                         table.stride(0))
         row_selected = n_keys <= ROW_PROGRAM_KEYS
-        # (16 warps: a row of 8192 keys is 16 a thread, no spills at sm_90a.)
-        pass_constexprs = dict(ROW=triton.next_power_of_2(n_keys), SLOTS=slots, num_warps=16) if row_selected else \
+        # (8 warps: up to 16 keys a thread, no spills at sm_90a; 1-2 us faster than 4 or 16 on an H100.)
+        pass_constexprs = dict(ROW=triton.next_power_of_2(n_keys), SLOTS=slots, num_warps=8) if row_selected else \
             dict(TILE=TILE, ROW_WORDS=_ROW_WORDS, num_warps=4)
         kept.args = (n_rows, copy, slots, row_selected, (n_rows, cdiv(n_keys, TILE)), (n_keys, row_stride, topk),
                      pass_constexprs, (n_keys, row_stride, topk, topk, *paging), dict(

@@ -23,13 +23,13 @@ dt = importlib.import_module("minirt.kernels.decode_topk")
 ON_GPU = DEVICE == "cuda"
 
 
-@pytest.fixture(autouse=True, params=["default", "programs of TILE keys"])
+@pytest.fixture(autouse=True, params=["one program a row", "programs of TILE keys"])
 def selection(request, monkeypatch):
-    """Every test through both selections: by default rows up to ROW_PROGRAM_KEYS (every row here but the
-    GPU's 163,840) take one program a row (_row_select_kernel); then every row the histogram passes over
-    programs of TILE keys."""
-    if request.param != "default":
-        monkeypatch.setattr(dt, "ROW_PROGRAM_KEYS", 0)
+    """Every test through both selections: one program a row (_row_select_kernel) for rows up to 8,192
+    keys, past the default ROW_PROGRAM_KEYS (every row here but the GPU's 163,840, whose row would not fit
+    one program's registers: tiles then); then every row through the histogram passes over programs of
+    TILE keys."""
+    monkeypatch.setattr(dt, "ROW_PROGRAM_KEYS", 8192 if request.param == "one program a row" else 0)
     monkeypatch.setattr(dt, "_KEPT", {})   # (a signature keeps the selection of its first call)
 
 
