@@ -7,7 +7,8 @@ one program a row finds the k-th largest image T a byte at a time (four histogra
 registers, each over the row's scores that share T's bytes so far: the row is read once, no workspace to
 zero, no atomics), then gathers the selection in index order (the keys above T, then the lowest indices
 equal to T); the rank launch (6. below) places it. Longer rows spread each pass over programs of TILE
-keys, so one row fills the GPU. Launches (no host synchronisation, static shapes: CUDA-graph capturable), for R rows of S scores:
+keys, so one row fills the GPU. Launches (no host synchronisation, static shapes: CUDA-graph capturable),
+for R rows of S scores:
 
 1. a zeroed workspace (histograms and a slot counter per row);
 2. pass 1, grid (R, S / TILE): histogram of the top byte of every valid (> -inf) score's image (a
