@@ -872,7 +872,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         return _combine(y, row_of_slot, weights, out, y[:n_tokens])
     if shared is not None:   # more tokens: its own grouped GEMMs read it once (per assignment: once a token)
         shared = moe_experts(x, torch.zeros(n_tokens, 1, dtype=torch.int32, device=x.device),
-                             torch.ones((n_tokens, 1), device=x.device), shared, swiglu_limit=swiglu_limit)
+                             torch.ones(n_tokens, 1, device=x.device), shared, swiglu_limit=swiglu_limit)
     if per_assignment:
         y, row_of_slot = expert_rows_per_assignment(x, expert_ids, experts, swiglu_limit)
         return _combine(y, row_of_slot, weights, out, shared)
