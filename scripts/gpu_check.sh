@@ -22,8 +22,8 @@
 #               /tmp/minirt-v32), then `minirt verify` (default fp8 weights; bf16 weights; a prompt
 #               longer than one prefill chunk)
 # v32-generate: `minirt generate` on that checkpoint at batch 1 and 64
-# v32-step:     bench_runtime.py on that checkpoint at b 1, 1,024 and 163,840 tokens, both indexer modes, with
-#               each step's 20 largest kernels, eager and inside a graph replay
+# v32-step:     bench_runtime.py on that checkpoint at b 1 (1,024 and 163,840 tokens) and b 16 (1,024), both
+#               indexer modes, with each step's 20 largest kernels, eager and inside a graph replay
 # v4-1m:        the v4-flash preset's b 1 step at 1,024 and after a 1,048,576-token prompt (long-step's first part)
 # long-step:    the two long-context step ratios: the v4-flash preset at 1,024 and 1,048,576, then v32-step,
 #               then the decode scores' launch shapes (what grows with the context): bench_indexer_paged.py
@@ -78,9 +78,9 @@ run() {  # run NAME CMD...: tee output to $OUT/NAME.log, remember failures
   [ "$rc" -eq 0 ] || status=1
 }
 
-v32_step() {  # the v32 preset's b 1 step at 1,024 and 163,840 tokens, both indexer modes
+v32_step() {  # the v32 preset's b 1 step at 1,024 and 163,840 tokens and b 16 at 1,024, both indexer modes
   run v32-step-bench python3 scripts/bench_runtime.py $V32 --modes fp8/exact,fp8/fp8 --context 1024,163840 \
-    --batch 1 --top 20 --steps 10
+    --batch 1,16 --top 20 --steps 10
 }
 
 v4_flash_1m() {  # the v4-flash preset's b 1 step at 1,024 and after a 1,048,576-token prompt
