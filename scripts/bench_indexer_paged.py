@@ -5,6 +5,7 @@ formats, with the ceilings measured in the same run.
     python3 scripts/bench_indexer_paged.py --sweep [--formats fp8]     # the prefill chunk only, over SWEEP_VARIANTS
     python3 scripts/bench_indexer_paged.py --decode-sweep               # decode scores only, over DECODE_SWEEP_VARIANTS
     python3 scripts/bench_indexer_paged.py --topk-sweep                 # decode_topk alone, both of its selections
+    python3 scripts/bench_indexer_paged.py --programs-sweep             # decode scores by programs a launch
 
 Decode: B in {1, 16} sequences, one query each, of L in {1024, 32768, 131072} cached tokens, over a
 block table of capacity 163840 (V3.2's max_position_embeddings; the scores' static width), pages of
@@ -25,7 +26,10 @@ decode scores, at B 1 and 16 over DECODE_SWEEP_LENGTH keys, over DECODE_SWEEP_VA
 sequence: block_t 1). --topk-sweep times decode_topk alone on B rows of L random scores (TOPK_SWEEP), replayed
 from a CUDA graph as a decode step runs it, through each of its selections (one program a row, the default up
 to decode_topk.ROW_PROGRAM_KEYS keys, which it can take no further, and the histogram passes over programs of
-2048 keys), after checking both against indexer_topk.
+2048 keys), after checking both against indexer_topk. --programs-sweep times the decode scores (default launch
+shape) at B 1 and 16 over PROGRAMS_SWEEP_LENGTHS keys with the programs a launch aims at
+(_indexer_tiles.num_programs_target, which splits a row's keys into chunks) at each multiple of the SMs in
+PROGRAMS_SWEEP, each checked.
 Every measured kernel is first compared with an eager fp32 torch evaluation over the dequantised keys
 on a sample of rows. Times are triton.testing.do_bench medians (L2 cleared before each rep). A failing
 measurement is reported in its cell; the run goes on.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import itertools
 import sys
 
@@ -74,6 +79,10 @@ DECODE_SWEEP_LENGTH = 131072
 # --topk-sweep: top-k (V3.2's, V4's compressed entries'), rows (B) and row lengths (L) of decode_topk's two
 # selections.
 TOPK_SWEEP = ((2048, 512), (1, 16, 64), (1024, 2048, 4096, 8192, 16384, 163840))
+# --programs-sweep: programs a decode scores launch aims at, as multiples of the SMs (the default: 4), and the
+# rows' valid keys.
+PROGRAMS_SWEEP = (1, 2, 3, 4, 6, 8, 12)
+PROGRAMS_SWEEP_LENGTHS = (32768, 131072, 163840)
 DECODE_SWEEP_VARIANTS = {
     "fp8": ["1,64,4,3", "1,64,8,3", "1,64,4,4", "1,128,4,3", "1,128,8,3", "1,32,4,4", "1,256,8,2"],
     "exact": ["1,128,8,2", "1,128,8,3", "1,64,8,3", "1,64,4,4", "1,64,8,4", "1,32,4,4", "1,32,8,4",
@@ -177,6 +186,31 @@ def decode_sweep(fmt: str, gen: torch.Generator, row) -> None:
                      lambda label, cell: row(label, fmt, cell))
 
 
+def programs_sweep(fmt: str, gen: torch.Generator, row) -> None:
+    """--programs-sweep: the decode scores with each programs target of PROGRAMS_SWEEP, checked."""
+    tiles = importlib.import_module("minirt.kernels._indexer_tiles")
+    scores_module = importlib.import_module("minirt.kernels.indexer_cache")
+    default, sms = tiles.num_programs_target, torch.cuda.get_device_properties().multi_processor_count
+    key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
+    for n_batch in DECODE_BATCHES:
+        q, weights, cache, table = make_inputs(fmt, n_batch, 1, CAPACITY, gen)
+        for length in PROGRAMS_SWEEP_LENGTHS:
+            limit = torch.full((n_batch, 1), length - 1, dtype=torch.int32, device="cuda")
+            expected = eager_scores(q, weights, cache, table, limit, CAPACITY)
+            traffic = n_batch * (length * key_bytes + CAPACITY * 4)
+            cells = []
+            for per_sm in PROGRAMS_SWEEP:
+                tiles.num_programs_target, scores_module._KEPT = (lambda device, n=per_sm * sms: n), {}
+                try:
+                    wrong = check(paged_indexer_scores(q, weights, cache, table, limit), expected, fmt)
+                    ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit))
+                    cells.append(f"{per_sm} x SMs {ms * 1e3:.1f} µs ({traffic / ms / 1e6:.0f} GB/s)"
+                                 + (f" {wrong}" if wrong else ""))
+                finally:
+                    tiles.num_programs_target, scores_module._KEPT = default, {}
+            row(f"decode scores B {n_batch}, L {length}, by programs a launch", fmt, ", ".join(cells))
+
+
 def topk_sweep(gen: torch.Generator, row) -> None:
     """--topk-sweep: decode_topk's graph-replay time through each selection, by rows and row length."""
     module = sys.modules[decode_topk.__module__]
@@ -210,6 +244,8 @@ def main():
                         help="only the decode scores, over DECODE_SWEEP_VARIANTS, naming the fastest")
     parser.add_argument("--topk-sweep", action="store_true",
                         help="only decode_topk, through each of its selections, over TOPK_SWEEP")
+    parser.add_argument("--programs-sweep", action="store_true",
+                        help="only the decode scores, by programs a launch (PROGRAMS_SWEEP multiples of the SMs)")
     parser.add_argument("--formats", nargs="*", choices=FORMATS, default=FORMATS, help="cache formats to run")
     args = parser.parse_args()
 
@@ -236,7 +272,9 @@ def main():
         args.formats = ()
     for fmt in args.formats if args.decode_sweep else ():
         decode_sweep(fmt, gen, row)
-    for fmt in () if args.sweep or args.decode_sweep else args.formats:
+    for fmt in args.formats if args.programs_sweep else ():
+        programs_sweep(fmt, gen, row)
+    for fmt in () if args.sweep or args.decode_sweep or args.programs_sweep else args.formats:
         key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
         for n_batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
@@ -267,7 +305,7 @@ def main():
                 row(f"{name}: top-k alone", fmt, cells[4])
                 row(f"{name}: today's torch indexer (einsum + full sort)", fmt, cells[2])
 
-    for fmt in () if args.decode_only or args.decode_sweep else args.formats:
+    for fmt in () if args.decode_only or args.decode_sweep or args.programs_sweep else args.formats:
         q, weights, cache, table = make_inputs(fmt, 1, CHUNK_T, CHUNK_KEYS, gen)
         limit = (CHUNK_KEYS - CHUNK_T + torch.arange(CHUNK_T, device="cuda"))[None]
         flops = 2 * H * D * int((limit.long() + 1).sum())
