@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.driver import driver
 
 from .. import formats
 from ..errors import InputError
@@ -71,7 +72,10 @@ _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` int32 counters, zero, for a kernel launched on ``device``'s current stream."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    # (The raw stream handle, as Triton's launcher queries it: torch.cuda.current_stream builds a Stream
+    # object, a few µs of host time a call.)
+    stream = driver.active.get_current_stream(device.index if device.index is not None else
+                                              torch.cuda.current_device()) if device.type == "cuda" else 0
     counters = _COUNTERS.get((device, stream))
     if counters is None or counters.numel() < count:
         counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
