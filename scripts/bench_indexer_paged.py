@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import itertools
 import sys
 
@@ -52,7 +51,8 @@ from ceilings import measure_ceilings, write_report
 from minirt.formats import FP8_DTYPE, INDEX_KEY_BYTES
 from minirt.kernels.indexer_cache import (dequantize_index_cache, new_index_cache, paged_config,
                                           paged_indexer_scores, write_index_keys)
-from minirt.kernels import indexer_scores_sm90, lightning_indexer
+from minirt.kernels import _indexer_tiles, indexer_cache, indexer_scores_sm90, lightning_indexer
+from minirt.kernels._common import num_sms
 from minirt.kernels.decode_topk import decode_topk
 from minirt.kernels.lightning_indexer import indexer_topk
 
@@ -188,9 +188,7 @@ def decode_sweep(fmt: str, gen: torch.Generator, row) -> None:
 
 def programs_sweep(fmt: str, gen: torch.Generator, row) -> None:
     """--programs-sweep: the decode scores with each programs target of PROGRAMS_SWEEP, checked."""
-    tiles = importlib.import_module("minirt.kernels._indexer_tiles")
-    scores_module = importlib.import_module("minirt.kernels.indexer_cache")
-    default, sms = tiles.num_programs_target, torch.cuda.get_device_properties().multi_processor_count
+    default, sms = _indexer_tiles.num_programs_target, num_sms(torch.device("cuda"), 0)
     key_bytes = INDEX_KEY_BYTES if fmt == "fp8" else 4 * D
     for n_batch in DECODE_BATCHES:
         q, weights, cache, table = make_inputs(fmt, n_batch, 1, CAPACITY, gen)
@@ -200,14 +198,14 @@ def programs_sweep(fmt: str, gen: torch.Generator, row) -> None:
             traffic = n_batch * (length * key_bytes + CAPACITY * 4)
             cells = []
             for per_sm in PROGRAMS_SWEEP:
-                tiles.num_programs_target, scores_module._KEPT = (lambda device, n=per_sm * sms: n), {}
+                _indexer_tiles.num_programs_target, indexer_cache._KEPT = (lambda device, n=per_sm * sms: n), {}
                 try:
                     wrong = check(paged_indexer_scores(q, weights, cache, table, limit), expected, fmt)
                     ms = bench_ms(lambda: paged_indexer_scores(q, weights, cache, table, limit))
                     cells.append(f"{per_sm} x SMs {ms * 1e3:.1f} µs ({traffic / ms / 1e6:.0f} GB/s)"
                                  + (f" {wrong}" if wrong else ""))
                 finally:
-                    tiles.num_programs_target, scores_module._KEPT = default, {}
+                    _indexer_tiles.num_programs_target, indexer_cache._KEPT = default, {}
             row(f"decode scores B {n_batch}, L {length}, by programs a launch", fmt, ", ".join(cells))
 
 
